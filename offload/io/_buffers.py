@@ -1,0 +1,213 @@
+"""Page-aligned host buffers and a pool of them under a byte budget.
+
+Note: why mmap. ``torch.empty`` on the CPU is only 64-byte aligned and CPU-only torch
+cannot pin, while O_DIRECT needs addresses aligned to the logical block size. An
+anonymous ``mmap`` is page aligned, and ``torch.frombuffer`` views it without a copy.
+On CUDA the same pages are registered with ``cudaHostRegister`` so that one buffer
+serves both the disk (O_DIRECT) and an asynchronous host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+import weakref
+
+import torch
+
+from ._errors import BudgetError
+
+__all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE"]
+
+log = logging.getLogger(__name__)
+PAGE_SIZE = mmap.PAGESIZE
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _register_pinned(address: int, nbytes: int) -> bool:
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (error %s); using pageable memory", nbytes, err)
+        return False
+    return True
+
+
+def _unregister_pinned(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class HostBuffer:
+    """``nbytes`` of page-aligned host memory (rounded up to whole pages).
+
+    ``pin=True`` page-locks the memory for CUDA when CUDA is available; ``pinned`` says
+    whether that happened.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = False):
+        if nbytes < 0:
+            raise ValueError(f"HostBuffer size must be >= 0, got {nbytes}")
+        self.nbytes = round_up(max(nbytes, 1), PAGE_SIZE)
+        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.address = self._bytes.data_ptr()
+        self.pinned = bool(pin and torch.cuda.is_available() and _register_pinned(self.address, self.nbytes))
+        self._finalizer = weakref.finalize(self, HostBuffer._release, self.address if self.pinned else None)
+
+    @staticmethod
+    def _release(pinned_address: int | None) -> None:
+        if pinned_address is not None:
+            _unregister_pinned(pinned_address)
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The whole buffer as a 1-D uint8 tensor (shares memory)."""
+        return self._bytes
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The first ``numel * itemsize`` bytes as a tensor of ``dtype`` and ``shape``."""
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.nbytes:
+            raise ValueError(f"view of {nbytes} bytes does not fit a {self.nbytes}-byte buffer")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return self._bytes[:nbytes].view(dtype).view(shape)
+
+    def memoryview(self, nbytes: int | None = None) -> memoryview:
+        return memoryview(self._map)[: self.nbytes if nbytes is None else nbytes]
+
+    def close(self) -> None:
+        """Unpin and unmap now. Views handed out keep the pages alive until they die."""
+        self._finalizer()
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view still exports the mapping; it is unmapped when the last one dies
+
+
+class BufferPool:
+    """Reusable :class:`HostBuffer` s under a byte budget.
+
+    The budget counts every byte the pool holds, buffers in use and buffers cached for
+    reuse alike. Freed buffers are kept by exact size (groups of one model repeat sizes)
+    and dropped when a request of another size needs their room.
+    """
+
+    def __init__(self, budget: int, *, pin: bool = False, name: str = "host"):
+        if budget <= 0:
+            raise ValueError(f"{name} buffer pool budget must be > 0 bytes, got {budget}")
+        self.budget, self.pin, self.name = budget, pin, name
+        self._free: dict[int, list[HostBuffer]] = {}
+        self._held = 0  # bytes of all live buffers: in use + cached
+        self._cached = 0
+        self.peak_bytes = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    # -- accounting -------------------------------------------------------------------
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self._held - self._cached
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self.peak_bytes = self._held
+
+    # -- acquire / release ------------------------------------------------------------
+    def try_acquire(self, nbytes: int) -> HostBuffer | None:
+        """A buffer of at least ``nbytes`` now, or ``None`` if the budget is full."""
+        size = round_up(max(nbytes, 1), PAGE_SIZE)
+        self._check_fits(size)
+        with self._cond:
+            return self._take(size)
+
+    def acquire(self, nbytes: int, *, timeout: float | None = None) -> HostBuffer:
+        """A buffer of at least ``nbytes``, waiting up to ``timeout`` s for others' releases."""
+        size = round_up(max(nbytes, 1), PAGE_SIZE)
+        self._check_fits(size)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                buf = self._take(size)
+                if buf is not None:
+                    return buf
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise BudgetError(
+                        f"{self.name} buffer pool: {size} bytes not free within {timeout}s "
+                        f"({self.in_use_bytes} of {self.budget} bytes in use); release buffers "
+                        f"or raise the {self.name} budget"
+                    )
+                self._cond.wait(remaining)
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._cond:
+            if self._closed:
+                self._held -= buf.nbytes
+                buf.close()
+            else:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._cached += buf.nbytes
+            self._cond.notify_all()
+
+    def trim(self) -> None:
+        """Unmap every cached buffer."""
+        with self._cond:
+            self._drop_cached(self._held)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._drop_cached(self._held)
+            self._cond.notify_all()
+
+    # -- internals --------------------------------------------------------------------
+    def _check_fits(self, size: int) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} buffer pool is closed")
+        if size > self.budget:
+            raise BudgetError(
+                f"{self.name} buffer of {size} bytes can never fit the {self.name} budget of "
+                f"{self.budget} bytes: raise the budget above {size} bytes or use smaller groups"
+            )
+
+    def _take(self, size: int) -> HostBuffer | None:
+        cached = self._free.get(size)
+        if cached:
+            self._cached -= size
+            return cached.pop()
+        if self._held + size > self.budget:
+            self._drop_cached(self._held + size - self.budget)
+        if self._held + size > self.budget:
+            return None
+        buf = HostBuffer(size, pin=self.pin)
+        self._held += buf.nbytes
+        self.peak_bytes = max(self.peak_bytes, self._held)
+        return buf
+
+    def _drop_cached(self, need: int) -> None:
+        freed = 0
+        for size in sorted(self._free, reverse=True):
+            bufs = self._free[size]
+            while bufs and freed < need:
+                bufs.pop().close()
+                freed += size
+                self._held -= size
+                self._cached -= size
+            if not bufs:
+                del self._free[size]
+            if freed >= need:
+                break

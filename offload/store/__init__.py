@@ -1,0 +1,60 @@
+"""The tiered tensor store: a handle per stored tensor, tiers behind one small interface.
+
+``create_store`` wires the usual tiers (compute device, host, NVMe files) from budgets;
+``TensorStore`` takes any mapping of tiers, e.g. a ``FakeTier`` in schedule tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._units import parse_size
+from ..io import BudgetError, BufferPool, FileEngine
+from ._nvme import DirectoryLockedError, Extent, SwapFiles
+from ._state import Residency, StoreError, Tier
+from ._store import StoredTensor, TensorStore
+from ._tiers import CudaTier, Done, FakeTier, HostMemoryTier, NvmeTier, TierBackend
+
+__all__ = [
+    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "BudgetError",
+    "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier", "Done",
+    "SwapFiles", "Extent", "DirectoryLockedError",
+]
+
+
+def create_store(*, device: str | torch.device = "cpu", device_budget: int | str = "4GiB",
+                 host_budget: int | str = "8GiB", nvme_path: str | None = None,
+                 nvme_budget: int | str | None = None, file_size: int | str = "1GiB",
+                 block_size: int | str = "4MiB", threads: int = 4, queue_depth: int = 8,
+                 direct: bool = True) -> TensorStore:
+    """A store with a DEVICE tier, a HOST tier and, when ``nvme_path`` is given, an NVME tier.
+
+    ``device`` is the compute device ("cpu", "cuda", "cuda:N"). On a CPU device the DEVICE
+    tier is page-aligned host memory, so NVMe reads land directly in the buffers compute
+    uses. Host buffers are pinned when CUDA is in use. The I/O settings (``block_size``,
+    ``threads``, ``queue_depth``, ``direct``) configure the file engine of the NVME tier.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but CUDA is not available: use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    device_bytes = parse_size(device_budget, name="device_budget")
+    host_pool = BufferPool(parse_size(host_budget, name="host_budget"), pin=device.type == "cuda",
+                           name="host")
+    tiers: dict[Tier, TierBackend] = {Tier.HOST: HostMemoryTier(Tier.HOST, host_pool)}
+    if device.type == "cuda":
+        tiers[Tier.DEVICE] = CudaTier(device, device_bytes)
+    else:
+        tiers[Tier.DEVICE] = HostMemoryTier(Tier.DEVICE, BufferPool(device_bytes, name="device"))
+    if nvme_path is not None:
+        engine = FileEngine(block_size=parse_size(block_size, name="block_size"), threads=threads,
+                            queue_depth=queue_depth, direct=direct)
+        try:
+            files = SwapFiles(nvme_path, engine, file_size=parse_size(file_size, name="file_size"))
+        except BaseException:
+            engine.close()
+            raise
+        budget = parse_size(nvme_budget, name="nvme_budget") if nvme_budget is not None else None
+        tiers[Tier.NVME] = NvmeTier(files, engine, budget)
+    return TensorStore(tiers, staging=host_pool, device=device)

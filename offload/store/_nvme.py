@@ -1,0 +1,223 @@
+"""The NVMe tier's files: a directory lock, a few large preallocated files, extents in them.
+
+Note: why a few large files. A file per tensor costs an open, a create and a metadata
+update per swap and leaves the allocator of the file system to fight fragmentation.
+Here space is claimed in ``file_size`` pieces with ``posix_fallocate`` (so a full disk is
+found when claiming, not in the middle of a write), descriptors stay open, and freed
+extents are reused (first fit, neighbours merged).
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import fcntl
+import glob
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+from ..io import DiskFullError, EngineFile, FileEngine, round_up
+
+__all__ = ["SwapFiles", "Extent", "DirectoryLockedError", "free_disk_bytes"]
+
+log = logging.getLogger(__name__)
+_SWAP_PATTERN = "offload-swap-*.bin"
+_LOCK_NAME = "offload.lock"
+
+
+class DirectoryLockedError(RuntimeError):
+    """Another live process holds the NVMe directory."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    file: EngineFile
+    offset: int
+    length: int
+
+
+def free_disk_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class _FreeList:
+    """Free ranges of one file: sorted starts, lengths; first fit; neighbours merged."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.starts, self.lengths = [0], [size]
+
+    def take(self, length: int) -> int | None:
+        for i, free in enumerate(self.lengths):
+            if free >= length:
+                start = self.starts[i]
+                if free == length:
+                    del self.starts[i], self.lengths[i]
+                else:
+                    self.starts[i] += length
+                    self.lengths[i] -= length
+                return start
+        return None
+
+    def give(self, start: int, length: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        if i > 0 and self.starts[i - 1] + self.lengths[i - 1] == start:  # merge with left
+            i -= 1
+            self.lengths[i] += length
+        else:
+            self.starts.insert(i, start)
+            self.lengths.insert(i, length)
+        if i + 1 < len(self.starts) and self.starts[i] + self.lengths[i] == self.starts[i + 1]:
+            self.lengths[i] += self.lengths.pop(i + 1)
+            del self.starts[i + 1]
+
+
+class SwapFiles:
+    """Owns one NVMe directory: its lock, its swap files and the extents in them.
+
+    Args:
+        path: an existing, writable directory (created if its parent exists).
+        engine: the file engine that opens the files and moves their bytes.
+        file_size: bytes claimed per swap file (a larger tensor gets a file of its size).
+    """
+
+    def __init__(self, path: str, engine: FileEngine, *, file_size: int = 1 << 30):
+        self.path = os.path.abspath(path)
+        self.engine = engine
+        self._check_directory()
+        self._lock_fd = self._take_lock()
+        self.align = 0
+        self.file_size = file_size
+        self._files: list[tuple[EngineFile, _FreeList]] = []
+        self._mutex = threading.Lock()
+        self._closed = False
+        self._remove_stale_files()
+        self.align = self._probe_alignment()
+        self.file_size = round_up(file_size, self.align)
+
+    # -- allocation -------------------------------------------------------------------------
+    def extent_size(self, nbytes: int) -> int:
+        return round_up(max(nbytes, 1), self.align)
+
+    def allocate(self, length: int) -> Extent:
+        with self._mutex:
+            for file, free in self._files:
+                start = free.take(length)
+                if start is not None:
+                    return Extent(file, start, length)
+            file, free = self._new_file(max(self.file_size, length))
+            start = free.take(length)
+            return Extent(file, start, length)
+
+    def free(self, extent: Extent) -> None:
+        with self._mutex:
+            for file, free in self._files:
+                if file is extent.file:
+                    free.give(extent.offset, extent.length)
+                    return
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes claimed on disk by the swap files."""
+        with self._mutex:
+            return sum(free.size for _, free in self._files)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close and remove every swap file and release the directory lock. Idempotent."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            files, self._files = self._files, []
+        for file, _ in files:
+            self.engine.close_file(file)
+            _unlink_quietly(file.path)
+        _unlink_quietly(os.path.join(self.path, _LOCK_NAME))
+        os.close(self._lock_fd)
+
+    # -- internals --------------------------------------------------------------------------
+    def _check_directory(self) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise NotADirectoryError(
+                f"nvme_path {self.path!r} is a file, not a directory: point nvme_path at a directory")
+        if not os.path.isdir(self.path):
+            parent = os.path.dirname(self.path)
+            if not os.path.isdir(parent):
+                raise FileNotFoundError(
+                    f"nvme_path {self.path!r} does not exist and neither does its parent {parent!r}: "
+                    "create the directory or point nvme_path at an existing one")
+            try:
+                os.mkdir(self.path, 0o700)
+            except OSError as err:
+                raise PermissionError(
+                    f"nvme_path {self.path!r} could not be created ({err.strerror}): create it or "
+                    "point nvme_path at a writable directory") from err
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise PermissionError(
+                f"nvme_path {self.path!r} is not writable by this user: point nvme_path at a "
+                "writable directory")
+
+    def _take_lock(self) -> int:
+        lock_path = os.path.join(self.path, _LOCK_NAME)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DirectoryLockedError(
+                    f"nvme_path {self.path!r} is in use by {holder}: give each process (and each "
+                    "store) its own nvme_path, e.g. a subdirectory per rank") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        return fd
+
+    def _remove_stale_files(self) -> None:
+        # We hold the lock, so any swap file here was left by a process that died.
+        for stale in glob.glob(os.path.join(self.path, _SWAP_PATTERN)):
+            log.info("removing stale swap file %s left by a process that exited", stale)
+            _unlink_quietly(stale)
+
+    def _probe_alignment(self) -> int:
+        from ..io import logical_block_size
+
+        return logical_block_size(self.path)
+
+    def _new_file(self, size: int) -> tuple[EngineFile, _FreeList]:
+        if self._closed:
+            raise RuntimeError(f"the NVMe tier at {self.path!r} is closed")
+        path = os.path.join(self.path, f"offload-swap-{len(self._files)}.bin")
+        free_bytes = free_disk_bytes(self.path)
+        if free_bytes < size:
+            raise DiskFullError("allocate", path, 0, size, needed=size, free=free_bytes)
+        file = self.engine.open(path, create=True, exclusive=True)
+        try:
+            self.engine.backend.fallocate(file.buffered_fd, 0, size)
+        except OSError as err:
+            self.engine.close_file(file)
+            _unlink_quietly(path)
+            if err.errno == errno.ENOSPC:
+                raise DiskFullError("allocate", path, 0, size, needed=size,
+                                    free=free_disk_bytes(self.path)) from None
+            if err.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+            file = self.engine.open(path, create=True)
+            self.engine.backend.ftruncate(file.buffered_fd, size)  # sparse where fallocate is missing
+        entry = (file, _FreeList(size))
+        self._files.append(entry)
+        log.debug("claimed swap file %s of %d bytes", path, size)
+        return entry
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

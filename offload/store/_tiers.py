@@ -1,0 +1,454 @@
+"""The tiers behind one small interface: allocate, free, read_into, write_from.
+
+A tier holds *slots* of bytes under a byte budget. ``read_into`` copies a slot's bytes
+into host memory, ``write_from`` copies host memory into a slot; both return a
+completion at once (``done()``, ``wait()``, ``exception()``, ``add_done_callback()``).
+A tier whose slots are host memory (``addressable``) also hands out ``tensor(slot)``,
+so another tier can read straight into it: that is how an NVMe read lands in the
+buffer compute will use on a CPU device, with no extra copy.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..io import BufferPool, FileEngine, HostBuffer, round_up
+from ._nvme import Extent, SwapFiles
+from ._state import Tier
+
+__all__ = ["Completion", "Done", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier"]
+
+
+class Completion(Protocol):
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> Any: ...
+    def exception(self) -> BaseException | None: ...
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+
+class Done:
+    """A completion that finished when it was made (a memory copy), maybe with an error."""
+
+    def __init__(self, error: BaseException | None = None):
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
+
+
+class TierBackend(abc.ABC):
+    """Base of every tier: byte accounting against a budget."""
+
+    tier: Tier
+    addressable = False  # slots are host memory that tensor(slot) exposes
+
+    def __init__(self, tier: Tier, budget: int):
+        self.tier, self.budget = tier, budget
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.read_bytes = 0  # bytes copied out of this tier
+        self.write_bytes = 0  # bytes copied into this tier
+        self._lock = threading.Lock()
+
+    # -- the interface ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> Any | None:
+        """A slot of ``nbytes``, or ``None`` when the budget is full right now."""
+
+    @abc.abstractmethod
+    def free(self, slot: Any) -> None:
+        """Give the slot's bytes back to the budget."""
+
+    def tensor(self, slot: Any) -> torch.Tensor:
+        """The slot's bytes as a uint8 tensor (addressable and device tiers only)."""
+        raise TypeError(f"the {self.tier.value} tier has no tensor view of its slots")
+
+    @abc.abstractmethod
+    def read_into(self, slot: Any, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        """Copy the slot's first ``nbytes`` into host memory ``dest`` (uint8)."""
+
+    @abc.abstractmethod
+    def write_from(self, slot: Any, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        """Copy ``nbytes`` of host memory ``src`` (uint8) into the slot."""
+
+    def slot_size(self, nbytes: int) -> int:
+        """Bytes of budget a slot for ``nbytes`` takes."""
+        return nbytes
+
+    def fence(self, slot: Any) -> None:
+        """The caller is done writing the slot on its stream; later reads must wait for that."""
+
+    def consume(self, slot: Any) -> None:
+        """The caller is about to use the slot on its stream; make that stream wait for it."""
+
+    def close(self) -> None:
+        pass
+
+    # -- accounting helpers ----------------------------------------------------------------
+    def _claim(self, size: int) -> bool:
+        with self._lock:
+            if self.used_bytes + size > self.budget:
+                return False
+            self.used_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            return True
+
+    def _unclaim(self, size: int) -> None:
+        with self._lock:
+            self.used_bytes -= size
+
+    def _count(self, *, read: int = 0, write: int = 0) -> None:
+        with self._lock:
+            self.read_bytes += read
+            self.write_bytes += write
+
+
+# ---------------------------------------------------------------------------------------
+class HostMemoryTier(TierBackend):
+    """Slots are page-aligned host buffers from a pool (pinned on CUDA).
+
+    Serves the HOST tier, and the DEVICE tier when the compute device is the CPU.
+    """
+
+    addressable = True
+
+    def __init__(self, tier: Tier, pool: BufferPool):
+        super().__init__(tier, pool.budget)
+        self.pool = pool
+
+    def slot_size(self, nbytes: int) -> int:
+        return round_up(max(nbytes, 1), 4096)
+
+    def allocate(self, nbytes: int) -> HostBuffer | None:
+        buf = self.pool.try_acquire(nbytes)
+        if buf is not None:
+            self._claim_unchecked(buf.nbytes)
+        return buf
+
+    def free(self, slot: HostBuffer) -> None:
+        self._unclaim(slot.nbytes)
+        self.pool.release(slot)
+
+    def tensor(self, slot: HostBuffer) -> torch.Tensor:
+        return slot.bytes
+
+    def read_into(self, slot: HostBuffer, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        dest[:nbytes].copy_(slot.bytes[:nbytes])
+        self._count(read=nbytes)
+        return Done()
+
+    def write_from(self, slot: HostBuffer, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        slot.bytes[:nbytes].copy_(src[:nbytes])
+        self._count(write=nbytes)
+        return Done()
+
+    def _claim_unchecked(self, size: int) -> None:
+        # the pool already enforced the budget (it also counts its cached buffers)
+        with self._lock:
+            self.used_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+# ---------------------------------------------------------------------------------------
+class _EventWatcher:
+    """One thread that turns CUDA events into completion callbacks."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="offload-cuda-events", daemon=True)
+        self._thread.start()
+
+    def watch(self, event: "torch.cuda.Event", fn: Callable[[], None]) -> None:
+        self._queue.put((event, fn))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, fn = item
+            event.synchronize()
+            fn()
+
+
+class _EventCompletion:
+    """Completion of an asynchronous CUDA copy; ``event`` is what a consumer stream waits on."""
+
+    def __init__(self, event: "torch.cuda.Event", watcher: _EventWatcher):
+        self.event = event
+        self._finished = threading.Event()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._lock = threading.Lock()
+        watcher.watch(event, self._fire)
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._finished.wait(timeout)
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        with self._lock:
+            if not self._finished.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self._finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+
+@dataclass(eq=False)
+class _CudaSlot:
+    data: torch.Tensor  # uint8 on the device
+    ready: "torch.cuda.Event | None" = None  # the last copy into it
+    fenced: "torch.cuda.Event | None" = None  # the caller's last use of it
+
+
+class CudaTier(TierBackend):
+    """Slots are uint8 tensors on a CUDA device.
+
+    Note: streams. Host-to-device copies run on ``h2d_stream`` and device-to-host copies
+    on ``d2h_stream``; each records an event. A consumer makes its own stream wait on
+    the slot's ``ready`` event (``consume``) instead of synchronizing the device, and a
+    device-to-host copy waits on the ``fenced`` event of the caller's last use. Slots are
+    allocated while ``h2d_stream`` is current and ``record_stream`` is called for each
+    consumer stream, so the caching allocator does not hand a freed slot to the next
+    copy while compute kernels may still read it.
+    """
+
+    def __init__(self, device: torch.device, budget: int):
+        super().__init__(Tier.DEVICE, budget)
+        self.device = device
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.d2h_stream = torch.cuda.Stream(device)
+        self._watcher = _EventWatcher()
+
+    def slot_size(self, nbytes: int) -> int:
+        return round_up(max(nbytes, 1), 512)
+
+    def allocate(self, nbytes: int) -> _CudaSlot | None:
+        size = self.slot_size(nbytes)
+        if not self._claim(size):
+            return None
+        with torch.cuda.stream(self.h2d_stream):
+            return _CudaSlot(torch.empty(size, dtype=torch.uint8, device=self.device))
+
+    def free(self, slot: _CudaSlot) -> None:
+        self._unclaim(slot.data.numel())
+
+    def tensor(self, slot: _CudaSlot) -> torch.Tensor:
+        return slot.data
+
+    def fence(self, slot: _CudaSlot) -> None:
+        slot.fenced = torch.cuda.Event()
+        slot.fenced.record(torch.cuda.current_stream(self.device))
+
+    def consume(self, slot: _CudaSlot) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        if slot.ready is not None:
+            stream.wait_event(slot.ready)
+        slot.data.record_stream(stream)
+
+    def read_into(self, slot: _CudaSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        with torch.cuda.stream(self.d2h_stream):
+            if slot.fenced is not None:
+                self.d2h_stream.wait_event(slot.fenced)
+            dest[:nbytes].copy_(slot.data[:nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)
+        slot.data.record_stream(self.d2h_stream)
+        self._count(read=nbytes)
+        return _EventCompletion(event, self._watcher)
+
+    def write_from(self, slot: _CudaSlot, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        with torch.cuda.stream(self.h2d_stream):
+            if slot.fenced is not None:  # the previous contents may still be in use
+                self.h2d_stream.wait_event(slot.fenced)
+            slot.data[:nbytes].copy_(src[:nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)
+        slot.ready = event
+        self._count(write=nbytes)
+        return _EventCompletion(event, self._watcher)
+
+    def close(self) -> None:
+        self._watcher.close()
+
+
+# ---------------------------------------------------------------------------------------
+class NvmeTier(TierBackend):
+    """Slots are extents of a few large preallocated files, moved by the file engine."""
+
+    def __init__(self, files: SwapFiles, engine: FileEngine, budget: int | None = None):
+        super().__init__(Tier.NVME, budget if budget is not None else 1 << 62)
+        self.files, self.engine = files, engine
+
+    def slot_size(self, nbytes: int) -> int:
+        return self.files.extent_size(nbytes)
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        size = self.slot_size(nbytes)
+        if not self._claim(size):
+            return None
+        try:
+            return self.files.allocate(size)
+        except BaseException:
+            self._unclaim(size)
+            raise
+
+    def free(self, slot: Extent) -> None:
+        self.files.free(slot)
+        self._unclaim(slot.length)
+
+    def read_into(self, slot: Extent, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        handle = self.engine.read(slot.file, slot.offset, dest, self._io_length(dest, nbytes, slot),
+                                  priority=priority)
+        self._count(read=nbytes)
+        return handle
+
+    def write_from(self, slot: Extent, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        handle = self.engine.write(slot.file, slot.offset, src, self._io_length(src, nbytes, slot),
+                                   priority=priority)
+        self._count(write=nbytes)
+        return handle
+
+    @staticmethod
+    def _io_length(buffer: torch.Tensor, nbytes: int, slot: Extent) -> int:
+        # Round the transfer up to the extent's aligned length when the host buffer has the
+        # room (pool buffers do), so the whole transfer can go O_DIRECT with no tail.
+        return slot.length if buffer.numel() >= slot.length else nbytes
+
+    def close(self) -> None:
+        self.files.close()
+        self.engine.close()
+
+
+# ---------------------------------------------------------------------------------------
+class FakeTier(TierBackend):
+    """An in-memory stand-in for a slow tier, for schedule tests.
+
+    Every operation is appended to ``log`` as a tuple. With ``manual=True`` transfers stay
+    in flight until the test calls ``complete(n)``; ``fail_reads`` / ``fail_writes`` make
+    the next transfers fail with the given exception.
+    """
+
+    def __init__(self, tier: Tier = Tier.NVME, budget: int = 1 << 40, *, manual: bool = False,
+                 log: list | None = None):
+        super().__init__(tier, budget)
+        self.manual = manual
+        self.log = log if log is not None else []
+        self.fail_reads: list[BaseException] = []
+        self.fail_writes: list[BaseException] = []
+        self._pending: list[tuple[Callable[[], None], "_FakeCompletion"]] = []
+        self._next = 0
+
+    def allocate(self, nbytes: int) -> dict | None:
+        if not self._claim(nbytes):
+            return None
+        self._next += 1
+        self.log.append(("allocate", self.tier.value, self._next, nbytes))
+        return {"id": self._next, "data": bytearray(nbytes)}
+
+    def free(self, slot: dict) -> None:
+        self.log.append(("free", self.tier.value, slot["id"]))
+        self._unclaim(len(slot["data"]))
+
+    def read_into(self, slot: dict, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        self.log.append(("read", self.tier.value, slot["id"], nbytes))
+        error = self.fail_reads.pop(0) if self.fail_reads else None
+
+        def move() -> None:
+            if nbytes:
+                dest[:nbytes].copy_(torch.frombuffer(slot["data"], dtype=torch.uint8, count=nbytes))
+
+        self._count(read=nbytes)
+        return self._run(move, error)
+
+    def write_from(self, slot: dict, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        self.log.append(("write", self.tier.value, slot["id"], nbytes))
+        error = self.fail_writes.pop(0) if self.fail_writes else None
+        data = src[:nbytes].clone()  # what a DMA engine would have read at issue time
+
+        def move() -> None:
+            slot["data"][:nbytes] = bytes(data.numpy())
+
+        self._count(write=nbytes)
+        return self._run(move, error)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def complete(self, n: int | None = None) -> None:
+        """Finish the ``n`` oldest transfers in flight (all when ``None``)."""
+        count = len(self._pending) if n is None else n
+        for _ in range(count):
+            move, completion = self._pending.pop(0)
+            completion._finish(move)
+
+    def _run(self, move: Callable[[], None], error: BaseException | None) -> Completion:
+        completion = _FakeCompletion(error)
+        if self.manual:
+            self._pending.append((move, completion))
+        else:
+            completion._finish(move)
+        return completion
+
+
+class _FakeCompletion:
+    def __init__(self, error: BaseException | None):
+        self._error = error
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[Any], None]] = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._event.wait(timeout)
+        if self._error is not None:
+            raise self._error
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        if self._event.is_set():
+            fn(self)
+        else:
+            self._callbacks.append(fn)
+
+    def _finish(self, move: Callable[[], None]) -> None:
+        if self._error is None:
+            move()
+        self._event.set()
+        for fn in self._callbacks:
+            fn(self)

@@ -1,0 +1,148 @@
+"""Shared fixtures: a directory on the real disk, and checks that nothing leaks."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+from offload.io import FileBackend
+
+
+def _fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails the test if it leaves threads or file descriptors behind."""
+    threads_before = set(threading.enumerate())
+    fds_before = _fds()
+    yield
+    leaked_threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+    assert not leaked_threads, f"threads left running: {leaked_threads}"
+    leaked = {fd for fd in _fds() - fds_before if _is_file(fd)}
+    assert not leaked, f"file descriptors left open: {[os.readlink(f'/proc/self/fd/{fd}') for fd in leaked]}"
+
+
+def _is_file(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def disk_dir(tmp_path):
+    """A directory on the local disk (not tmpfs), where O_DIRECT works."""
+    return str(tmp_path)
+
+
+class FaultyBackend(FileBackend):
+    """A FileBackend that misbehaves on request, for fault-injection tests.
+
+    ``faults`` maps an operation ("preadv", "pwritev", "fallocate", "open_direct") to a list
+    of actions used one per call: an errno int raises OSError(errno), "short" transfers
+    half the bytes, "zero" returns 0 (end of file / nothing written), None behaves.
+    ``sector`` makes direct descriptors refuse unaligned calls like a disk with that
+    logical block size would. ``calls`` records (op, offset, length, direct).
+    """
+
+    def __init__(self, faults: dict | None = None, *, sector: int | None = None):
+        self.faults = {k: list(v) for k, v in (faults or {}).items()}
+        self.sector = sector
+        self.direct_fds: set[int] = set()
+        self.calls: list[tuple] = []
+
+    def _next(self, op: str):
+        queue = self.faults.get(op)
+        return queue.pop(0) if queue else None
+
+    def open(self, path, flags, mode=0o600):
+        if flags & getattr(os, "O_DIRECT", 0):
+            action = self._next("open_direct")
+            if isinstance(action, int):
+                raise OSError(action, os.strerror(action), path)
+            fd = super().open(path, flags, mode)
+            self.direct_fds.add(fd)
+            return fd
+        return super().open(path, flags, mode)
+
+    def close(self, fd):
+        self.direct_fds.discard(fd)
+        super().close(fd)
+
+    def _transfer(self, op, fd, buffer, offset, real):
+        direct = fd in self.direct_fds
+        self.calls.append((op, offset, len(buffer), direct))
+        if direct and self.sector:
+            import ctypes
+            address = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if not buffer.readonly else 0
+            if offset % self.sector or len(buffer) % self.sector or address % self.sector:
+                raise OSError(errno.EINVAL, "unaligned O_DIRECT transfer")
+        action = self._next(op)
+        if isinstance(action, int):
+            raise OSError(action, os.strerror(action))
+        if action == "zero":
+            return 0
+        if action == "short" and len(buffer) > 1:
+            return real(fd, buffer[: len(buffer) // 2], offset)
+        return real(fd, buffer, offset)
+
+    def preadv(self, fd, buffer, offset):
+        return self._transfer("preadv", fd, buffer, offset, super().preadv)
+
+    def pwritev(self, fd, buffer, offset):
+        return self._transfer("pwritev", fd, buffer, offset, super().pwritev)
+
+    def fallocate(self, fd, offset, length):
+        action = self._next("fallocate")
+        if isinstance(action, int):
+            raise OSError(action, os.strerror(action))
+        super().fallocate(fd, offset, length)
+
+
+@pytest.fixture
+def faulty():
+    return FaultyBackend
+
+
+@pytest.fixture
+def loop_fs(tmp_path):
+    """Factory: mount a fresh ext4 file system on a loop device with a given sector size.
+
+    Real hardware behaviour (a 4 KiB logical sector refusing 512-byte O_DIRECT, a disk that
+    fills up) without a special disk. Needs root, losetup and mkfs.ext4; skips otherwise.
+    """
+    import shutil
+    import subprocess
+
+    mounted: list[tuple[str, str]] = []
+
+    def make(*, sector: int = 4096, size: str = "64M") -> str:
+        if os.geteuid() != 0 or not shutil.which("losetup") or not shutil.which("mkfs.ext4"):
+            pytest.skip("needs root, losetup and mkfs.ext4 for a loop-device file system")
+        image = tmp_path / f"loop-{len(mounted)}.img"
+        mountpoint = tmp_path / f"mnt-{len(mounted)}"
+        mountpoint.mkdir()
+        subprocess.run(["truncate", "-s", size, str(image)], check=True)
+        try:
+            dev = subprocess.run(["losetup", "-f", "--show", "--sector-size", str(sector), str(image)],
+                                 check=True, capture_output=True, text=True).stdout.strip()
+        except subprocess.CalledProcessError as err:
+            pytest.skip(f"loop devices are not available here: {err.stderr.strip()}")
+        try:
+            subprocess.run(["mkfs.ext4", "-q", "-b", "4096", "-m", "0", dev], check=True, capture_output=True)
+            subprocess.run(["mount", dev, str(mountpoint)], check=True, capture_output=True)
+        except subprocess.CalledProcessError as err:
+            subprocess.run(["losetup", "-d", dev])
+            pytest.skip(f"could not make a loop file system: {err.stderr.strip()}")
+        mounted.append((dev, str(mountpoint)))
+        return str(mountpoint)
+
+    yield make
+    for dev, mountpoint in reversed(mounted):
+        subprocess.run(["umount", mountpoint])
+        subprocess.run(["losetup", "-d", dev])
