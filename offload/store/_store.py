@@ -166,6 +166,8 @@ class TensorStore:
         with self._cond:
             record = self._record(key)
             copy = record.copies.get(tier)
+            if copy is not None:
+                self._raise_error(record, copy)  # a fetch that failed: report it, do not retry
             if copy is None or copy.state in (Residency.ABSENT, Residency.STORING):
                 self._fetch(record, tier, priority=0)
                 copy = record.copies[tier]
@@ -496,11 +498,11 @@ class TensorStore:
 
     def _view(self, record: StoredTensor, copy: _Copy) -> torch.Tensor | None:
         backend = self.tiers[copy.tier]
-        device = self.device if copy.tier is Tier.DEVICE else torch.device("cpu")
-        if record.nbytes == 0:
-            return torch.empty(record.shape, dtype=record.dtype, device=device)
         if not backend.addressable and copy.tier is not Tier.DEVICE:
             return None
+        if record.nbytes == 0:
+            device = self.device if copy.tier is Tier.DEVICE else torch.device("cpu")
+            return torch.empty(record.shape, dtype=record.dtype, device=device)
         backend.consume(copy.slot)
         flat = backend.tensor(copy.slot)[: record.nbytes]
         return flat.view(record.dtype).view(record.shape)

@@ -1,0 +1,62 @@
+"""Aligned host buffers and their pool."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from offload.io import PAGE_SIZE, BudgetError, BufferPool, HostBuffer
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 10**6])
+def test_buffers_are_page_aligned_and_rounded(nbytes):
+    buf = HostBuffer(nbytes)
+    assert buf.address % 4096 == 0 and buf.address % PAGE_SIZE == 0
+    assert buf.nbytes >= max(nbytes, 1) and buf.nbytes % PAGE_SIZE == 0
+    assert buf.bytes.data_ptr() == buf.address and not buf.pinned
+
+
+def test_view_shares_memory_with_any_dtype():
+    buf = HostBuffer(64)
+    v = buf.view(torch.bfloat16, (4, 2))
+    v.fill_(1.5)
+    assert torch.equal(buf.bytes[:16].view(torch.bfloat16), torch.full((8,), 1.5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        buf.view(torch.float64, (1024,))
+
+
+def test_pool_reuses_and_counts_held_bytes():
+    pool = BufferPool(4 * PAGE_SIZE)
+    a = pool.acquire(PAGE_SIZE)
+    pool.release(a)
+    b = pool.acquire(100)
+    assert b is a  # same size class comes back
+    assert pool.held_bytes == PAGE_SIZE and pool.in_use_bytes == PAGE_SIZE
+
+
+def test_pool_drops_cached_buffers_to_make_room():
+    pool = BufferPool(4 * PAGE_SIZE)
+    small = [pool.acquire(PAGE_SIZE) for _ in range(4)]
+    for buf in small:
+        pool.release(buf)
+    big = pool.acquire(3 * PAGE_SIZE)  # needs three cached pages dropped
+    assert big.nbytes == 3 * PAGE_SIZE and pool.held_bytes <= pool.budget
+    assert pool.peak_bytes <= pool.budget
+
+
+def test_pool_refuses_what_can_never_fit():
+    pool = BufferPool(2 * PAGE_SIZE, name="host")
+    with pytest.raises(BudgetError, match=r"can never fit the host budget"):
+        pool.acquire(3 * PAGE_SIZE)
+
+
+def test_pool_waits_for_release_and_times_out_clearly():
+    pool = BufferPool(PAGE_SIZE)
+    held = pool.acquire(1)
+    assert pool.try_acquire(1) is None
+    with pytest.raises(BudgetError, match="not free within"):
+        pool.acquire(1, timeout=0.01)
+    threading.Timer(0.01, pool.release, args=(held,)).start()
+    assert pool.acquire(1, timeout=30) is held
