@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._units import parse_size
-from ..io import BudgetError, BufferPool, FileEngine
+from ..io import BudgetError, BufferPool, FileBackend, FileEngine
 from ._nvme import DirectoryLockedError, Extent, SwapFiles
 from ._state import Residency, StoreError, Tier
 from ._store import StoredTensor, TensorStore
@@ -26,13 +26,14 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
                  host_budget: int | str = "8GiB", nvme_path: str | None = None,
                  nvme_budget: int | str | None = None, file_size: int | str = "1GiB",
                  block_size: int | str = "4MiB", threads: int = 4, queue_depth: int = 8,
-                 direct: bool = True) -> TensorStore:
+                 direct: bool = True, file_backend: FileBackend | None = None) -> TensorStore:
     """A store with a DEVICE tier, a HOST tier and, when ``nvme_path`` is given, an NVME tier.
 
     ``device`` is the compute device ("cpu", "cuda", "cuda:N"). On a CPU device the DEVICE
     tier is page-aligned host memory, so NVMe reads land directly in the buffers compute
     uses. Host buffers are pinned when CUDA is in use. The I/O settings (``block_size``,
-    ``threads``, ``queue_depth``, ``direct``) configure the file engine of the NVME tier.
+    ``threads``, ``queue_depth``, ``direct``) configure the file engine of the NVME tier;
+    ``file_backend`` replaces its system calls (fault-injection tests pass a faulty one).
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -49,7 +50,7 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
         tiers[Tier.DEVICE] = HostMemoryTier(Tier.DEVICE, BufferPool(device_bytes, name="device"))
     if nvme_path is not None:
         engine = FileEngine(block_size=parse_size(block_size, name="block_size"), threads=threads,
-                            queue_depth=queue_depth, direct=direct)
+                            queue_depth=queue_depth, direct=direct, backend=file_backend)
         try:
             files = SwapFiles(nvme_path, engine, file_size=parse_size(file_size, name="file_size"))
         except BaseException:

@@ -88,6 +88,7 @@ class SwapFiles:
     def __init__(self, path: str, engine: FileEngine, *, file_size: int = 1 << 30):
         self.path = os.path.abspath(path)
         self.engine = engine
+        self._created_directory = False
         self._check_directory()
         self._lock_fd = self._take_lock()
         self.align = 0
@@ -139,28 +140,38 @@ class SwapFiles:
             _unlink_quietly(file.path)
         _unlink_quietly(os.path.join(self.path, _LOCK_NAME))
         os.close(self._lock_fd)
+        if self._created_directory:
+            try:
+                os.rmdir(self.path)  # only if empty: never remove what the user put there
+            except OSError:
+                pass
 
     # -- internals --------------------------------------------------------------------------
     def _check_directory(self) -> None:
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise NotADirectoryError(
-                f"nvme_path {self.path!r} is a file, not a directory: point nvme_path at a directory")
-        if not os.path.isdir(self.path):
+        fix = "point nvme_path at a writable directory on a local disk"
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        except PermissionError:
+            raise PermissionError(f"nvme_path {self.path!r} cannot be reached by this user "
+                                  f"(permission denied on a parent directory): {fix}") from None
+        if st is not None and not os.path.isdir(self.path):
+            raise NotADirectoryError(f"nvme_path {self.path!r} is a file, not a directory: {fix}")
+        if st is None:
             parent = os.path.dirname(self.path)
             if not os.path.isdir(parent):
                 raise FileNotFoundError(
                     f"nvme_path {self.path!r} does not exist and neither does its parent {parent!r}: "
-                    "create the directory or point nvme_path at an existing one")
+                    f"create the directory or {fix}")
             try:
                 os.mkdir(self.path, 0o700)
+                self._created_directory = True
             except OSError as err:
                 raise PermissionError(
-                    f"nvme_path {self.path!r} could not be created ({err.strerror}): create it or "
-                    "point nvme_path at a writable directory") from err
+                    f"nvme_path {self.path!r} could not be created ({err.strerror}): {fix}") from err
         if not os.access(self.path, os.W_OK | os.X_OK):
-            raise PermissionError(
-                f"nvme_path {self.path!r} is not writable by this user: point nvme_path at a "
-                "writable directory")
+            raise PermissionError(f"nvme_path {self.path!r} is not writable by this user: {fix}")
 
     def _take_lock(self) -> int:
         lock_path = os.path.join(self.path, _LOCK_NAME)

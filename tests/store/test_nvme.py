@@ -1,0 +1,256 @@
+"""The NVMe tier on real files: layout, lock, cleanup, disk space, faults."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload.io import DiskFullError, OffloadIOError
+from offload.store import DirectoryLockedError, StoreError, Tier, create_store
+
+MiB = 1 << 20
+
+
+def swap_files(path):
+    return sorted(f for f in os.listdir(path) if f.startswith("offload-swap"))
+
+
+def small_store(path, **kw):
+    args = dict(device="cpu", device_budget="32MiB", host_budget="32MiB", nvme_path=str(path),
+                file_size="4MiB", block_size="256KiB")
+    args.update(kw)
+    return create_store(**args)
+
+
+def test_a_few_large_files_with_freed_space_reused(disk_dir, no_leaks):
+    with small_store(disk_dir) as store:
+        for i in range(30):
+            store.put(f"t{i}", torch.randn(25_000), Tier.NVME)  # 100 KB each
+        for i in range(30):
+            store.wait(f"t{i}", Tier.NVME)
+        assert swap_files(disk_dir) == ["offload-swap-0.bin"]
+        claimed = store.tiers[Tier.NVME].files.file_bytes
+        for i in range(0, 30, 2):
+            store.delete(f"t{i}")
+        for i in range(15):
+            store.put(f"again{i}", torch.randn(25_000), Tier.NVME)
+        assert store.tiers[Tier.NVME].files.file_bytes == claimed
+        store.put("huge", torch.zeros(2 * MiB), Tier.NVME)  # 8 MiB: a file of its own size
+        store.wait("huge", Tier.NVME)
+        assert len(swap_files(disk_dir)) == 2
+        mode = os.stat(os.path.join(disk_dir, "offload-swap-0.bin")).st_mode & 0o777
+        assert mode == 0o600
+        assert torch.equal(store.wait("huge", Tier.DEVICE), torch.zeros(2 * MiB))
+
+
+def test_close_removes_files_and_lock(disk_dir, no_leaks):
+    store = small_store(disk_dir)
+    store.put("a", torch.ones(10), Tier.NVME)
+    store.close()
+    assert os.listdir(disk_dir) == []
+    store.close()  # idempotent
+
+
+def test_exit_without_close_removes_files(tmp_path):
+    nvme = tmp_path / "nvme"
+    code = textwrap.dedent(f"""
+        import torch
+        from offload.store import create_store
+        s = create_store(nvme_path={str(nvme)!r}, file_size="1MiB", device_budget="8MiB", host_budget="8MiB")
+        s.put("a", torch.ones(1000), "nvme")
+        s.wait("a", "device")
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not nvme.exists() or os.listdir(nvme) == []
+
+
+def test_second_user_of_a_directory_is_refused_naming_the_holder(disk_dir, no_leaks):
+    with small_store(disk_dir):
+        with pytest.raises(DirectoryLockedError, match=rf"in use by process {os.getpid()}.*own nvme_path"):
+            small_store(disk_dir)
+        code = f"from offload.store import create_store; create_store(nvme_path={disk_dir!r})"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert f"in use by process {os.getpid()}" in out.stderr
+    with small_store(disk_dir):  # free again once closed
+        pass
+
+
+def test_stale_files_of_a_killed_process_are_removed(disk_dir, no_leaks):
+    with open(os.path.join(disk_dir, "offload-swap-0.bin"), "wb") as fh:
+        fh.write(b"x" * 4096)
+    with small_store(disk_dir) as store:
+        assert swap_files(disk_dir) == []
+        store.put("a", torch.ones(4), Tier.NVME)
+        assert torch.equal(store.wait("a", Tier.HOST), torch.ones(4))
+
+
+@pytest.mark.parametrize("problem", ["file", "no_parent"])
+def test_bad_nvme_path_is_refused_with_the_fix(tmp_path, problem, no_leaks):
+    if problem == "file":
+        path = tmp_path / "a_file"
+        path.write_text("")
+        match = "is a file, not a directory"
+    else:
+        path = tmp_path / "missing" / "deeper"
+        match = "does not exist"
+    with pytest.raises(OSError, match=match):
+        small_store(path)
+
+
+def test_unwritable_nvme_path_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(PermissionError, match="not writable"):
+            small_store(ro)
+        return
+    # root writes anywhere: check as an unprivileged user in a child process, in a
+    # directory that user can reach (pytest's tmp_path parents are private to root)
+    import tempfile
+    reachable = tempfile.mkdtemp(prefix="offload-test-")
+    os.chmod(reachable, 0o755)
+    ro = os.path.join(reachable, "ro")
+    os.mkdir(ro, 0o555)
+    code = textwrap.dedent(f"""
+        import os
+        from offload.store import create_store  # import as root, then drop privileges
+        os.setgid(65534); os.setuid(65534)
+        create_store(nvme_path={ro!r})
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env=env)
+    finally:
+        os.rmdir(ro)
+        os.rmdir(reachable)
+    assert out.returncode != 0 and "not writable" in out.stderr, out.stderr[-2000:]
+
+
+def test_disk_space_is_checked_before_it_is_claimed(disk_dir, faulty, no_leaks):
+    with small_store(disk_dir, file_backend=faulty({"fallocate": [errno.ENOSPC]})) as store:
+        with pytest.raises(DiskFullError, match=r"needed 4194304 bytes, \d+ free") as info:
+            store.put("a", torch.ones(10), Tier.NVME)
+        assert info.value.needed == 4 * MiB
+        assert swap_files(disk_dir) == []
+
+
+@pytest.mark.root
+def test_real_small_disk_fills_up_cleanly(loop_fs, no_leaks):
+    mount = loop_fs(sector=4096, size="32M")
+    with small_store(mount, file_size="8MiB") as store:
+        store.put("a", torch.ones(MiB), Tier.NVME)  # 4 MiB into the first file
+        with pytest.raises(DiskFullError, match="needed") as info:
+            for i in range(10):
+                store.put(f"b{i}", torch.ones(2 * MiB), Tier.NVME)  # 8 MiB each: new files
+        assert info.value.needed > info.value.free
+        assert torch.equal(store.wait("a", Tier.DEVICE), torch.ones(MiB))  # earlier data intact
+
+
+@pytest.mark.root
+def test_store_on_4k_sector_disk(loop_fs, no_leaks):
+    mount = loop_fs(sector=4096)
+    with small_store(mount) as store:
+        assert store.tiers[Tier.NVME].files.align == 4096
+        values = {f"t{i}": torch.randn(i * 333 + 1) for i in range(20)}
+        for k, v in values.items():
+            store.put(k, v, Tier.NVME)
+        for k, v in values.items():
+            assert torch.equal(store.wait(k, Tier.DEVICE), v)
+
+
+def test_store_on_tmpfs(no_leaks):
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    path = f"/dev/shm/offload-test-store-{os.getpid()}"
+    with small_store(path) as store:
+        t = torch.randn(123_457)
+        store.put("a", t, Tier.NVME)
+        assert torch.equal(store.wait("a", Tier.DEVICE), t)
+    assert not os.path.exists(path) or os.listdir(path) == []
+
+
+def test_buffered_fallback_store(disk_dir, faulty, no_leaks):
+    backend = faulty({"open_direct": [errno.EINVAL] * 10})
+    with small_store(disk_dir, file_backend=backend) as store:
+        t = torch.randn(100_000)
+        store.put("a", t, Tier.NVME)
+        assert torch.equal(store.wait("a", Tier.DEVICE), t)
+        assert not any(call[3] for call in backend.calls)
+
+
+def test_nvme_read_lands_in_the_device_buffer_without_a_copy(disk_dir, faulty, no_leaks):
+    backend = faulty()
+    with small_store(disk_dir, file_backend=backend) as store:
+        t = torch.randn(MiB)  # 4 MiB
+        store.put("a", t, Tier.NVME)
+        store.wait("a", Tier.NVME)
+        store.reset_peaks()
+        before = store.stats()
+        got = store.wait("a", Tier.DEVICE)
+        slot = store.info("a").copies[Tier.DEVICE].slot
+        assert got.data_ptr() == slot.address  # the view is the buffer the read filled
+        after = store.stats()
+        assert after["host_pool"]["peak_bytes"] == before["host_pool"]["bytes"]  # no staging
+        assert after["host"]["bytes"] == 0
+        reads = [c for c in backend.calls if c[0] == "preadv"]
+        assert all(c[3] for c in reads) and sum(c[2] for c in reads) == 4 * MiB
+        assert torch.equal(got, t)
+
+
+def test_io_errors_reach_wait_naming_the_swap_file(disk_dir, faulty, no_leaks):
+    backend = faulty({"preadv": [errno.EIO]})
+    with small_store(disk_dir, file_backend=backend) as store:
+        store.put("a", torch.ones(1000), Tier.NVME)
+        with pytest.raises(OffloadIOError, match=r"read of \d+ bytes at offset 0 in .*offload-swap-0.bin.*EIO"):
+            store.wait("a", Tier.DEVICE, timeout=30)
+        assert torch.equal(store.wait("a", Tier.DEVICE, timeout=30), torch.ones(1000))  # retry works
+
+
+def test_write_error_on_put_is_reported_and_the_tensor_is_lost(disk_dir, faulty, no_leaks):
+    backend = faulty({"pwritev": [errno.ENOSPC]})
+    with small_store(disk_dir, file_backend=backend) as store:
+        store.put("a", torch.ones(1000), Tier.NVME)
+        with pytest.raises(DiskFullError, match="offload-swap-0.bin"):
+            store.wait("a", Tier.NVME, timeout=30)
+        with pytest.raises(StoreError, match="lost"):
+            store.wait("a", Tier.DEVICE, timeout=30)
+
+
+def test_swap_file_truncated_underneath_raises_clearly(disk_dir, no_leaks):
+    with small_store(disk_dir) as store:
+        store.put("a", torch.ones(MiB), Tier.NVME)
+        store.wait("a", Tier.NVME)
+        os.truncate(os.path.join(disk_dir, "offload-swap-0.bin"), 4096)
+        with pytest.raises(OffloadIOError, match="truncated"):
+            store.wait("a", Tier.DEVICE, timeout=30)
+
+
+def test_device_budget_smaller_than_a_tensor_raises_with_numbers(disk_dir, no_leaks):
+    with small_store(disk_dir, device_budget="1MiB") as store:
+        store.put("a", torch.ones(MiB), Tier.NVME)
+        with pytest.raises(Exception, match=r"'a' needs 4194304 bytes in the device tier.*1048576"):
+            store.fetch("a", Tier.DEVICE)
+
+
+@pytest.mark.cuda
+def test_cuda_round_trip_through_pinned_staging(disk_dir, no_leaks):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with small_store(disk_dir, device="cuda") as store:
+        t = torch.randn(MiB)
+        store.put("a", t, Tier.NVME)
+        got = store.wait("a", Tier.DEVICE)
+        assert got.is_cuda and torch.equal(got.cpu(), t)
+        got.mul_(2)
+        store.mark_dirty("a", Tier.DEVICE)
+        store.evict("a", Tier.DEVICE)
+        assert torch.equal(store.wait("a", Tier.HOST), t * 2)
+        assert store.tiers[Tier.HOST].pool.pin
