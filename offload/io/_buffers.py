@@ -53,7 +53,11 @@ class HostBuffer:
         if nbytes < 0:
             raise ValueError(f"HostBuffer size must be >= 0, got {nbytes}")
         self.nbytes = round_up(max(nbytes, 1), PAGE_SIZE)
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # Note: MAP_POPULATE faults every page in now. A direct transfer from or into
+        # never-touched anonymous pages is much slower (measured: 2.0 against 2.7-3.1 GB/s
+        # for O_DIRECT writes here), and the budget counts these bytes anyway.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(-1, self.nbytes, flags=flags)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
         self.pinned = bool(pin and torch.cuda.is_available() and _register_pinned(self.address, self.nbytes))

@@ -181,7 +181,7 @@ class FileEngine:
         backend: the object making the system calls (tests pass a faulty one).
     """
 
-    def __init__(self, *, block_size: int = 4 << 20, threads: int = 4, queue_depth: int = 8,
+    def __init__(self, *, block_size: int = 8 << 20, threads: int = 32, queue_depth: int = 32,
                  direct: bool = True, backend: FileBackend | None = None, name: str = "offload-io"):
         if block_size < 4096 or block_size % 4096:
             raise ValueError(f"block_size={block_size} must be a positive multiple of 4096 bytes")
