@@ -1,13 +1,22 @@
 """offload: train and run PyTorch models larger than GPU memory and RAM.
 
-Parameters, gradients and optimizer states rest on the cheapest tier that can serve
-them (device memory, host memory, NVMe files) and come back just in time.
-The layers so far: ``offload.io`` (aligned buffers, the async file engine) and
-``offload.store`` (the tiered tensor store).
+Parameters (and, in later layers, gradients and optimizer states) rest on the cheapest
+tier that can serve them (device memory, host memory, NVMe files) and come back just in
+time, driven by the model's own forward and backward.
+
+    cfg = offload.OffloadConfig(device="cuda", param_tier="nvme", nvme_path="/mnt/nvme/x")
+    model = offload.wrap(model, cfg)
+    print(offload.stats(model))
+
+The lower layers are importable too: ``offload.io`` (aligned buffers, the async file
+engine) and ``offload.store`` (the tiered tensor store).
 """
 
 from ._units import format_size, parse_size
+from .config import OffloadConfig
+from .params import init_empty_weights, reset_peak_stats, stats, unwrap, wrap
 
 __version__ = "0.1.0"
 
-__all__ = ["parse_size", "format_size", "__version__"]
+__all__ = ["OffloadConfig", "wrap", "unwrap", "stats", "reset_peak_stats", "init_empty_weights",
+           "parse_size", "format_size", "__version__"]

@@ -129,18 +129,24 @@ class TensorStore:
                 copy.valid = True
                 return record
             copy.slot = self._reserve_blocking(record, backend, stage=False)
-            if backend.addressable or home is Tier.DEVICE:
-                backend.consume(copy.slot)
-                backend.tensor(copy.slot)[: record.nbytes].copy_(source)
-                self._move(record, copy, Residency.RESIDENT)
-                copy.valid = True
-                backend.fence(copy.slot)
-                return record
-            copy.stage = self._reserve_blocking(record, None, stage=True)
-            copy.stage.bytes[: record.nbytes].copy_(source)
+            direct = backend.addressable or home is Tier.DEVICE
+            if not direct:
+                copy.stage = self._reserve_blocking(record, None, stage=True)
             self._move(record, copy, Residency.LOADING)
             self._in_flight += 1
-            completion = backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
+        # Note: the copy runs outside the store's lock, so that I/O workers finishing other
+        # transfers are not held up in their completion callbacks while it runs.
+        try:
+            if direct:
+                backend.consume(copy.slot)
+                backend.tensor(copy.slot)[: record.nbytes].copy_(source)
+                backend.fence(copy.slot)
+                completion = Done()
+            else:
+                copy.stage.bytes[: record.nbytes].copy_(source)
+                completion = backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
+        except Exception as err:
+            completion = Done(err)
         completion.add_done_callback(lambda c, r=record, cp=copy: self._loaded(r, cp, None, c))
         return record
 

@@ -1,0 +1,157 @@
+"""OffloadConfig: one frozen dataclass, validated at construction, loadable from a file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._units import parse_size
+
+__all__ = ["OffloadConfig"]
+
+_TIERS_PARAM = ("device", "host", "nvme")
+_TIERS_OPTIM = ("host", "nvme")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where parameters and optimizer states rest, and the budgets that bound them.
+
+    Sizes accept ints (bytes) or strings such as ``"8GiB"``; they are stored as ints.
+
+    Attributes:
+        device: compute device, ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        param_tier: where parameters rest between uses: ``"device"``, ``"host"`` or ``"nvme"``.
+        optimizer_tier: where optimizer states rest: ``"host"`` or ``"nvme"``.
+        nvme_path: directory for swap files; required when a tier is ``"nvme"``.
+        device_budget: most bytes of managed parameters on the device at once, prefetch included.
+        host_budget: most bytes of host buffers (pinned on CUDA) the runtime may hold.
+        prefetch_bytes: bytes fetched ahead of use; ``"auto"`` takes half the device budget.
+        compute_dtype: run parameters in this dtype (``"bf16"``, ``"fp16"``, ``"fp32"``);
+            ``None`` keeps the model's.
+        resident_bytes: parameters of a module below this stay on the device, counted in
+            the device budget (norms, biases).
+        block_size, io_threads, queue_depth: the file engine's settings.
+        file_size: bytes per preallocated swap file.
+    """
+
+    device: str = "cuda"
+    param_tier: str = "nvme"
+    optimizer_tier: str = "nvme"
+    nvme_path: str | None = None
+    device_budget: int | str = "8GiB"
+    host_budget: int | str = "16GiB"
+    prefetch_bytes: int | str = "auto"
+    compute_dtype: str | None = None
+    resident_bytes: int | str = "64KiB"
+    block_size: int | str = "8MiB"
+    io_threads: int = 32
+    queue_depth: int = 32
+    file_size: int | str = "1GiB"
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("device", _check_device(self.device))
+        set_("param_tier", _check_choice("param_tier", self.param_tier, _TIERS_PARAM))
+        set_("optimizer_tier", _check_choice("optimizer_tier", self.optimizer_tier, _TIERS_OPTIM))
+        for name in ("device_budget", "host_budget", "block_size", "file_size"):
+            set_(name, parse_size(getattr(self, name), name=name))
+        set_("resident_bytes", parse_size(self.resident_bytes, name="resident_bytes", allow_zero=True))
+        if self.prefetch_bytes != "auto":
+            set_("prefetch_bytes", parse_size(self.prefetch_bytes, name="prefetch_bytes", allow_zero=True))
+        if self.compute_dtype is not None and str(self.compute_dtype).lower() not in _DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported: use one of "
+                             f"{sorted(set(_DTYPES))} or None to keep the model's dtype")
+        for name in ("io_threads", "queue_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.block_size % 4096:
+            raise ValueError(f"block_size={self.block_size} must be a multiple of 4096 bytes")
+        uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
+        if uses_nvme and not self.nvme_path:
+            raise ValueError("nvme_path is required when param_tier or optimizer_tier is 'nvme': set "
+                             "OffloadConfig(nvme_path='/path/on/a/local/ssd') or choose 'host'")
+        if self.nvme_path is not None:
+            set_("nvme_path", os.path.abspath(os.path.expanduser(str(self.nvme_path))))
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.compute_dtype is None else _DTYPES[str(self.compute_dtype).lower()]
+
+    @property
+    def prefetch_limit(self) -> int:
+        """Bytes the prefetcher may have in flight or resident ahead of use."""
+        return self.device_budget // 2 if self.prefetch_bytes == "auto" else int(self.prefetch_bytes)
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    # -- files -----------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str) -> OffloadConfig:
+        """Load from JSON (or YAML when PyYAML is installed). Unknown keys are an error."""
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except OSError as err:
+            raise ValueError(f"cannot read config file {path!r}: {err.strerror}") from err
+        data = _parse(path, text)
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path!r} must hold a mapping of settings, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config file {path!r} has unknown keys {unknown}: the known keys are "
+                             f"{sorted(known)}")
+        return cls(**data)
+
+
+def _parse(path: str, text: str) -> Any:
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{path!r} is YAML but PyYAML is not installed: pip install pyyaml, "
+                             "or write the config as JSON") from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path!r} is not valid YAML: {err}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config file {path!r} is not valid JSON: {err.msg} at line {err.lineno} "
+                         f"column {err.colno}") from None
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    text = str(value).lower()
+    if text not in choices:
+        raise ValueError(f"{name}={value!r} is not a tier: use one of {list(choices)}")
+    return text
+
+
+def _check_device(value: Any) -> str:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={value!r} is not a device: use 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device={value!r} is not supported: use 'cuda', 'cuda:N' or 'cpu'")
+    return str(device)

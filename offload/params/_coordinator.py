@@ -1,0 +1,234 @@
+"""The coordinator: which groups are materialized on the device, and which to fetch next.
+
+It records the order in which groups are acquired during the first pass of each kind
+("grad" for training steps, "nograd" for inference), and from then on, each time a group
+is acquired, issues fetches for the groups that follow in that order (wrapping around to
+the next pass) while the bytes fetched ahead stay within ``prefetch_limit``. If a pass
+acquires groups in another order, it logs once, fetches on demand for the rest of that
+pass, and keeps the new order for the next one.
+
+Materializing a group points each of its parameters' ``.data`` at a view of the group's
+flat device buffer; releasing points it back at a placeholder: a stride-0 tensor of the
+right shape holding NaN (or 0 for integer parameters), so code that reads shapes outside
+forward works and any use of a released parameter shows up instead of computing quietly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..store import Residency, TensorStore, Tier
+from ._groups import ParamGroup
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Live:
+    """Per-group runtime state."""
+
+    refs: int = 0  # acquisitions not yet released
+    flat: torch.Tensor | None = None  # uint8 device view while materialized
+    backward_refs: int = 0  # of refs, those taken for backward
+
+
+@dataclass
+class _Pass:
+    key: str
+    actual: list[ParamGroup] = field(default_factory=list)
+    cursor: int = 0
+    diverged: bool = False
+
+
+class Coordinator:
+    def __init__(self, store: TensorStore, groups: list[ParamGroup], *, device: torch.device,
+                 prefetch_limit: int, device_budget: int, events: list | None = None):
+        self.store, self.device = store, device
+        self.groups = [g for g in groups if not g.resident]
+        self.prefetch_limit, self.device_budget = prefetch_limit, device_budget
+        self.largest = max((g.nbytes for g in self.groups), default=0)
+        self.events = events  # when a list, every fetch/acquire/release is appended
+        self.live: dict[ParamGroup, _Live] = {g: _Live() for g in groups}
+        self.by_storage: dict[int, ParamGroup] = {}  # data_ptr of materialized buffers
+        self.traces: dict[str, list[ParamGroup]] = {}
+        self.ahead: dict[ParamGroup, None] = {}  # fetched for later use, in order
+        self.current: _Pass | None = None
+        self.stall_seconds = 0.0
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+        self._warned: set[str] = set()
+        self._placeholders: dict[tuple, torch.Tensor] = {}
+
+    # -- passes ------------------------------------------------------------------------------
+    def begin_pass(self, key: str) -> None:
+        """A new pass (the root module's forward) of kind ``key`` starts."""
+        self._finish_pass()
+        self.current = _Pass(key)
+
+    def _finish_pass(self) -> None:
+        done = self.current
+        if done is None:
+            return
+        trace = self.traces.get(done.key)
+        if trace != done.actual and done.actual:
+            if trace is not None and done.key not in self._warned and not done.diverged:
+                self._warned.add(done.key)
+                log.info("the %s pass used %d groups where the recorded order had %d; "
+                         "re-recorded", done.key, len(done.actual), len(trace))
+            self.traces[done.key] = done.actual
+
+    # -- acquire / release ---------------------------------------------------------------------
+    def acquire(self, group: ParamGroup, phase: str) -> None:
+        """Make ``group`` materialized for compute; called before the module runs."""
+        if group.resident:
+            return
+        self._record(group, phase)
+        live = self.live[group]
+        live.refs += 1
+        if phase == "backward":
+            live.backward_refs += 1
+        if live.flat is None:
+            self._materialize(group)
+        self._prefetch()
+
+    def release(self, group: ParamGroup, phase: str) -> None:
+        if group.resident:
+            return
+        live = self.live[group]
+        if live.refs == 0 or (phase == "backward" and live.backward_refs == 0):
+            return
+        live.refs -= 1
+        if phase == "backward":
+            live.backward_refs -= 1
+        self._log("release", group, phase)
+        if live.refs == 0:
+            self._dematerialize(group)
+
+    def release_backward(self) -> None:
+        """End of backward: release every group still held for it."""
+        for group, live in self.live.items():
+            while live.backward_refs:
+                self.release(group, "backward")
+
+    def release_all(self) -> None:
+        for group, live in self.live.items():
+            if live.refs:
+                live.refs = live.backward_refs = 0
+                self._dematerialize(group)
+        for group in list(self.ahead):
+            self._drop_ahead(group)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _record(self, group: ParamGroup, phase: str) -> None:
+        p = self.current
+        if p is None:  # a module called outside its root's forward (e.g. model.lm_head(x))
+            self.begin_pass("direct")
+            p = self.current
+        trace = self.traces.get(p.key)
+        if trace is not None and not p.diverged:
+            expected = trace[p.cursor % len(trace)] if trace else None
+            if expected is group:
+                p.cursor += 1
+            else:
+                p.diverged = True
+                if p.key not in self._warned:
+                    self._warned.add(p.key)
+                    log.info("execution order of the %s pass changed at step %d (expected %s, got "
+                             "%s): fetching on demand for this pass and re-recording", p.key,
+                             len(p.actual), expected.key if expected else None, group.key)
+                for other in list(self.ahead):
+                    self._drop_ahead(other)
+        p.actual.append(group)
+        self._log("acquire", group, phase)
+
+    def _materialize(self, group: ParamGroup) -> None:
+        live = self.live[group]
+        if group in self.ahead:
+            del self.ahead[group]
+            self.prefetch_hits += 1
+        else:
+            self.prefetch_misses += 1
+            if self.store.state(group.key, Tier.DEVICE) is Residency.ABSENT:
+                self._log("fetch", group, "demand")
+                self.store.fetch(group.key, Tier.DEVICE, priority=0)
+        started = time.perf_counter()
+        flat = self.store.wait(group.key, Tier.DEVICE)
+        self.stall_seconds += time.perf_counter() - started
+        live.flat = flat
+        for slot in group.slots:
+            view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            slot.param.data = view
+        self.by_storage[flat.untyped_storage().data_ptr()] = group
+
+    def _dematerialize(self, group: ParamGroup) -> None:
+        live = self.live[group]
+        if live.flat is None:
+            return
+        self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
+        live.flat = None
+        for slot in group.slots:
+            slot.param.data = self.placeholder(slot.dtype, slot.shape)
+        if self._needed_soon(group):
+            self.ahead[group] = None  # keep the bytes on the device for the coming use
+        else:
+            self.store.evict(group.key, Tier.DEVICE)
+
+    def _drop_ahead(self, group: ParamGroup) -> None:
+        self.ahead.pop(group, None)
+        if self.live[group].flat is None:
+            self.store.evict(group.key, Tier.DEVICE)
+
+    def _upcoming(self):
+        """Groups after the cursor in the recorded order, wrapping into the next pass."""
+        p = self.current
+        trace = self.traces.get(p.key) if p is not None and not p.diverged else None
+        if not trace:
+            return
+        for i in range(len(trace)):
+            yield trace[(p.cursor + i) % len(trace)]
+
+    def _needed_soon(self, group: ParamGroup) -> bool:
+        budget = self.prefetch_limit - sum(g.nbytes for g in self.ahead)
+        for upcoming in self._upcoming():
+            if upcoming is group:
+                return group.nbytes <= budget
+            if upcoming not in self.ahead and self.live[upcoming].flat is None:
+                budget -= upcoming.nbytes
+                if budget < 0:
+                    return False
+        return False
+
+    def _prefetch(self) -> None:
+        ahead_bytes = sum(g.nbytes for g in self.ahead)
+        device = self.store.tiers[Tier.DEVICE]
+        for group in self._upcoming():
+            if group in self.ahead or self.live[group].flat is not None:
+                continue
+            if ahead_bytes + group.nbytes > self.prefetch_limit:
+                break
+            # keep room for one demand fetch, so a miss can never be starved by prefetches
+            if device.used_bytes + group.nbytes + self.largest > self.device_budget:
+                break
+            self._log("fetch", group, "prefetch")
+            self.store.fetch(group.key, Tier.DEVICE, priority=1)
+            self.ahead[group] = None
+            ahead_bytes += group.nbytes
+
+    def placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        key = (dtype,)
+        base = self._placeholders.get(key)
+        if base is None:
+            fill = float("nan") if (dtype.is_floating_point or dtype.is_complex) else 0
+            base = torch.full((1,), fill, dtype=dtype, device=self.device)
+            self._placeholders[key] = base
+        return base.expand(shape) if len(shape) else base.view(())
+
+    def _log(self, event: str, group: ParamGroup, phase: str) -> None:
+        if self.events is not None:
+            self.events.append((event, group.key, phase))

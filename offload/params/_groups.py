@@ -1,0 +1,71 @@
+"""Parameter groups: a module's own parameters laid out in one flat buffer.
+
+A parameter shared by several modules (tied embeddings) belongs to the group of the
+first module that registers it; every module that holds it needs that group too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["ParamSlot", "ParamGroup", "build_groups"]
+
+_ALIGN = 256  # bytes: every parameter starts aligned for any dtype and vector loads
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter inside its group's flat buffer."""
+
+    names: list[str]
+    param: nn.Parameter
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+@dataclass(eq=False)
+class ParamGroup:
+    key: str  # the owning module's qualified name ("" is the root)
+    slots: list[ParamSlot] = field(default_factory=list)
+    nbytes: int = 0
+    resident: bool = False  # small enough to stay on the device
+
+    def add(self, name: str, param: nn.Parameter, dtype: torch.dtype) -> None:
+        nbytes = param.numel() * torch.empty((), dtype=dtype).element_size()
+        offset = -(-self.nbytes // _ALIGN) * _ALIGN
+        self.slots.append(ParamSlot([name], param, offset, nbytes, dtype, param.shape))
+        self.nbytes = offset + nbytes
+
+
+def build_groups(model: nn.Module, *, dtype: torch.dtype | None,
+                 resident_bytes: int) -> tuple[list[ParamGroup], dict[nn.Module, list[ParamGroup]]]:
+    """Groups in registration order, and for each module the groups its own parameters live in."""
+    owner: dict[int, tuple[ParamGroup, ParamSlot]] = {}
+    groups: list[ParamGroup] = []
+    needs: dict[nn.Module, list[ParamGroup]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=True):
+        group = ParamGroup(module_name or "<root>")
+        used: list[ParamGroup] = []
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            if id(param) in owner:  # tied: held by an earlier module
+                other, slot = owner[id(param)]
+                slot.names.append(full)
+                if other not in used:
+                    used.append(other)
+                continue
+            param_dtype = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+            group.add(full, param, param_dtype)
+            owner[id(param)] = (group, group.slots[-1])
+        if group.slots:
+            group.resident = group.nbytes < resident_bytes
+            groups.append(group)
+            used.insert(0, group)
+        if used:
+            needs[module] = used
+    return groups, needs

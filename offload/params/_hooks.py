@@ -1,0 +1,169 @@
+"""Hooks: translate module events into coordinator calls. Nothing else lives here.
+
+forward pre-hook    acquire the module's groups
+forward post-hook   release them; on outputs that need a gradient, a hook that acquires
+                    them again when backward reaches the module
+post-backward       an identity autograd function on the module's inputs, whose backward
+                    runs once the module's backward is done, releases them; what it cannot
+                    see (inputs without gradients) is released at the end of backward
+
+Note: saved tensors. Autograd keeps what an operation saved for backward: sometimes the
+parameter itself (fine: its ``.data`` is materialized again before backward reaches it),
+but often a view of its data (``weight.t()`` for a linear layer). That view would point at
+a device buffer that has since been released and reused for another group. While a
+managed forward runs, ``saved_tensors_hooks`` replace any saved tensor that lives in a
+materialized group buffer by a reference (group, offset, shape, strides) and rebuild the
+view from the group's buffer of the moment when backward unpacks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ._coordinator import Coordinator
+from ._groups import ParamGroup
+
+__all__ = ["ModuleHooks"]
+
+
+@dataclass(frozen=True)
+class _SavedRef:
+    group: ParamGroup
+    dtype: torch.dtype
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward marks the module's backward as done."""
+
+    @staticmethod
+    def forward(ctx, hooks: "ModuleHooks", groups: list[ParamGroup], *tensors: torch.Tensor):
+        ctx.hooks, ctx.groups = hooks, groups
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        for group in ctx.groups:
+            ctx.hooks.coordinator.release(group, "backward")
+        return (None, None, *grads)
+
+
+class ModuleHooks:
+    def __init__(self, model: nn.Module, needs: dict[nn.Module, list[ParamGroup]],
+                 coordinator: Coordinator):
+        self.model, self.needs, self.coordinator = model, needs, coordinator
+        self._handles: list[Any] = []
+        self._saved_hooks: list[Any] = []
+        self._backward_queued = False
+
+    # -- attach / remove -----------------------------------------------------------------------
+    def attach(self) -> None:
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
+        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        for module, groups in self.needs.items():
+            if all(g.resident for g in groups):
+                continue
+            managed = [g for g in groups if not g.resident]
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, gs=managed: self._pre_forward(gs, args, kwargs), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, out, gs=managed: self._post_forward(gs, out), always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        while self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+
+    # -- root: pass boundaries and saved tensors -------------------------------------------------
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        grad = torch.is_grad_enabled()
+        self.coordinator.begin_pass("grad" if grad else "nograd")
+        if grad:
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            self._saved_hooks.append(ctx)
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
+            return tensor
+        group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
+        if group is None:
+            return tensor
+        return _SavedRef(group, tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedRef):
+            return packed
+        live = self.coordinator.live[packed.group]
+        if live.flat is None:  # backward reached an op before its module's hook: fetch now
+            self.coordinator.acquire(packed.group, "backward")
+            self._queue_end_of_backward()
+        storage = live.flat.untyped_storage()
+        out = torch.empty(0, dtype=packed.dtype, device=live.flat.device)
+        return out.set_(storage, packed.offset, packed.shape, packed.stride)
+
+    # -- modules -----------------------------------------------------------------------------------
+    def _pre_forward(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
+        for group in groups:
+            self.coordinator.acquire(group, "forward")
+        if not torch.is_grad_enabled():
+            return None
+        return self._wrap_inputs(groups, args, kwargs)
+
+    def _post_forward(self, groups: list[ParamGroup], output: Any) -> None:
+        for group in groups:
+            self.coordinator.release(group, "forward")
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
+
+    def _pre_backward(self, groups: list[ParamGroup]) -> None:
+        self._queue_end_of_backward()
+        for group in groups:
+            self.coordinator.acquire(group, "backward")
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._backward_queued = False
+        self.coordinator.release_backward()
+
+    def _wrap_inputs(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
+        positions = [("a", i) for i, a in enumerate(args) if _needs_grad(a)]
+        positions += [("k", k) for k, v in kwargs.items() if _needs_grad(v)]
+        if not positions:
+            return None
+        values = [args[i] if where == "a" else kwargs[i] for where, i in positions]
+        wrapped = _PostBackward.apply(self, groups, *values)
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for (where, i), value in zip(positions, wrapped):
+            if where == "a":
+                new_args[i] = value
+            else:
+                new_kwargs[i] = value
+        return tuple(new_args), new_kwargs
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point()

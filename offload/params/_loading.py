@@ -1,0 +1,173 @@
+"""Streaming parameters from safetensors files into the store, one tensor at a time.
+
+Note: why not safetensors' own reader. ``safe_open`` maps the whole file, and every
+page it touches stays in this process's resident set while the mapping lives, so loading
+a model larger than RAM would look (and, under a cgroup limit, be) as large as the model.
+The format is simple (an 8-byte header length, a JSON header, raw bytes), so tensors are
+read here with ``os.preadv`` into a fresh tensor: memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import struct
+from typing import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["CheckpointReader", "init_empty_weights"]
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+
+
+class _Entry:
+    __slots__ = ("path", "dtype", "shape", "start", "end")
+
+    def __init__(self, path: str, dtype: torch.dtype, shape: list[int], start: int, end: int):
+        self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
+
+
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint, checked against ``model`` up front."""
+
+    def __init__(self, path: str, model: nn.Module):
+        self.path = path
+        self.entries: dict[str, _Entry] = {}
+        for file in _checkpoint_files(path):
+            self.entries.update(_read_header(file))
+        self._check_against(model)
+
+    def has(self, name: str) -> bool:
+        return name in self.entries
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        out = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+        view = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], entry.start + done)
+                if n <= 0:
+                    raise ValueError(f"checkpoint file {entry.path!r} is truncated: tensor {name!r} "
+                                     f"needs bytes {entry.start}-{entry.end}")
+                done += n
+        finally:
+            os.close(fd)
+        return out.view(entry.dtype).reshape(entry.shape) if out.numel() else \
+            torch.empty(entry.shape, dtype=entry.dtype)
+
+    def tensor(self, slot) -> torch.Tensor:
+        for name in slot.names:
+            if name in self.entries:
+                return self.get(name)
+        raise KeyError(f"none of {slot.names} is in the checkpoint {self.path!r}")
+
+    def _check_against(self, model: nn.Module) -> None:
+        aliases: dict[int, list[str]] = {}
+        shapes: dict[int, tuple] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
+            shapes[id(param)] = tuple(param.shape)
+        known = {n for names in aliases.values() for n in names}
+        persistent = set(model.state_dict().keys()) - known  # persistent buffers
+        missing = [names[0] for pid, names in aliases.items() if not any(n in self.entries for n in names)]
+        missing += [b for b in persistent if b not in self.entries and _is_meta_buffer(model, b)]
+        unexpected = [k for k in self.entries if k not in known and k not in persistent]
+        mismatched = []
+        for pid, names in aliases.items():
+            for n in names:
+                if n in self.entries and tuple(self.entries[n].shape) != shapes[pid]:
+                    mismatched.append(f"{n}: checkpoint {tuple(self.entries[n].shape)}, model {shapes[pid]}")
+        problems = []
+        if missing:
+            problems.append(f"missing keys ({len(missing)}): {sorted(missing)[:20]}")
+        if unexpected:
+            problems.append(f"unexpected keys ({len(unexpected)}): {sorted(unexpected)[:20]}")
+        if mismatched:
+            problems.append(f"shape mismatches ({len(mismatched)}): {mismatched[:20]}")
+        if problems:
+            raise ValueError(f"checkpoint {self.path!r} does not match the model: " + "; ".join(problems)
+                             + ". Build the model from the config the checkpoint was saved with.")
+
+
+def _is_meta_buffer(model: nn.Module, name: str) -> bool:
+    module_name, _, attr = name.rpartition(".")
+    buf = model.get_submodule(module_name)._buffers.get(attr) if module_name or attr else None
+    return buf is not None and buf.device.type == "meta"
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a .safetensors file, a "
+                                "directory with model.safetensors(.index.json), or a save_pretrained directory")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        return sorted({os.path.join(path, f) for f in weight_map.values()})
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path!r} (pickle .bin checkpoints are not "
+                                "loaded: they can run code; convert them with save_pretrained(safe_serialization=True))")
+    return files
+
+
+def _read_header(file: str) -> dict[str, _Entry]:
+    with open(file, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{file!r} is not a safetensors file (shorter than its header)")
+        (length,) = struct.unpack("<Q", raw)
+        size = os.fstat(fh.fileno()).st_size
+        if length > size - 8:
+            raise ValueError(f"{file!r} is not a safetensors file or is truncated (header of {length} bytes)")
+        try:
+            header = json.loads(fh.read(length))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file!r} has a corrupt safetensors header: {err}") from None
+    base = 8 + length
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{file!r}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        if base + end > size:
+            raise ValueError(f"{file!r} is truncated: tensor {name!r} ends at byte {base + end} of {size}")
+        entries[name] = _Entry(file, _DTYPES[info["dtype"]], list(info["shape"]), base + start, base + end)
+    return entries
+
+
+@contextlib.contextmanager
+def init_empty_weights() -> Iterator[None]:
+    """Build a model with parameters on the meta device and buffers real.
+
+    Buffers computed at construction (rotary frequencies, attention masks) are often not
+    saved in checkpoints, so they must not be lost to the meta device.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original

@@ -1,0 +1,210 @@
+"""wrap / unwrap: put a model's parameters in the store and hook it up."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._units import format_size
+from ..config import OffloadConfig
+from ..io import BudgetError
+from ..store import Tier, TensorStore, create_store
+from ._coordinator import Coordinator
+from ._groups import ParamGroup, build_groups
+from ._hooks import ModuleHooks
+from ._loading import CheckpointReader
+
+__all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of"]
+
+log = logging.getLogger(__name__)
+_HOME = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
+_managers: "weakref.WeakKeyDictionary[nn.Module, ParamManager]" = weakref.WeakKeyDictionary()
+
+
+class ParamManager:
+    """Owns what wrap() set up for one model: its store, coordinator and hooks."""
+
+    def __init__(self, model: nn.Module, config: OffloadConfig, store: TensorStore,
+                 groups: list[ParamGroup], coordinator: Coordinator, hooks: ModuleHooks):
+        self.model, self.config, self.store = model, config, store
+        self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
+
+    def close(self) -> None:
+        self.hooks.remove()
+        self.coordinator.release_all()
+        self.store.close()
+
+
+def manager_of(model: nn.Module) -> ParamManager:
+    try:
+        return _managers[model]
+    except KeyError:
+        raise ValueError("this model is not wrapped: call offload.wrap(model, config) first") from None
+
+
+def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = None,
+         events: list | None = None) -> nn.Module:
+    """Manage ``model``'s parameters as ``config`` says; returns the same module.
+
+    ``checkpoint``: a safetensors file, a directory of shards with
+    ``model.safetensors.index.json``, or a ``save_pretrained`` directory, streamed into the
+    parameter tier (the model may then have been built on the meta device).
+    ``events``: a list that receives the schedule as ``(event, group, phase)`` tuples.
+    """
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    if model in _managers:
+        raise ValueError("this model is already wrapped: call offload.unwrap(model) first")
+    device = config.torch_device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"OffloadConfig(device={config.device!r}) but CUDA is not available: "
+                         "use device='cpu'")
+    reader = CheckpointReader(checkpoint, model) if checkpoint is not None else None
+    if reader is None:
+        meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if meta:
+            raise ValueError(f"parameters {meta[:5]}{'...' if len(meta) > 5 else ''} are on the meta "
+                             "device: pass checkpoint=PATH so wrap() can load their values")
+    groups, needs = build_groups(model, dtype=config.dtype,
+                                 resident_bytes=0 if config.param_tier == "device" else config.resident_bytes)
+    if config.param_tier == "device":
+        for group in groups:
+            group.resident = True
+    _check_budgets(groups, config)
+    store = _make_store(config)
+    try:
+        coordinator = Coordinator(store, groups, device=device, prefetch_limit=config.prefetch_limit,
+                                  device_budget=config.device_budget, events=events)
+        _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader)
+        _move_buffers(model, device, reader)
+        hooks = ModuleHooks(model, needs, coordinator)
+        hooks.attach()
+    except BaseException:
+        store.close()
+        raise
+    _managers[model] = ParamManager(model, config, store, groups, coordinator, hooks)
+    total = sum(g.nbytes for g in groups)
+    log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s",
+             len(groups), format_size(total), config.param_tier, format_size(config.device_budget),
+             format_size(config.prefetch_limit))
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Parameters back as ordinary tensors on the config's device; files and threads released."""
+    manager = manager_of(model)
+    manager.hooks.remove()
+    manager.coordinator.release_all()
+    for group in manager.groups:
+        flat = manager.store.wait(group.key, Tier.DEVICE)
+        for slot in group.slots:
+            data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            slot.param.data = data.clone()  # own memory, not a store buffer
+        if not group.resident:
+            manager.store.evict(group.key, Tier.DEVICE)
+    manager.store.close()
+    del _managers[model]
+    return model
+
+
+def stats(model: nn.Module) -> dict[str, Any]:
+    """Bytes per tier now and at peak, bytes moved, stall seconds, prefetch hits and misses."""
+    manager = manager_of(model)
+    s = manager.store.stats()
+    c = manager.coordinator
+    return {
+        "device_bytes": s["device"]["bytes"], "device_peak_bytes": s["device"]["peak_bytes"],
+        "host_bytes": s["host_pool"]["bytes"], "host_peak_bytes": s["host_pool"]["peak_bytes"],
+        "nvme_bytes": s["nvme"]["bytes"] if "nvme" in s else 0,
+        "read_bytes": s["nvme"]["read_bytes"] if "nvme" in s else 0,
+        "write_bytes": s["nvme"]["write_bytes"] if "nvme" in s else 0,
+        "stall_seconds": c.stall_seconds, "prefetch_hits": c.prefetch_hits,
+        "prefetch_misses": c.prefetch_misses, "groups": len(manager.groups),
+    }
+
+
+def reset_peak_stats(model: nn.Module) -> None:
+    manager_of(model).store.reset_peaks()
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _check_budgets(groups: list[ParamGroup], config: OffloadConfig) -> None:
+    resident = sum(g.nbytes for g in groups if g.resident)
+    streamed = [g for g in groups if not g.resident]
+    largest = max(streamed, key=lambda g: g.nbytes, default=None)
+    need = resident + (largest.nbytes if largest else 0)
+    if need > config.device_budget:
+        if largest is not None and largest.nbytes + resident > config.device_budget:
+            raise BudgetError(
+                f"device_budget {format_size(config.device_budget)} cannot hold parameter group "
+                f"{largest.key!r} ({format_size(largest.nbytes)}) next to the "
+                f"{format_size(resident)} of parameters that stay resident: set device_budget >= "
+                f"{format_size(need)}")
+        raise BudgetError(f"device_budget {format_size(config.device_budget)} is below the "
+                          f"{format_size(resident)} of resident parameters")
+    if config.param_tier == "host":
+        total = sum(g.nbytes for g in streamed)
+        if total > config.host_budget:
+            raise BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but "
+                              f"host_budget is {format_size(config.host_budget)}: raise host_budget "
+                              "or set param_tier='nvme'")
+
+
+def _make_store(config: OffloadConfig) -> TensorStore:
+    nvme = config.nvme_path if "nvme" in (config.param_tier, config.optimizer_tier) else None
+    return create_store(device=config.device, device_budget=config.device_budget,
+                        host_budget=config.host_budget, nvme_path=nvme, file_size=config.file_size,
+                        block_size=config.block_size, threads=config.io_threads,
+                        queue_depth=config.queue_depth)
+
+
+def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
+                 coordinator: Coordinator, home: Tier, reader: Any) -> None:
+    """Each group's flat bytes into the store, one group in host memory at a time."""
+    for group in groups:
+        for slot in group.slots:
+            if slot.param.device.type == "meta":  # a meta tensor cannot take real .data
+                _replace_param(model, slot)
+        flat = torch.empty(group.nbytes, dtype=torch.uint8)
+        for slot in group.slots:
+            source = reader.tensor(slot) if reader is not None else slot.param.detach()
+            view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            view.copy_(source)
+        store.put(group.key, flat, Tier.DEVICE if group.resident else home)
+        del flat
+        if group.resident:
+            out = store.wait(group.key, Tier.DEVICE)
+            for slot in group.slots:
+                slot.param.data = out[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        else:
+            for slot in group.slots:
+                slot.param.data = coordinator.placeholder(slot.dtype, slot.shape)
+    for group in groups:
+        store.wait(group.key, Tier.DEVICE if group.resident else home)
+
+
+def _replace_param(model: nn.Module, slot: Any) -> None:
+    old = slot.param
+    new = nn.Parameter(torch.empty(0, dtype=slot.dtype), requires_grad=old.requires_grad)
+    for name in slot.names:
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[attr] = new
+    slot.param = new
+
+
+def _move_buffers(model: nn.Module, device: torch.device, reader: Any) -> None:
+    for module_name, module in model.named_modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            full = f"{module_name}.{name}" if module_name else name
+            if buf.device.type == "meta":
+                if reader is None or not reader.has(full):
+                    raise ValueError(
+                        f"buffer {full!r} is on the meta device and not in the checkpoint: build the "
+                        "model with offload.init_empty_weights() (parameters on meta, buffers real) "
+                        "or include the buffer in the checkpoint")
+                buf = reader.get(full)
+            module._buffers[name] = buf.to(device)
