@@ -68,8 +68,20 @@ class Coordinator:
     # -- passes ------------------------------------------------------------------------------
     def begin_pass(self, key: str) -> None:
         """A new pass (the root module's forward) of kind ``key`` starts."""
+        if self.current is not None and self.current.key == key and not self.current.actual:
+            return  # end_pass() already opened it and prefetched its start
         self._finish_pass()
         self.current = _Pass(key)
+
+    def end_pass(self) -> None:
+        """The pass is over (end of an inference forward, or of backward): keep its order and
+        start fetching the first groups of the next pass of the same kind."""
+        done = self.current
+        if done is None or not done.actual:
+            return
+        self._finish_pass()
+        self.current = _Pass(done.key)
+        self._prefetch()
 
     def _finish_pass(self) -> None:
         done = self.current
@@ -96,6 +108,7 @@ class Coordinator:
         if live.flat is None:
             self._materialize(group)
         self._prefetch()
+        self._log("ready", group, phase)  # compute of the module may start now
 
     def release(self, group: ParamGroup, phase: str) -> None:
         if group.resident:
@@ -193,32 +206,37 @@ class Coordinator:
         for i in range(len(trace)):
             yield trace[(p.cursor + i) % len(trace)]
 
+    def _window(self) -> list[ParamGroup]:
+        """The nearest upcoming groups not materialized now, up to ``prefetch_limit`` bytes."""
+        window: list[ParamGroup] = []
+        total = 0
+        for group in self._upcoming():
+            if group in window or self.live[group].flat is not None:
+                continue
+            if total + group.nbytes > self.prefetch_limit:
+                break
+            window.append(group)
+            total += group.nbytes
+        return window
+
     def _needed_soon(self, group: ParamGroup) -> bool:
-        budget = self.prefetch_limit - sum(g.nbytes for g in self.ahead)
-        for upcoming in self._upcoming():
-            if upcoming is group:
-                return group.nbytes <= budget
-            if upcoming not in self.ahead and self.live[upcoming].flat is None:
-                budget -= upcoming.nbytes
-                if budget < 0:
-                    return False
-        return False
+        return group in self._window()
 
     def _prefetch(self) -> None:
-        ahead_bytes = sum(g.nbytes for g in self.ahead)
+        window = self._window()
+        for group in list(self.ahead):  # fetched earlier but now farther than nearer needs
+            if group not in window:
+                self._drop_ahead(group)
         device = self.store.tiers[Tier.DEVICE]
-        for group in self._upcoming():
-            if group in self.ahead or self.live[group].flat is not None:
+        for group in window:
+            if group in self.ahead:
                 continue
-            if ahead_bytes + group.nbytes > self.prefetch_limit:
-                break
             # keep room for one demand fetch, so a miss can never be starved by prefetches
             if device.used_bytes + group.nbytes + self.largest > self.device_budget:
                 break
             self._log("fetch", group, "prefetch")
             self.store.fetch(group.key, Tier.DEVICE, priority=1)
             self.ahead[group] = None
-            ahead_bytes += group.nbytes
 
     def placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         key = (dtype,)

@@ -96,6 +96,8 @@ class ModuleHooks:
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        if not torch.is_grad_enabled():
+            self.coordinator.end_pass()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
@@ -147,6 +149,7 @@ class ModuleHooks:
     def _end_of_backward(self) -> None:
         self._backward_queued = False
         self.coordinator.release_backward()
+        self.coordinator.end_pass()
 
     def _wrap_inputs(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
         positions = [("a", i) for i, a in enumerate(args) if _needs_grad(a)]

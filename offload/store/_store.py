@@ -179,6 +179,8 @@ class TensorStore:
                 copy = record.copies[tier]
             elif copy.state is Residency.QUEUED and copy.priority > 0:
                 copy.priority = 0
+            if copy.drop_when_idle and copy.state is not Residency.STORING:
+                copy.drop_when_idle = False  # an eviction asked for earlier yields to this wait
             while copy.state in (Residency.QUEUED, Residency.LOADING):
                 if copy.state is Residency.QUEUED and self._in_flight == 0:
                     self._pump(tier)

@@ -1,0 +1,231 @@
+"""The prefetch schedule as an event log, trace changes, loading from safetensors, errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.io import BudgetError
+
+transformers = pytest.importorskip("transformers")
+
+
+def cfg(tmp_path, **kw):
+    args = dict(device="cpu", param_tier="nvme", optimizer_tier="host", nvme_path=str(tmp_path / "nvme"),
+                device_budget="256KiB", host_budget="16MiB", resident_bytes=0, file_size="4MiB")
+    args.update(kw)
+    return offload.OffloadConfig(**args)
+
+
+def deep_mlp(n=8, width=64):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(n):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)  # each Linear: 64*64*4 + 64*4 bytes = 16.6 KiB
+
+
+def test_after_the_first_step_group_k_plus_1_is_fetched_before_group_k_runs(tmp_path, no_leaks):
+    model = deep_mlp()
+    events: list = []
+    offload.wrap(model, cfg(tmp_path, device_budget="128KiB", prefetch_bytes="40KiB"), events=events)
+    try:
+        x = torch.randn(4, 64)
+        for _ in range(3):  # step 1 records the order; 2 and 3 replay it
+            model(x).sum().backward()
+        last_step = max(i for i, ev in enumerate(events) if ev == ("acquire", "0", "forward"))
+        ready = [(i, k) for i, (e, k, ph) in enumerate(events) if e == "ready" and i >= last_step]
+        assert [k for _, k in ready] == [str(i) for i in range(0, 16, 2)] + [str(i) for i in range(14, -1, -2)]
+        for (i, k), (j, nxt) in zip(ready, ready[1:]):
+            if nxt == k:
+                continue  # the last layer's backward follows its forward: kept, not fetched
+            fetch = max(n for n, ev in enumerate(events[:j]) if ev[0] == "fetch" and ev[1] == nxt)
+            assert events[fetch][2] == "prefetch" and fetch < i, (k, nxt, events[fetch], fetch, i)
+        first_step = events.index(("acquire", "0", "forward"))
+        second_step = events.index(("acquire", "0", "forward"), first_step + 1)
+        assert not any(e == "fetch" and ph == "demand" for e, _, ph in events[second_step:])
+        s = offload.stats(model)
+        assert s["device_peak_bytes"] <= 128 << 10
+    finally:
+        offload.unwrap(model)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.out = (nn.Linear(32, 32) for _ in range(4))
+        self.step = 0
+
+    def forward(self, x):
+        self.step += 1
+        x = torch.tanh(self.a(x))
+        x = torch.tanh(self.c(x) if self.step >= 3 else self.b(x))  # another branch from step 3
+        return self.out(x)
+
+
+def test_changed_execution_order_falls_back_and_rerecords(tmp_path, caplog, no_leaks):
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    events: list = []
+    offload.wrap(model, cfg(tmp_path, device_budget="64KiB", prefetch_bytes="8KiB"), events=events)
+    try:
+        x = torch.randn(3, 32)
+        with caplog.at_level(logging.INFO, logger="offload.params._coordinator"):
+            for step in range(5):
+                mark = len(events)
+                with torch.no_grad():
+                    torch.testing.assert_close(model(x), ref(x))
+                demand = [k for e, k, ph in events[mark:] if e == "fetch" and ph == "demand"]
+                if step == 3:  # second pass of the new order: prefetched again
+                    assert demand == []
+        changes = [r for r in caplog.records if "changed" in r.message]
+        assert len(changes) == 1 and "'nograd'" not in changes[0].message
+    finally:
+        offload.unwrap(model)
+
+
+def _saved_gpt2(tmp_path):
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=150, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    path = tmp_path / "ckpt"
+    model.save_pretrained(path, max_shard_size="60KB")
+    return model, config, path
+
+
+def test_meta_model_streams_a_sharded_checkpoint(tmp_path, no_leaks):
+    ref, config, path = _saved_gpt2(tmp_path)
+    assert (path / "model.safetensors.index.json").exists()
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config).eval()
+    offload.wrap(model, cfg(tmp_path, device_budget="1MiB"), checkpoint=str(path))
+    try:
+        ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        assert model.lm_head.weight is model.transformer.wte.weight
+    finally:
+        offload.unwrap(model)
+
+
+def test_llama_with_init_empty_weights_keeps_computed_buffers(tmp_path, no_leaks):
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=120)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).eval()
+    ref.save_pretrained(tmp_path / "llama")
+    with torch.device("meta"):
+        broken = transformers.LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"buffer .*inv_freq.* meta device .*init_empty_weights"):
+        offload.wrap(broken, cfg(tmp_path, device_budget="1MiB"), checkpoint=str(tmp_path / "llama"))
+    with offload.init_empty_weights():
+        model = transformers.LlamaForCausalLM(config).eval()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    offload.wrap(model, cfg(tmp_path, device_budget="1MiB"), checkpoint=str(tmp_path / "llama"))
+    try:
+        ids = torch.tensor([[7, 8, 9, 10]])
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    finally:
+        offload.unwrap(model)
+
+
+def test_checkpoint_that_does_not_match_lists_the_differences(tmp_path, no_leaks):
+    _, config, path = _saved_gpt2(tmp_path)
+    other = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=151, n_positions=32)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(other)
+    with pytest.raises(ValueError) as info:
+        offload.wrap(model, cfg(tmp_path), checkpoint=str(path))
+    message = str(info.value)
+    assert "missing keys" in message and "transformer.h.2" in message
+    assert "shape mismatches" in message and "transformer.wte.weight" in message
+    assert not list((tmp_path / "nvme").glob("offload-swap*")) if (tmp_path / "nvme").exists() else True
+
+
+def test_meta_model_without_checkpoint_is_refused(no_leaks, tmp_path):
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta device: pass checkpoint"):
+        offload.wrap(model, cfg(tmp_path))
+
+
+def test_device_budget_below_the_largest_group_names_it(tmp_path, no_leaks):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(256, 256))
+    with pytest.raises(BudgetError, match=r"group '1' \(257.00 KiB\).*device_budget >= 257.00 KiB"):
+        offload.wrap(model, cfg(tmp_path, device_budget="100KiB"))
+    assert not (tmp_path / "nvme").exists() or list((tmp_path / "nvme").iterdir()) == []
+
+
+def test_host_tier_larger_than_host_budget_is_refused(tmp_path, no_leaks):
+    model = nn.Linear(512, 512)  # 1 MiB
+    with pytest.raises(BudgetError, match="param_tier='host' needs 1.00 MiB.*host_budget"):
+        offload.wrap(model, cfg(tmp_path, param_tier="host", host_budget="512KiB", device_budget="2MiB"))
+
+
+def test_wrapping_twice_and_stats_of_unwrapped_are_clear(tmp_path, no_leaks):
+    model = deep_mlp(2)
+    offload.wrap(model, cfg(tmp_path))
+    with pytest.raises(ValueError, match="already wrapped"):
+        offload.wrap(model, cfg(tmp_path))
+    offload.unwrap(model)
+    with pytest.raises(ValueError, match="not wrapped"):
+        offload.stats(model)
+
+
+# -- config ----------------------------------------------------------------------------------
+def test_config_from_json_and_validation(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"device": "cpu", "param_tier": "host", "optimizer_tier": "host",
+                                "device_budget": "1GiB", "host_budget": 2 << 30}))
+    c = offload.OffloadConfig.from_file(str(path))
+    assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30 and c.prefetch_limit == 1 << 29
+    path.write_text(json.dumps({"device": "cpu", "param_tiers": "host"}))
+    with pytest.raises(ValueError, match=r"unknown keys \['param_tiers'\]"):
+        offload.OffloadConfig.from_file(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        offload.OffloadConfig.from_file(str(path))
+    with pytest.raises(ValueError, match="param_tier='ssd' is not a tier"):
+        offload.OffloadConfig(device="cpu", param_tier="ssd")
+    with pytest.raises(ValueError, match="device_budget='lots' is not a size"):
+        offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", device_budget="lots")
+    with pytest.raises(ValueError, match="device_budget=-5 must be > 0"):
+        offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", device_budget=-5)
+    with pytest.raises(ValueError, match="nvme_path is required"):
+        offload.OffloadConfig(device="cpu", param_tier="nvme")
+    with pytest.raises(ValueError, match="device='tpu' is not"):
+        offload.OffloadConfig(device="tpu")
+
+
+@pytest.mark.cuda
+def test_cuda_forward_backward_match(tmp_path, no_leaks):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    model = deep_mlp(6, 256).cuda()
+    ref = copy.deepcopy(model)
+    offload.wrap(model, cfg(tmp_path, device="cuda", device_budget="1MiB"))
+    try:
+        x = torch.randn(8, 256, device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(2):
+            out, expected = model(x), ref(x)
+            torch.testing.assert_close(out, expected)
+            out.sum().backward()
+            expected.sum().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+                p.grad = q.grad = None
+        assert offload.stats(model)["device_peak_bytes"] <= 1 << 20
+        del base
+    finally:
+        offload.unwrap(model)
