@@ -31,7 +31,7 @@ import torch
 
 from ..io import BudgetError, BufferPool, HostBuffer
 from ._state import Residency, StoreError, Tier, check_transition
-from ._tiers import Done, TierBackend
+from ._tiers import Done, Pending, TierBackend
 
 __all__ = ["TensorStore", "StoredTensor"]
 
@@ -557,15 +557,11 @@ class TensorStore:
             f"the {tier.value} budget")
 
 
-class _Chained:
+class _Chained(Pending):
     """Completion of two transfers in sequence (disk -> staging -> device)."""
 
     def __init__(self, first: Any, start_second: Any):
-        self._second: Any = None
-        self._error: BaseException | None = None
-        self._event = threading.Event()
-        self._callbacks: list[Any] = []
-        self._lock = threading.Lock()
+        super().__init__()
         first.add_done_callback(lambda c: self._after_first(c, start_second))
 
     def _after_first(self, first: Any, start_second: Any) -> None:
@@ -573,37 +569,11 @@ class _Chained:
             self._finish(first.exception())
             return
         try:
-            self._second = start_second()
+            second = start_second()
         except Exception as err:
             self._finish(err)
             return
-        self._second.add_done_callback(lambda c: self._finish(c.exception()))
-
-    def _finish(self, error: BaseException | None) -> None:
-        with self._lock:
-            self._error = error
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self._event.wait(timeout)
-        if self._error is not None:
-            raise self._error
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def add_done_callback(self, fn: Any) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
+        second.add_done_callback(lambda c: self._finish(c.exception()))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..io import BufferPool, FileEngine, HostBuffer, round_up
 from ._nvme import Extent, SwapFiles
 from ._state import Tier
 
-__all__ = ["Completion", "Done", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier"]
+__all__ = ["Completion", "Done", "Pending", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier"]
 
 
 class Completion(Protocol):
@@ -50,6 +50,42 @@ class Done:
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         fn(self)
+
+
+class Pending:
+    """A completion finished later by ``_finish(error)``, from whatever thread completes it."""
+
+    def __init__(self) -> None:
+        self._error: BaseException | None = None
+        self._finished = threading.Event()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._finished.wait(timeout)
+        if self._error is not None:
+            raise self._error
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        with self._lock:
+            if not self._finished.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._error = error
+            self._finished.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
 
 class TierBackend(abc.ABC):
@@ -191,38 +227,13 @@ class _EventWatcher:
             fn()
 
 
-class _EventCompletion:
-    """Completion of an asynchronous CUDA copy; ``event`` is what a consumer stream waits on."""
+class _EventCompletion(Pending):
+    """Completion of an asynchronous CUDA copy, finished by the event watcher thread."""
 
     def __init__(self, event: "torch.cuda.Event", watcher: _EventWatcher):
+        super().__init__()
         self.event = event
-        self._finished = threading.Event()
-        self._callbacks: list[Callable[[Any], None]] = []
-        self._lock = threading.Lock()
-        watcher.watch(event, self._fire)
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self._finished.wait(timeout)
-
-    def exception(self) -> BaseException | None:
-        return None
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        with self._lock:
-            if not self._finished.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def _fire(self) -> None:
-        with self._lock:
-            self._finished.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+        watcher.watch(event, self._finish)
 
 
 @dataclass(eq=False)
@@ -412,43 +423,23 @@ class FakeTier(TierBackend):
         count = len(self._pending) if n is None else n
         for _ in range(count):
             move, completion = self._pending.pop(0)
-            completion._finish(move)
+            completion._complete(move)
 
     def _run(self, move: Callable[[], None], error: BaseException | None) -> Completion:
         completion = _FakeCompletion(error)
         if self.manual:
             self._pending.append((move, completion))
         else:
-            completion._finish(move)
+            completion._complete(move)
         return completion
 
 
-class _FakeCompletion:
+class _FakeCompletion(Pending):
     def __init__(self, error: BaseException | None):
-        self._error = error
-        self._event = threading.Event()
-        self._callbacks: list[Callable[[Any], None]] = []
+        super().__init__()
+        self._planned_error = error
 
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self._event.wait(timeout)
-        if self._error is not None:
-            raise self._error
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        if self._event.is_set():
-            fn(self)
-        else:
-            self._callbacks.append(fn)
-
-    def _finish(self, move: Callable[[], None]) -> None:
-        if self._error is None:
+    def _complete(self, move: Callable[[], None]) -> None:
+        if self._planned_error is None:
             move()
-        self._event.set()
-        for fn in self._callbacks:
-            fn(self)
+        self._finish(self._planned_error)

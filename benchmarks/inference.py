@@ -1,0 +1,334 @@
+"""Inference of a model whose weights stay on disk: offload against Accelerate, and memory.
+
+    python benchmarks/inference.py --json inference.json
+
+Builds a GPT-2-style model of about 350M parameters from a config (random weights, saved
+once as safetensors under --work), then measures, each in its own process:
+
+  memory      the model loaded in RAM, plain torch;
+  offload     built on the meta device, ``offload.wrap(..., param_tier="nvme",
+              checkpoint=...)``: weights stream from swap files with O_DIRECT;
+  accelerate  ``accelerate.disk_offload`` with an offload folder (numpy memmaps, read
+              through the page cache).
+
+Each does a forward of 1x128 tokens and greedy generation of 16 new tokens. The two disk
+modes run while a balloon process holds all but --reserve of the free RAM (locked, and
+there is no swap here), after the page cache is dropped: the page cache cannot keep the
+weights, as for a model larger than RAM. The disk lower bound is the bytes each mode must
+read per token divided by the read bandwidth of this disk measured in the same run
+(O_DIRECT sequential read of the checkpoint with offload's engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger("inference")
+PROMPT = 128
+NEW_TOKENS = 16
+
+
+# ---------------------------------------------------------------------------------------
+def model_config():
+    import transformers
+
+    return transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257,
+                                   n_positions=1024)  # GPT-2 medium: 355M parameters
+
+
+def prepare(work: str) -> str:
+    import torch
+    import transformers
+
+    path = os.path.join(work, "gpt2-medium-random")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(model_config())
+        model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+class _RssSampler:
+    """Peak RSS of this process over a timed section (ru_maxrss cannot be reset)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.005)
+
+
+def _timed_run(model, device_note: str) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50257, (1, PROMPT))
+    with _RssSampler() as rss:
+        with torch.no_grad():
+            started = time.perf_counter()
+            model(input_ids=ids)
+            forward_s = time.perf_counter() - started
+            started = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+            gen_s = time.perf_counter() - started
+    return {"forward_s": forward_s, "generate_s": gen_s, "tok_s": NEW_TOKENS / gen_s,
+            "s_per_token": gen_s / NEW_TOKENS, "peak_rss_bytes": rss.peak,
+            "tokens": out[0, -NEW_TOKENS:].tolist(), "note": device_note}
+
+
+def worker_memory(path: str, args) -> dict:
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    return _timed_run(model, "weights in RAM")
+
+
+def worker_offload(path: str, args) -> dict:
+    import torch
+    import transformers
+
+    import offload
+
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(model_config()).eval()
+    cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme",
+                                nvme_path=os.path.join(args.work, "swap"),
+                                device_budget=args.device_budget, host_budget="256MiB")
+    offload.wrap(model, cfg, checkpoint=path)
+    with _balloon(args.reserve):
+        _drop_caches()
+        offload.reset_peak_stats(model)
+        before = offload.stats(model)
+        result = _timed_run(model, "O_DIRECT from swap files")
+        after = offload.stats(model)
+    passes = 2 + NEW_TOKENS - 1  # the forward, then generation: the prompt, then one per new token
+    result.update(read_bytes=after["read_bytes"] - before["read_bytes"],
+                  stall_seconds=after["stall_seconds"] - before["stall_seconds"],
+                  bytes_per_pass=(after["read_bytes"] - before["read_bytes"]) / passes,
+                  prefetch_hits=after["prefetch_hits"], prefetch_misses=after["prefetch_misses"],
+                  device_peak_bytes=after["device_peak_bytes"])
+    offload.unwrap(model)
+    return result
+
+
+def worker_accelerate(path: str, args) -> dict:
+    import transformers
+    from accelerate import disk_offload
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    folder = os.path.join(args.work, "accelerate-offload")
+    disk_offload(model, folder, execution_device="cpu")
+    import gc
+
+    gc.collect()
+    with _balloon(args.reserve):
+        _drop_caches()
+        io_before = _proc_read_bytes()
+        result = _timed_run(model, "numpy memmap through the page cache")
+        result["read_bytes"] = _proc_read_bytes() - io_before
+    return result
+
+
+def worker_bandwidth(path: str, args) -> dict:
+    """O_DIRECT sequential read of the checkpoint files with offload's engine."""
+    import glob
+
+    from offload.io import FileEngine, HostBuffer
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    chunk = 64 << 20
+    bufs = [HostBuffer(chunk) for _ in range(4)]
+    total, started = 0, time.perf_counter()
+    with FileEngine() as engine:
+        for name in files:
+            f = engine.open(name)
+            size = os.path.getsize(name) // 4096 * 4096
+            handles = []
+            for i, off in enumerate(range(0, size, chunk)):
+                if len(handles) == len(bufs):
+                    handles.pop(0).wait()
+                handles.append(engine.read(f, off, bufs[i % len(bufs)], min(chunk, size - off)))
+                total += min(chunk, size - off)
+            for h in handles:
+                h.wait()
+    return {"read_gbps": total / (time.perf_counter() - started) / 1e9}
+
+
+# ---------------------------------------------------------------------------------------
+class _balloon:
+    """Hold all but ``reserve`` bytes of available RAM in another process, locked."""
+
+    def __init__(self, reserve: int):
+        self.reserve, self.proc = reserve, None
+
+    def __enter__(self):
+        import psutil
+
+        size = psutil.virtual_memory().available - self.reserve
+        if size <= 0:
+            return self
+        code = ("import mmap,ctypes,sys,time\n"
+                f"m=mmap.mmap(-1,{size},flags=mmap.MAP_PRIVATE|mmap.MAP_ANONYMOUS|getattr(mmap,'MAP_POPULATE',0))\n"
+                "a=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+                f"locked=ctypes.CDLL(None,use_errno=True).mlock(ctypes.c_void_p(a),ctypes.c_size_t({size}))==0\n"
+                "print('locked' if locked else 'populated',flush=True)\n"
+                "time.sleep(3600)\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        self.state = self.proc.stdout.readline().strip()
+        log.info("balloon: holding %.1f GiB of RAM (%s); %.1f GiB left for the page cache and the run",
+                 size / 2**30, self.state, self.reserve / 2**30)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+def _drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+    except OSError:
+        log.warning("could not drop the page cache (not root); the balloon alone keeps it small")
+
+
+def _proc_read_bytes() -> int:
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
+def run_worker(name: str, path: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--model", path,
+           "--work", args.work, "--reserve", str(args.reserve), "--device-budget", str(args.device_budget)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} worker failed:\n{out.stderr[-4000:]}")
+    for line in out.stderr.splitlines():
+        if "balloon:" in line:
+            log.info("  %s %s", name, line.strip())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--work", default="/var/tmp/offload-inference", help="directory for the saved "
+                        "model, swap files and Accelerate's offload folder (needs ~5 GB on a local disk)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians reported")
+    parser.add_argument("--reserve", default="2GiB", help="RAM left free while the disk modes run "
+                        "(the rest is held by the balloon); default 2GiB, below the model's 1.4 GB "
+                        "plus what each process needs")
+    parser.add_argument("--device-budget", default="512MiB", help="offload's device budget (default 512MiB)")
+    parser.add_argument("--skip-accelerate", action="store_true", help="do not run Accelerate")
+    parser.add_argument("--json", default=None, help="write every figure to this JSON file")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    from offload import parse_size
+
+    args.reserve = parse_size(args.reserve, name="--reserve")
+    args.device_budget = parse_size(args.device_budget, name="--device-budget")
+    if args.worker:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        fn = {"memory": worker_memory, "offload": worker_offload, "accelerate": worker_accelerate,
+              "bandwidth": worker_bandwidth}[args.worker]
+        print(json.dumps(fn(args.model, args)))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.makedirs(args.work, exist_ok=True)
+    path = prepare(args.work)
+    model_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    log.info("model: %s (%.2f GB of weights)", path, model_bytes / 1e9)
+    modes = ["memory", "offload"] + ([] if args.skip_accelerate else ["accelerate"])
+    rounds = []
+    for r in range(args.rounds):
+        row = {"bandwidth": run_worker("bandwidth", path, args)}
+        for mode in modes:
+            row[mode] = run_worker(mode, path, args)
+            log.info("round %d %-10s forward %.2f s, %.2f tok/s, peak RSS %.0f MiB", r, mode,
+                     row[mode]["forward_s"], row[mode]["tok_s"], row[mode]["peak_rss_bytes"] / 2**20)
+        row["bandwidth_after"] = run_worker("bandwidth", path, args)
+        rounds.append(row)
+    report = summarize(rounds, model_bytes, modes)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+def summarize(rounds, model_bytes, modes) -> dict:
+    med = statistics.median
+    gbps = med([r["bandwidth"]["read_gbps"] for r in rounds] + [r["bandwidth_after"]["read_gbps"] for r in rounds])
+    ours = [r["offload"] for r in rounds]
+    bytes_per_token = med(o["bytes_per_pass"] for o in ours)
+    lower_tok_s = gbps * 1e9 / bytes_per_token
+    rep = {
+        "model_bytes": model_bytes, "disk_read_gbps": gbps, "ours_bytes_per_token": bytes_per_token,
+        "memory_tok_s": med(r["memory"]["tok_s"] for r in rounds),
+        "ours_tok_s": med(o["tok_s"] for o in ours),
+        "accelerate_tok_s": med(r["accelerate"]["tok_s"] for r in rounds) if "accelerate" in modes else None,
+        "lower_bound_tok_s": lower_tok_s,
+        "ours_peak_rss_bytes": max(o["peak_rss_bytes"] for o in ours),
+        "accelerate_peak_rss_bytes": max(r["accelerate"]["peak_rss_bytes"] for r in rounds) if "accelerate" in modes else None,
+        "memory_peak_rss_bytes": max(r["memory"]["peak_rss_bytes"] for r in rounds),
+        "ours_forward_s": med(o["forward_s"] for o in ours),
+        "memory_forward_s": med(r["memory"]["forward_s"] for r in rounds),
+        "accelerate_forward_s": med(r["accelerate"]["forward_s"] for r in rounds) if "accelerate" in modes else None,
+        "ours_stall_seconds": med(o["stall_seconds"] for o in ours),
+        "same_tokens_as_memory": all(r["offload"]["tokens"] == r["memory"]["tokens"] for r in rounds),
+        "per_round": rounds,
+    }
+    rep["ours_vs_accelerate"] = rep["ours_tok_s"] / rep["accelerate_tok_s"] if rep["accelerate_tok_s"] else None
+    rep["ours_vs_lower_bound"] = rep["ours_tok_s"] / lower_tok_s
+    return rep
+
+
+def print_report(rep: dict) -> None:
+    log.info("")
+    log.info("GPT-2 medium (random weights, %.2f GB), 1x%d prompt, %d new tokens, CPU", rep["model_bytes"] / 1e9,
+             PROMPT, NEW_TOKENS)
+    log.info("%-12s %10s %10s %10s %12s", "", "forward s", "tok/s", "s/token", "peak RSS")
+    for mode in ("memory", "ours", "accelerate"):
+        tok = rep.get(f"{mode}_tok_s")
+        if tok is None:
+            continue
+        log.info("%-12s %10.2f %10.3f %10.2f %9.0f MiB", mode, rep[f"{mode}_forward_s"], tok, 1 / tok,
+                 rep[f"{mode}_peak_rss_bytes"] / 2**20)
+    log.info("disk: %.2f GB/s O_DIRECT read (this run); ours reads %.2f GB per token -> lower bound "
+             "%.3f tok/s", rep["disk_read_gbps"], rep["ours_bytes_per_token"] / 1e9, rep["lower_bound_tok_s"])
+    log.info("ours / lower bound: %.2fx   ours / accelerate: %s   stall %.2f s   same tokens as memory: %s",
+             rep["ours_vs_lower_bound"],
+             f"{rep['ours_vs_accelerate']:.2f}x" if rep["ours_vs_accelerate"] else "n/a",
+             rep["ours_stall_seconds"], rep["same_tokens_as_memory"])
+
+
+if __name__ == "__main__":
+    main()
