@@ -36,7 +36,7 @@ FIO_CONFIGS = [("1M", 8), ("1M", 32), ("8M", 8), ("8M", 32)]
 # ---------------------------------------------------------------------------------------
 # workers (each runs in a fresh process and prints one JSON line)
 # ---------------------------------------------------------------------------------------
-def worker_ours(path: str, size: int) -> dict:
+def worker_ours(path: str, size: int, host_budget: str, device_budget: str) -> dict:
     import torch
 
     from offload.store import Tier, create_store
@@ -44,8 +44,8 @@ def worker_ours(path: str, size: int) -> dict:
     nchunks = size // CHUNK
     source = torch.randint(0, 256, (CHUNK,), dtype=torch.uint8)
     io = json.loads(os.environ.get("OFFLOAD_BENCH_IO", "{}"))  # for sweeps; default settings otherwise
-    with create_store(device="cpu", nvme_path=path, device_budget="256MiB", host_budget="256MiB",
-                      **io) as store:
+    with create_store(device="cpu", nvme_path=path, device_budget=device_budget,
+                      host_budget=host_budget, **io) as store:
         keys = [f"chunk{i}" for i in range(nchunks)]
         started = time.perf_counter()
         for key in keys:
@@ -63,7 +63,7 @@ def worker_ours(path: str, size: int) -> dict:
         overwrite_s = time.perf_counter() - started
 
         started = time.perf_counter()
-        ahead = (256 << 20) // CHUNK  # fetches kept in flight, like a prefetcher with 256 MiB
+        ahead = store.tiers[Tier.DEVICE].budget // CHUNK  # fetches in flight, as a prefetcher keeps
         for key in keys[:ahead]:
             store.fetch(key, Tier.DEVICE)
         for i, key in enumerate(keys):
@@ -82,7 +82,7 @@ def worker_ours(path: str, size: int) -> dict:
             "nvme_write_bytes": stats["nvme"]["write_bytes"]}
 
 
-def worker_deepspeed(path: str, size: int) -> dict:
+def worker_deepspeed(path: str, size: int, *_: str) -> dict:
     import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -118,8 +118,9 @@ def _peak_rss() -> int:
 # ---------------------------------------------------------------------------------------
 # orchestration
 # ---------------------------------------------------------------------------------------
-def run_worker(name: str, path: str, size: int) -> dict | None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--path", path, "--size", str(size)]
+def run_worker(name: str, path: str, size: int, args: argparse.Namespace) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--path", path, "--size", str(size),
+           "--host-budget", args.host_budget, "--device-budget", args.device_budget]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         log.warning("%s worker failed:\n%s", name, out.stderr[-3000:])
@@ -156,6 +157,10 @@ def main() -> None:
                         "temporary directory under /var/tmp); must allow O_DIRECT for a fair figure")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3); the "
                         "medians are reported")
+    parser.add_argument("--host-budget", default="384MiB", help="offload's host budget: staging "
+                        "buffers for writes (default 384MiB: 12 tensors in flight)")
+    parser.add_argument("--device-budget", default="256MiB", help="offload's compute-tier budget: "
+                        "reads in flight ahead of use (default 256MiB: 8 tensors)")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even if installed")
@@ -167,7 +172,8 @@ def main() -> None:
     if size == 0:
         parser.error(f"--size {args.size} is below one 32 MiB chunk")
     if args.worker:
-        result = {"ours": worker_ours, "deepspeed": worker_deepspeed}[args.worker](args.path, size)
+        result = {"ours": worker_ours, "deepspeed": worker_deepspeed}[args.worker](
+            args.path, size, args.host_budget, args.device_budget)
         print(json.dumps(result))
         return
 
@@ -189,14 +195,14 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             row: dict = {"round": r}
-            row["ours"] = run_worker("ours", os.path.join(base, "ours"), size)
+            row["ours"] = run_worker("ours", os.path.join(base, "ours"), size, args)
             if use_fio:
                 for bs, depth in FIO_CONFIGS:
                     row[f"fio_write_{bs}_qd{depth}"] = run_fio(base, size, "write", bs, depth)
                     row[f"fio_read_{bs}_qd{depth}"] = run_fio(base, size, "read", bs, depth)
                 os.unlink(os.path.join(base, "fio.bin"))
             if use_ds:
-                row["deepspeed"] = run_worker("deepspeed", base, size)
+                row["deepspeed"] = run_worker("deepspeed", base, size, args)
             rounds.append(row)
             log.info("round %d: ours write %.2f rewrite %.2f read %.2f GB/s%s", r,
                      row["ours"]["write_gbps"], row["ours"]["overwrite_gbps"], row["ours"]["read_gbps"],

@@ -33,11 +33,15 @@ class OffloadConfig:
         nvme_path: directory for swap files; required when a tier is ``"nvme"``.
         device_budget: most bytes of managed parameters on the device at once, prefetch included.
         host_budget: most bytes of host buffers (pinned on CUDA) the runtime may hold.
-        prefetch_bytes: bytes fetched ahead of use; ``"auto"`` takes half the device budget.
+        prefetch_bytes: bytes fetched ahead of use; ``"auto"``: the device budget less the
+            largest parameter group, and at least half of it.
         compute_dtype: run parameters in this dtype (``"bf16"``, ``"fp16"``, ``"fp32"``);
             ``None`` keeps the model's.
         resident_bytes: parameters of a module below this stay on the device, counted in
             the device budget (norms, biases).
+        group_bytes: consecutive modules are merged into one parameter group up to this size
+            (fewer, larger transfers); 0 (default) keeps one group per module, which read
+            fewer bytes per token in the inference benchmark (docs/benchmarks.md).
         block_size, io_threads, queue_depth: the file engine's settings.
         file_size: bytes per preallocated swap file.
     """
@@ -51,6 +55,7 @@ class OffloadConfig:
     prefetch_bytes: int | str = "auto"
     compute_dtype: str | None = None
     resident_bytes: int | str = "64KiB"
+    group_bytes: int | str = 0
     block_size: int | str = "8MiB"
     io_threads: int = 32
     queue_depth: int = 32
@@ -64,6 +69,7 @@ class OffloadConfig:
         for name in ("device_budget", "host_budget", "block_size", "file_size"):
             set_(name, parse_size(getattr(self, name), name=name))
         set_("resident_bytes", parse_size(self.resident_bytes, name="resident_bytes", allow_zero=True))
+        set_("group_bytes", parse_size(self.group_bytes, name="group_bytes", allow_zero=True))
         if self.prefetch_bytes != "auto":
             set_("prefetch_bytes", parse_size(self.prefetch_bytes, name="prefetch_bytes", allow_zero=True))
         if self.compute_dtype is not None and str(self.compute_dtype).lower() not in _DTYPES:
@@ -91,10 +97,15 @@ class OffloadConfig:
     def dtype(self) -> torch.dtype | None:
         return None if self.compute_dtype is None else _DTYPES[str(self.compute_dtype).lower()]
 
-    @property
-    def prefetch_limit(self) -> int:
-        """Bytes the prefetcher may have in flight or resident ahead of use."""
-        return self.device_budget // 2 if self.prefetch_bytes == "auto" else int(self.prefetch_bytes)
+    def prefetch_limit(self, largest_group: int = 0) -> int:
+        """Bytes the prefetcher may have in flight or resident ahead of use.
+
+        ``"auto"``: the device budget less the largest group (the one in use), and at least
+        half the budget.
+        """
+        if self.prefetch_bytes != "auto":
+            return int(self.prefetch_bytes)
+        return max(self.device_budget - largest_group, self.device_budget // 2)
 
     def replace(self, **changes: Any) -> OffloadConfig:
         return dataclasses.replace(self, **changes)

@@ -52,7 +52,6 @@ class Coordinator:
         self.store, self.device = store, device
         self.groups = [g for g in groups if not g.resident]
         self.prefetch_limit, self.device_budget = prefetch_limit, device_budget
-        self.largest = max((g.nbytes for g in self.groups), default=0)
         self.events = events  # when a list, every fetch/acquire/release is appended
         self.live: dict[ParamGroup, _Live] = {g: _Live() for g in groups}
         self.by_storage: dict[int, ParamGroup] = {}  # data_ptr of materialized buffers
@@ -168,6 +167,7 @@ class Coordinator:
         else:
             self.prefetch_misses += 1
             if self.store.state(group.key, Tier.DEVICE) is Residency.ABSENT:
+                self._make_room(group)
                 self._log("fetch", group, "demand")
                 self.store.fetch(group.key, Tier.DEVICE, priority=0)
         started = time.perf_counter()
@@ -191,6 +191,12 @@ class Coordinator:
             self.ahead[group] = None  # keep the bytes on the device for the coming use
         else:
             self.store.evict(group.key, Tier.DEVICE)
+
+    def _make_room(self, group: ParamGroup) -> None:
+        """A demand fetch comes first: drop the farthest prefetches until it fits."""
+        device = self.store.tiers[Tier.DEVICE]
+        while self.ahead and device.used_bytes + device.slot_size(group.nbytes) > self.device_budget:
+            self._drop_ahead(next(reversed(self.ahead)))
 
     def _drop_ahead(self, group: ParamGroup) -> None:
         self.ahead.pop(group, None)
@@ -223,20 +229,24 @@ class Coordinator:
         return group in self._window()
 
     def _prefetch(self) -> None:
-        window = self._window()
-        for group in list(self.ahead):  # fetched earlier but now farther than nearer needs
-            if group not in window:
-                self._drop_ahead(group)
+        # Groups fetched ahead stay until used even when the window moves past them (they
+        # are in trace order, so they are needed soon); dropping and refetching them would
+        # read the same bytes twice.
         device = self.store.tiers[Tier.DEVICE]
-        for group in window:
+        ahead_bytes = sum(g.nbytes for g in self.ahead)
+        for group in self._window():
             if group in self.ahead:
                 continue
-            # keep room for one demand fetch, so a miss can never be starved by prefetches
-            if device.used_bytes + group.nbytes + self.largest > self.device_budget:
+            if ahead_bytes + group.nbytes > self.prefetch_limit:
+                break
+            # prefetches never wait for room: they only use what is free now (a demand
+            # fetch that finds no room drops the farthest of them, see _make_room)
+            if device.used_bytes + device.slot_size(group.nbytes) > self.device_budget:
                 break
             self._log("fetch", group, "prefetch")
             self.store.fetch(group.key, Tier.DEVICE, priority=1)
             self.ahead[group] = None
+            ahead_bytes += group.nbytes
 
     def placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         key = (dtype,)

@@ -69,7 +69,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
         if meta:
             raise ValueError(f"parameters {meta[:5]}{'...' if len(meta) > 5 else ''} are on the meta "
                              "device: pass checkpoint=PATH so wrap() can load their values")
-    groups, needs = build_groups(model, dtype=config.dtype,
+    groups, needs = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
                                  resident_bytes=0 if config.param_tier == "device" else config.resident_bytes)
     if config.param_tier == "device":
         for group in groups:
@@ -77,10 +77,12 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     _check_budgets(groups, config)
     store = _make_store(config)
     try:
-        coordinator = Coordinator(store, groups, device=device, prefetch_limit=config.prefetch_limit,
+        largest = max((g.nbytes for g in groups if not g.resident), default=0)
+        coordinator = Coordinator(store, groups, device=device, prefetch_limit=config.prefetch_limit(largest),
                                   device_budget=config.device_budget, events=events)
         _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader)
         _move_buffers(model, device, reader)
+        store.staging.trim()  # the staging buffers of loading are not needed again soon
         hooks = ModuleHooks(model, needs, coordinator)
         hooks.attach()
     except BaseException:
@@ -90,7 +92,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     total = sum(g.nbytes for g in groups)
     log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s",
              len(groups), format_size(total), config.param_tier, format_size(config.device_budget),
-             format_size(config.prefetch_limit))
+             format_size(coordinator.prefetch_limit))
     return model
 
 

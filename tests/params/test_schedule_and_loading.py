@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 def cfg(tmp_path, **kw):
     args = dict(device="cpu", param_tier="nvme", optimizer_tier="host", nvme_path=str(tmp_path / "nvme"),
-                device_budget="256KiB", host_budget="16MiB", resident_bytes=0, file_size="4MiB")
+                device_budget="256KiB", host_budget="16MiB", resident_bytes=0, file_size="4MiB", group_bytes=0)
     args.update(kw)
     return offload.OffloadConfig(**args)
 
@@ -186,7 +186,7 @@ def test_config_from_json_and_validation(tmp_path):
     path.write_text(json.dumps({"device": "cpu", "param_tier": "host", "optimizer_tier": "host",
                                 "device_budget": "1GiB", "host_budget": 2 << 30}))
     c = offload.OffloadConfig.from_file(str(path))
-    assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30 and c.prefetch_limit == 1 << 29
+    assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30 and c.prefetch_limit() == 1 << 30 and c.prefetch_limit(1 << 29) == 1 << 29
     path.write_text(json.dumps({"device": "cpu", "param_tiers": "host"}))
     with pytest.raises(ValueError, match=r"unknown keys \['param_tiers'\]"):
         offload.OffloadConfig.from_file(str(path))

@@ -19,7 +19,7 @@ TIERS = ["device", "host", "nvme"]
 def config(tmp_path, tier, **kw):
     args = dict(device="cpu", param_tier=tier, optimizer_tier="host",
                 nvme_path=str(tmp_path / "nvme") if tier == "nvme" else None,
-                device_budget="64MiB", host_budget="256MiB", resident_bytes=0, file_size="16MiB")
+                device_budget="64MiB", host_budget="256MiB", resident_bytes=0, file_size="16MiB", group_bytes=0)
     args.update(kw)
     return offload.OffloadConfig(**args)
 
@@ -179,5 +179,28 @@ def test_compute_dtype_runs_an_fp32_model_in_bf16(tmp_path, no_leaks):
         with torch.no_grad():
             expected = ref(input_ids=ids).logits
         torch.testing.assert_close(logits, expected)
+    finally:
+        offload.unwrap(model)
+
+
+@pytest.mark.parametrize("group_bytes", ["100KiB", "1MiB"])
+def test_groups_merged_by_size_match_reference(tmp_path, group_bytes, no_leaks):
+    ref, model = tiny_gpt2(), tiny_gpt2()
+    ids = _batches(model.config.vocab_size)[0]
+    offload.wrap(model, config(tmp_path, "nvme", group_bytes=group_bytes, resident_bytes="4KiB",
+                               device_budget="2MiB"))
+    try:
+        groups = offload.params.manager_of(model).groups
+        streamed = [g for g in groups if not g.resident]
+        assert any(len(g.slots) >= 4 for g in streamed)  # several modules (weight + bias each) share a group
+        assert all(g.nbytes <= 100 << 10 for g in streamed if len(g.slots) > 2) or group_bytes == "1MiB"
+        for _ in range(2):
+            out, expected = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            torch.testing.assert_close(out.loss, expected.loss)
+            out.loss.backward()
+            expected.loss.backward()
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+                p.grad = q.grad = None
     finally:
         offload.unwrap(model)
