@@ -6,7 +6,7 @@ time, driven by the model's own forward and backward.
 
     cfg = offload.OffloadConfig(device="cuda", param_tier="nvme", nvme_path="/mnt/nvme/x")
     model = offload.wrap(model, cfg)
-    print(offload.stats(model))
+    stats = offload.stats(model)   # bytes per tier, bytes moved, stall seconds, prefetch hits
 
 The lower layers are importable too: ``offload.io`` (aligned buffers, the async file
 engine) and ``offload.store`` (the tiered tensor store).

@@ -39,6 +39,12 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def assert_grads_match_and_clear(model, ref):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+        p.grad = q.grad = None
+
+
 def _batches(vocab, n=2, seq=16):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, vocab, (2, seq), generator=g) for _ in range(n)]
@@ -57,9 +63,7 @@ def test_forward_backward_match_reference(tmp_path, tier, build, no_leaks):
             torch.testing.assert_close(out.loss, expected.loss)
             out.loss.backward()
             expected.loss.backward()
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
-                p.grad = q.grad = None
+            assert_grads_match_and_clear(model, ref)
         s = offload.stats(model)
         assert s["device_peak_bytes"] <= 2 << 20 or tier == "device"
         if tier != "device":
@@ -131,9 +135,7 @@ def test_modules_called_twice_and_activation_checkpointing(tmp_path, tier, make,
             out.square().sum().backward()
             expected.square().sum().backward()
             torch.testing.assert_close(x.grad, x_ref.grad)
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
-                p.grad = q.grad = None
+            assert_grads_match_and_clear(model, ref)
             x.grad = x_ref.grad = None
     finally:
         offload.unwrap(model)
@@ -199,8 +201,6 @@ def test_groups_merged_by_size_match_reference(tmp_path, group_bytes, no_leaks):
             torch.testing.assert_close(out.loss, expected.loss)
             out.loss.backward()
             expected.loss.backward()
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                torch.testing.assert_close(p.grad, q.grad, msg=name)
-                p.grad = q.grad = None
+            assert_grads_match_and_clear(model, ref)
     finally:
         offload.unwrap(model)
