@@ -14,6 +14,7 @@ from ._units import parse_size
 
 __all__ = ["OffloadConfig"]
 
+_AUTO_WINDOW = 256 << 20
 _TIERS_PARAM = ("device", "host", "nvme")
 _TIERS_OPTIM = ("host", "nvme")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -34,7 +35,7 @@ class OffloadConfig:
         device_budget: most bytes of managed parameters on the device at once, prefetch included.
         host_budget: most bytes of host buffers (pinned on CUDA) the runtime may hold.
         prefetch_bytes: bytes fetched ahead of use; ``"auto"``: the device budget less the
-            largest parameter group, and at least half of it.
+            largest parameter group, at most 256 MiB and at least a quarter of the budget.
         compute_dtype: run parameters in this dtype (``"bf16"``, ``"fp16"``, ``"fp32"``);
             ``None`` keeps the model's.
         resident_bytes: parameters of a module below this stay on the device, counted in
@@ -42,6 +43,9 @@ class OffloadConfig:
         group_bytes: consecutive modules are merged into one parameter group up to this size
             (fewer, larger transfers); 0 (default) keeps one group per module, which read
             fewer bytes per token in the inference benchmark (docs/benchmarks.md).
+        cache_bytes: device bytes that keep parameter groups resident across passes (the
+            most used first), so they are not read again every step or token; ``"auto"``:
+            what the device budget leaves after the prefetch window and the largest group.
         block_size, io_threads, queue_depth: the file engine's settings.
         file_size: bytes per preallocated swap file.
     """
@@ -56,6 +60,7 @@ class OffloadConfig:
     compute_dtype: str | None = None
     resident_bytes: int | str = "64KiB"
     group_bytes: int | str = 0
+    cache_bytes: int | str = "auto"
     block_size: int | str = "8MiB"
     io_threads: int = 32
     queue_depth: int = 32
@@ -72,6 +77,8 @@ class OffloadConfig:
         set_("group_bytes", parse_size(self.group_bytes, name="group_bytes", allow_zero=True))
         if self.prefetch_bytes != "auto":
             set_("prefetch_bytes", parse_size(self.prefetch_bytes, name="prefetch_bytes", allow_zero=True))
+        if self.cache_bytes != "auto":
+            set_("cache_bytes", parse_size(self.cache_bytes, name="cache_bytes", allow_zero=True))
         if self.compute_dtype is not None and str(self.compute_dtype).lower() not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported: use one of "
                              f"{sorted(set(_DTYPES))} or None to keep the model's dtype")
@@ -100,12 +107,13 @@ class OffloadConfig:
     def prefetch_limit(self, largest_group: int = 0) -> int:
         """Bytes the prefetcher may have in flight or resident ahead of use.
 
-        ``"auto"``: the device budget less the largest group (the one in use), and at least
-        half the budget.
+        ``"auto"``: the device budget less the largest group (the one in use), at most
+        256 MiB (8 MiB x 32 in flight saturated the reference disk, see docs/benchmarks.md),
+        and at least a quarter of the budget.
         """
         if self.prefetch_bytes != "auto":
             return int(self.prefetch_bytes)
-        return max(self.device_budget - largest_group, self.device_budget // 2)
+        return max(min(self.device_budget - largest_group, _AUTO_WINDOW), self.device_budget // 4)
 
     def replace(self, **changes: Any) -> OffloadConfig:
         return dataclasses.replace(self, **changes)

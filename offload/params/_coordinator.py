@@ -48,10 +48,13 @@ class _Pass:
 
 class Coordinator:
     def __init__(self, store: TensorStore, groups: list[ParamGroup], *, device: torch.device,
-                 prefetch_limit: int, device_budget: int, events: list | None = None):
+                 prefetch_limit: int, device_budget: int, cache_bytes: int | str = 0,
+                 events: list | None = None):
         self.store, self.device = store, device
         self.groups = [g for g in groups if not g.resident]
         self.prefetch_limit, self.device_budget = prefetch_limit, device_budget
+        self.cache_bytes = cache_bytes
+        self.cached: dict[ParamGroup, bool] = {}  # kept resident across passes -> loaded yet
         self.events = events  # when a list, every fetch/acquire/release is appended
         self.live: dict[ParamGroup, _Live] = {g: _Live() for g in groups}
         self.by_storage: dict[int, ParamGroup] = {}  # data_ptr of materialized buffers
@@ -93,6 +96,33 @@ class Coordinator:
                 log.info("the %s pass used %d groups where the recorded order had %d; "
                          "re-recorded", done.key, len(done.actual), len(trace))
             self.traces[done.key] = done.actual
+            if not self.cached:
+                self._choose_cached(done.actual)
+
+    def _choose_cached(self, trace: list[ParamGroup]) -> None:
+        """Pick the groups to keep resident across passes: most uses per pass first (a tied
+        embedding is used twice), then the largest, within the cache budget. Whatever is
+        left streams; room stays for the prefetch window and the largest streamed group."""
+        uses: dict[ParamGroup, int] = {}
+        for group in trace:
+            uses[group] = uses.get(group, 0) + 1
+        candidates = sorted(uses, key=lambda g: (-uses[g], -g.nbytes))
+        chosen: list[ParamGroup] = []
+        total = 0
+        for group in candidates:
+            rest = max((g.nbytes for g in candidates if g is not group and g not in chosen), default=0)
+            if self.cache_bytes == "auto":
+                fits = total + group.nbytes + self.prefetch_limit + rest <= self.device_budget
+            else:
+                fits = total + group.nbytes <= self.cache_bytes and \
+                    total + group.nbytes + rest <= self.device_budget
+            if fits:
+                chosen.append(group)
+                total += group.nbytes
+        self.cached = {g: False for g in chosen}
+        if chosen:
+            log.info("keeping %d parameter groups (%.1f MiB) resident across passes", len(chosen),
+                     total / 2**20)
 
     # -- acquire / release ---------------------------------------------------------------------
     def acquire(self, group: ParamGroup, phase: str) -> None:
@@ -135,6 +165,10 @@ class Coordinator:
                 self._dematerialize(group)
         for group in list(self.ahead):
             self._drop_ahead(group)
+        for group, loaded in list(self.cached.items()):
+            if loaded:
+                self.store.evict(group.key, Tier.DEVICE)
+        self.cached = {}
 
     # -- internals -----------------------------------------------------------------------------
     def _record(self, group: ParamGroup, phase: str) -> None:
@@ -161,7 +195,9 @@ class Coordinator:
 
     def _materialize(self, group: ParamGroup) -> None:
         live = self.live[group]
-        if group in self.ahead:
+        if self.cached.get(group):
+            self.prefetch_hits += 1
+        elif group in self.ahead:
             del self.ahead[group]
             self.prefetch_hits += 1
         else:
@@ -174,6 +210,9 @@ class Coordinator:
         flat = self.store.wait(group.key, Tier.DEVICE)
         self.stall_seconds += time.perf_counter() - started
         live.flat = flat
+        if group in self.cached:
+            self.cached[group] = True
+            self.ahead.pop(group, None)
         for slot in group.slots:
             view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             slot.param.data = view
@@ -187,6 +226,8 @@ class Coordinator:
         live.flat = None
         for slot in group.slots:
             slot.param.data = self.placeholder(slot.dtype, slot.shape)
+        if group in self.cached:
+            return  # stays resident on the device across passes
         if self._needed_soon(group):
             self.ahead[group] = None  # keep the bytes on the device for the coming use
         else:
@@ -217,7 +258,7 @@ class Coordinator:
         window: list[ParamGroup] = []
         total = 0
         for group in self._upcoming():
-            if group in window or self.live[group].flat is not None:
+            if group in window or self.live[group].flat is not None or self.cached.get(group):
                 continue
             if total + group.nbytes > self.prefetch_limit:
                 break

@@ -79,7 +79,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     try:
         largest = max((g.nbytes for g in groups if not g.resident), default=0)
         coordinator = Coordinator(store, groups, device=device, prefetch_limit=config.prefetch_limit(largest),
-                                  device_budget=config.device_budget, events=events)
+                                  device_budget=config.device_budget, cache_bytes=config.cache_bytes,
+                                  events=events)
         _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader)
         _move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 def cfg(tmp_path, **kw):
     args = dict(device="cpu", param_tier="nvme", optimizer_tier="host", nvme_path=str(tmp_path / "nvme"),
-                device_budget="256KiB", host_budget="16MiB", resident_bytes=0, file_size="4MiB", group_bytes=0)
+                device_budget="256KiB", host_budget="16MiB", resident_bytes=0, file_size="4MiB", group_bytes=0,
+                cache_bytes=0)
     args.update(kw)
     return offload.OffloadConfig(**args)
 
@@ -150,6 +151,34 @@ def test_checkpoint_that_does_not_match_lists_the_differences(tmp_path, no_leaks
     assert not list((tmp_path / "nvme").glob("offload-swap*")) if (tmp_path / "nvme").exists() else True
 
 
+def test_groups_kept_resident_across_passes_are_read_once(tmp_path, no_leaks):
+    ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=32)).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    reads = {}
+    for cache in (0, "auto"):
+        m = copy.deepcopy(ref)
+        (tmp_path / str(cache)).mkdir()
+        offload.wrap(m, cfg(tmp_path / str(cache), device_budget="300KiB", prefetch_bytes="64KiB",
+                            cache_bytes=cache))
+        try:
+            with torch.no_grad():
+                m(input_ids=ids)  # records the order, picks what to keep
+                before = offload.stats(m)["read_bytes"]
+                for _ in range(3):
+                    torch.testing.assert_close(m(input_ids=ids).logits, ref(input_ids=ids).logits)
+            stats = offload.stats(m)
+            reads[cache] = stats["read_bytes"] - before
+            assert stats["device_peak_bytes"] <= 300 << 10
+            coordinator = offload.params.manager_of(m).coordinator
+            if cache == "auto":
+                wte = next(g for g in coordinator.groups if g.key == "transformer.wte")
+                assert wte in coordinator.cached  # used twice per pass (tied): kept first
+        finally:
+            offload.unwrap(m)
+    assert reads["auto"] < reads[0] * 0.8, reads
+
+
 def test_meta_model_without_checkpoint_is_refused(no_leaks, tmp_path):
     with torch.device("meta"):
         model = nn.Linear(4, 4)
@@ -186,7 +215,9 @@ def test_config_from_json_and_validation(tmp_path):
     path.write_text(json.dumps({"device": "cpu", "param_tier": "host", "optimizer_tier": "host",
                                 "device_budget": "1GiB", "host_budget": 2 << 30}))
     c = offload.OffloadConfig.from_file(str(path))
-    assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30 and c.prefetch_limit() == 1 << 30 and c.prefetch_limit(1 << 29) == 1 << 29
+    assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30
+    assert c.prefetch_limit() == 256 << 20 and c.prefetch_limit(900 << 20) == 256 << 20  # a quarter at least
+    assert c.replace(device_budget="64MiB").prefetch_limit(16 << 20) == 48 << 20  # budget less the largest
     path.write_text(json.dumps({"device": "cpu", "param_tiers": "host"}))
     with pytest.raises(ValueError, match=r"unknown keys \['param_tiers'\]"):
         offload.OffloadConfig.from_file(str(path))
