@@ -189,10 +189,18 @@ class BufferPool:
             )
 
     def _take(self, size: int) -> HostBuffer | None:
-        cached = self._free.get(size)
-        if cached:
-            self._cached -= size
-            return cached.pop()
+        # Reuse the smallest cached buffer that fits, up to 4x the request: mapping and
+        # faulting in a new buffer costs ~5 ms per 16 MB, and a pool full of buffers of the
+        # wrong sizes would otherwise unmap and map on every request (measured: 680 maps in
+        # 8 generated tokens). The caller is charged the buffer's real size.
+        fits = [s for s in self._free if size <= s <= 4 * size and self._free[s]]
+        if fits:
+            best = min(fits)
+            self._cached -= best
+            buf = self._free[best].pop()
+            if not self._free[best]:
+                del self._free[best]
+            return buf
         if self._held + size > self.budget:
             self._drop_cached(self._held + size - self.budget)
         if self._held + size > self.budget:
