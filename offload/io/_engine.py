@@ -18,6 +18,7 @@ file systems) gets buffered I/O throughout, with one warning.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import heapq
@@ -401,7 +402,5 @@ def _close_all_engines() -> None:
     for engine in list(_live_engines):
         engine.close()
 
-
-import atexit  # noqa: E402  (kept next to its only use)
 
 atexit.register(_close_all_engines)

@@ -107,10 +107,11 @@ class Coordinator:
         for group in trace:
             uses[group] = uses.get(group, 0) + 1
         candidates = sorted(uses, key=lambda g: (-uses[g], -g.nbytes))
+        by_size = sorted(uses, key=lambda g: -g.nbytes)  # streamed groups, largest first
         chosen: list[ParamGroup] = []
         total = 0
         for group in candidates:
-            rest = max((g.nbytes for g in candidates if g is not group and g not in chosen), default=0)
+            rest = next((g.nbytes for g in by_size if g is not group), 0)  # largest left streaming
             if self.cache_bytes == "auto":
                 fits = total + group.nbytes + self.prefetch_limit + rest <= self.device_budget
             else:
@@ -118,6 +119,7 @@ class Coordinator:
                     total + group.nbytes + rest <= self.device_budget
             if fits:
                 chosen.append(group)
+                by_size.remove(group)
                 total += group.nbytes
         self.cached = {g: False for g in chosen}
         if chosen:

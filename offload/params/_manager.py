@@ -33,11 +33,6 @@ class ParamManager:
         self.model, self.config, self.store = model, config, store
         self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
 
-    def close(self) -> None:
-        self.hooks.remove()
-        self.coordinator.release_all()
-        self.store.close()
-
 
 def manager_of(model: nn.Module) -> ParamManager:
     try:

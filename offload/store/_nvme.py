@@ -19,7 +19,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
-from ..io import DiskFullError, EngineFile, FileEngine, round_up
+from ..io import DiskFullError, EngineFile, FileEngine, logical_block_size, round_up
 
 __all__ = ["SwapFiles", "Extent", "DirectoryLockedError", "free_disk_bytes"]
 
@@ -97,7 +97,7 @@ class SwapFiles:
         self._mutex = threading.Lock()
         self._closed = False
         self._remove_stale_files()
-        self.align = self._probe_alignment()
+        self.align = logical_block_size(self.path)
         self.file_size = round_up(file_size, self.align)
 
     # -- allocation -------------------------------------------------------------------------
@@ -195,11 +195,6 @@ class SwapFiles:
         for stale in glob.glob(os.path.join(self.path, _SWAP_PATTERN)):
             log.info("removing stale swap file %s left by a process that exited", stale)
             _unlink_quietly(stale)
-
-    def _probe_alignment(self) -> int:
-        from ..io import logical_block_size
-
-        return logical_block_size(self.path)
 
     def _new_file(self, size: int) -> tuple[EngineFile, _FreeList]:
         if self._closed:

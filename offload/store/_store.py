@@ -319,7 +319,7 @@ class TensorStore:
 
     def _fetch(self, record: StoredTensor, tier: Tier, priority: int) -> None:
         self._check_open()
-        backend = self._backend(tier)
+        self._backend(tier)  # raises for a tier this store does not have
         self.fetches += 1
         if record.lost is not None:
             raise StoreError(f"tensor {record.key!r} is lost: {record.lost}") from record.lost
@@ -341,7 +341,6 @@ class TensorStore:
         self._move(record, copy, Residency.QUEUED)
         self._queues[tier].append((record, copy))
         self._pump(tier)
-        del backend
 
     def _pump(self, tier: Tier) -> None:
         """Start queued fetches of ``tier`` in order while space allows."""
