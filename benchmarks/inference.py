@@ -14,12 +14,12 @@ once as safetensors under --work), then measures, each in its own process:
 Each does a forward of 1x128 tokens and greedy generation of 16 new tokens. The two disk
 modes run while a balloon process holds all but --reserve of the available RAM (locked;
 there is no swap here), after the page cache is dropped: the page cache cannot keep the
-weights, as for a model larger than RAM. The disk lower bound is the bytes each mode must
-read per token divided by the read bandwidth of this disk measured in the same run
-(O_DIRECT sequential reads of the checkpoint before and after, and of exactly the bytes
-offload keeps in its swap files, under the balloon, with offload's engine in 64 MiB
-requests; the highest figure of the run is used, so the bound is the strictest this disk
-showed).
+weights, as for a model larger than RAM. The disk lower bound is the bytes offload reads
+per token divided by the read bandwidth of this disk for exactly those bytes: an O_DIRECT
+sequential read of offload's swap extents (64 MiB requests, under the balloon) right
+before and right after the generation, averaged (this disk drifts up to 2x within
+minutes, so only adjacent measurements compare). A stricter ratio, against the fastest of
+four reads in the round (the checkpoint file before and after as well), is printed too.
 """
 
 from __future__ import annotations
@@ -124,10 +124,12 @@ def worker_offload(path: str, args) -> dict:
     offload.wrap(model, cfg, checkpoint=path)
     with _balloon(args.reserve):
         _drop_caches()
+        swap_before = extents_read_gbps(model)
         offload.reset_peak_stats(model)
         before = offload.stats(model)
         result = _timed_run(model, "O_DIRECT from swap files")
         after = offload.stats(model)
+        result["swap_read_gbps_before"] = swap_before
         result["swap_read_gbps"] = extents_read_gbps(model)
     passes = 2 + NEW_TOKENS - 1  # the forward, then generation: the prompt, then one per new token
     result.update(read_bytes=after["read_bytes"] - before["read_bytes"],
@@ -331,8 +333,10 @@ def main() -> None:
                      row[mode]["forward_s"], row[mode]["tok_s"], row[mode]["peak_rss_bytes"] / 2**20)
         row["bandwidth_after"] = run_worker("bandwidth", path, args)
         rounds.append(row)
-        log.info("round %d disk %.2f / %.2f / %.2f GB/s (checkpoint before, swap extents, checkpoint after)",
-                 r, row["bandwidth"]["read_gbps"], row["offload"]["swap_read_gbps"], row["bandwidth_after"]["read_gbps"])
+        log.info("round %d disk %.2f / %.2f / %.2f / %.2f GB/s (checkpoint before, swap extents before "
+                 "and after offload's run, checkpoint after)", r, row["bandwidth"]["read_gbps"],
+                 row["offload"]["swap_read_gbps_before"], row["offload"]["swap_read_gbps"],
+                 row["bandwidth_after"]["read_gbps"])
     report = summarize(rounds, model_bytes, modes)
     print_report(report)
     if args.json:
@@ -341,15 +345,19 @@ def main() -> None:
 
 
 def summarize(rounds, model_bytes, modes) -> dict:
-    """Medians over rounds; the lower bound is taken within each round, against the highest
-    read bandwidth measured in that round (this disk drifts up to 2x between minutes)."""
+    """Medians over rounds; the lower bound is taken within each round, against the read
+    bandwidth measured around offload's own run (this disk drifts up to 2x between minutes)."""
     med = statistics.median
     for r in rounds:
         o = r["offload"]
-        r["disk_read_gbps"] = max(r["bandwidth"]["read_gbps"], r["bandwidth_after"]["read_gbps"],
-                                  o["swap_read_gbps"])
+        # the bytes offload reads, read sequentially right before and right after its run
+        r["disk_read_gbps"] = (o["swap_read_gbps_before"] + o["swap_read_gbps"]) / 2
         r["lower_bound_tok_s"] = r["disk_read_gbps"] * 1e9 / o["bytes_per_pass"]
         r["ours_vs_lower_bound"] = o["tok_s"] / r["lower_bound_tok_s"]
+        # stricter: the highest of the four reads of the round (checkpoint before and after too)
+        r["disk_read_gbps_max"] = max(r["bandwidth"]["read_gbps"], r["bandwidth_after"]["read_gbps"],
+                                      o["swap_read_gbps_before"], o["swap_read_gbps"])
+        r["ours_vs_lower_bound_max"] = o["tok_s"] / (r["disk_read_gbps_max"] * 1e9 / o["bytes_per_pass"])
         if "accelerate" in modes:
             r["ours_vs_accelerate"] = o["tok_s"] / r["accelerate"]["tok_s"]
     ours = [r["offload"] for r in rounds]
@@ -363,6 +371,8 @@ def summarize(rounds, model_bytes, modes) -> dict:
         "accelerate_tok_s": med(r["accelerate"]["tok_s"] for r in rounds) if has_acc else None,
         "lower_bound_tok_s": med(r["lower_bound_tok_s"] for r in rounds),
         "ours_vs_lower_bound": med(r["ours_vs_lower_bound"] for r in rounds),
+        "disk_read_gbps_max": med(r["disk_read_gbps_max"] for r in rounds),
+        "ours_vs_lower_bound_max": med(r["ours_vs_lower_bound_max"] for r in rounds),
         "ours_vs_accelerate": med(r["ours_vs_accelerate"] for r in rounds) if has_acc else None,
         "ours_peak_rss_bytes": max(o["peak_rss_bytes"] for o in ours),
         "accelerate_peak_rss_bytes": max(r["accelerate"]["peak_rss_bytes"] for r in rounds) if has_acc else None,
@@ -389,14 +399,16 @@ def print_report(rep: dict) -> None:
             continue
         log.info("%-12s %10.2f %10.3f %10.2f %9.0f MiB", mode, rep[f"{mode}_forward_s"], tok, 1 / tok,
                  rep[f"{mode}_peak_rss_bytes"] / 2**20)
-    log.info("disk: %.2f GB/s O_DIRECT read (median over rounds of each round's highest); ours reads "
-             "%.2f GB per token -> lower bound %.3f tok/s", rep["disk_read_gbps"],
-             rep["ours_bytes_per_token"] / 1e9, rep["lower_bound_tok_s"])
+    log.info("disk: %.2f GB/s O_DIRECT sequential read of offload's swap extents (mean of the reads "
+             "right before and after its run, median over rounds); ours reads %.2f GB per token -> "
+             "lower bound %.3f tok/s", rep["disk_read_gbps"], rep["ours_bytes_per_token"] / 1e9,
+             rep["lower_bound_tok_s"])
     if rep["accelerate_read_bytes_per_token"] is not None:
         log.info("accelerate read %.2f GB from disk per token (page cache held down by the balloon)",
                  rep["accelerate_read_bytes_per_token"] / 1e9)
-    log.info("ours / lower bound: %.2fx   ours / accelerate: %s   stall %.2f s   same tokens as memory: %s",
-             rep["ours_vs_lower_bound"],
+    log.info("ours / lower bound: %.2fx (%.2fx against the round's fastest read, %.2f GB/s)   "
+             "ours / accelerate: %s   stall %.2f s   same tokens as memory: %s",
+             rep["ours_vs_lower_bound"], rep["ours_vs_lower_bound_max"], rep["disk_read_gbps_max"],
              f"{rep['ours_vs_accelerate']:.2f}x" if rep["ours_vs_accelerate"] else "n/a",
              rep["ours_stall_seconds"], rep["same_tokens_as_memory"])
 

@@ -7,6 +7,7 @@ time, driven by the model's own forward and backward.
     cfg = offload.OffloadConfig(device="cuda", param_tier="nvme", nvme_path="/mnt/nvme/x")
     model = offload.wrap(model, cfg)
     stats = offload.stats(model)   # bytes per tier, bytes moved, stall seconds, prefetch hits
+    opt = offload.AdamW(model.parameters(), lr=1e-4)   # states in cfg.optimizer_tier
 
 The lower layers are importable too: ``offload.io`` (aligned buffers, the async file
 engine) and ``offload.store`` (the tiered tensor store).
@@ -14,9 +15,10 @@ engine) and ``offload.store`` (the tiered tensor store).
 
 from ._units import format_size, parse_size
 from .config import OffloadConfig
+from .optim import SGD, Adam, AdamW
 from .params import init_empty_weights, reset_peak_stats, stats, unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = ["OffloadConfig", "wrap", "unwrap", "stats", "reset_peak_stats", "init_empty_weights",
-           "parse_size", "format_size", "__version__"]
+           "AdamW", "Adam", "SGD", "parse_size", "format_size", "__version__"]

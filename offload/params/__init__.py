@@ -1,6 +1,6 @@
 """Parameter offload: groups, hooks, and the coordinator that prefetches along the recorded order."""
 
 from ._loading import init_empty_weights
-from ._manager import ParamManager, manager_of, reset_peak_stats, stats, unwrap, wrap
+from ._manager import ParamManager, manager_of, owner_of, reset_peak_stats, stats, unwrap, wrap
 
-__all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "init_empty_weights", "manager_of", "ParamManager"]
+__all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "init_empty_weights", "manager_of", "owner_of", "ParamManager"]

@@ -172,6 +172,20 @@ class Coordinator:
                 self.store.evict(group.key, Tier.DEVICE)
         self.cached = {}
 
+    def forget(self, group: ParamGroup) -> None:
+        """The optimizer is about to replace ``group``'s bytes in its home tier: drop what
+        the coordinator holds of the old ones (a prefetch, a resident-cache copy)."""
+        if self.live[group].refs:
+            raise RuntimeError(f"parameter group {group.key!r} is in use by a forward or backward "
+                               "pass: call the optimizer's step() after backward() returns")
+        self.ahead.pop(group, None)
+        if self.cached.get(group):
+            self.cached[group] = False
+
+    def resume_prefetch(self) -> None:
+        """Fetch ahead again from the current position (after the optimizer's step)."""
+        self._prefetch()
+
     # -- internals -----------------------------------------------------------------------------
     def _record(self, group: ParamGroup, phase: str) -> None:
         p = self.current

@@ -14,11 +14,11 @@ from ..config import OffloadConfig
 from ..io import BudgetError
 from ..store import Tier, TensorStore, create_store
 from ._coordinator import Coordinator
-from ._groups import ParamGroup, build_groups
+from ._groups import ParamGroup, ParamSlot, build_groups
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
 
-__all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of"]
+__all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of", "owner_of"]
 
 log = logging.getLogger(__name__)
 _HOME = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
@@ -32,6 +32,46 @@ class ParamManager:
                  groups: list[ParamGroup], coordinator: Coordinator, hooks: ModuleHooks):
         self.model, self.config, self.store = model, config, store
         self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
+        self.slots = {id(slot.param): (group, slot) for group in groups for slot in group.slots}
+
+    @property
+    def home(self) -> Tier:
+        """The tier where parameter groups rest between uses."""
+        return _HOME[self.config.param_tier]
+
+    def group_bytes(self, group: ParamGroup) -> torch.Tensor:
+        """A host copy of ``group``'s current bytes (uint8)."""
+        if group.resident:
+            out = torch.empty(group.nbytes, dtype=torch.uint8)
+            for slot in group.slots:
+                out[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(slot.param.data)
+            return out
+        if self.home is Tier.HOST:
+            return self.store.wait(group.key, Tier.HOST).clone()
+        self.store.fetch(group.key, Tier.HOST)
+        out = self.store.wait(group.key, Tier.HOST).clone()
+        self.store.evict(group.key, Tier.HOST)
+        return out
+
+    def write_group(self, group: ParamGroup, data: torch.Tensor) -> None:
+        """Replace ``group``'s bytes (host uint8 ``data``) with new values, e.g. after an
+        optimizer step; the old copies on the device are dropped."""
+        if group.resident:
+            for slot in group.slots:
+                view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+                slot.param.data.copy_(view)
+            return
+        self.coordinator.forget(group)
+        self.store.put(group.key, data, self.home)
+
+
+def owner_of(param: torch.Tensor) -> tuple[ParamManager, ParamGroup, ParamSlot] | None:
+    """The wrapped model, parameter group and slot holding ``param``; None if not wrapped."""
+    for manager in _managers.values():
+        found = manager.slots.get(id(param))
+        if found is not None and found[1].param is param:
+            return (manager, *found)
+    return None
 
 
 def manager_of(model: nn.Module) -> ParamManager:
@@ -72,8 +112,10 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     _check_budgets(groups, config)
     store = _make_store(config)
     try:
-        largest = max((g.nbytes for g in groups if not g.resident), default=0)
-        coordinator = Coordinator(store, groups, device=device, prefetch_limit=config.prefetch_limit(largest),
+        streamed = sorted(g.nbytes for g in groups if not g.resident)
+        largest, median = (streamed[-1], streamed[len(streamed) // 2]) if streamed else (0, 0)
+        coordinator = Coordinator(store, groups, device=device,
+                                  prefetch_limit=config.prefetch_limit(largest, median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes,
                                   events=events)
         _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader)

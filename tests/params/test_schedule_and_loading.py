@@ -216,8 +216,10 @@ def test_config_from_json_and_validation(tmp_path):
                                 "device_budget": "1GiB", "host_budget": 2 << 30}))
     c = offload.OffloadConfig.from_file(str(path))
     assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30
-    assert c.prefetch_limit() == 256 << 20 and c.prefetch_limit(900 << 20) == 256 << 20  # a quarter at least
-    assert c.replace(device_budget="64MiB").prefetch_limit(16 << 20) == 48 << 20  # budget less the largest
+    assert c.prefetch_limit() == 64 << 20  # at least 64 MiB
+    assert c.prefetch_limit(100 << 20, 32 << 20) == 128 << 20  # four typical groups
+    assert c.prefetch_limit(100 << 20, 200 << 20) == 256 << 20  # at most 256 MiB
+    assert c.replace(device_budget="64MiB").prefetch_limit(16 << 20, 1 << 20) == 48 << 20  # budget less the largest
     path.write_text(json.dumps({"device": "cpu", "param_tiers": "host"}))
     with pytest.raises(ValueError, match=r"unknown keys \['param_tiers'\]"):
         offload.OffloadConfig.from_file(str(path))

@@ -1,0 +1,853 @@
+"""Optimizers whose states rest in the optimizer tier (host memory or NVMe).
+
+Layout. The parameters an optimizer is given are laid out as *shards*: runs of at most
+``shard_size`` elements, each a list of *segments* (a slice of one flattened parameter).
+Parameters of a wrapped model are laid out in the order of their parameter groups, so a
+group's parameters sit in one shard (or in consecutive shards for a large one), whatever
+torch param group they belong to; plain parameters follow in param-group order. Each
+shard keeps in the store:
+
+* ``state``: fp32 rows ``[master?, exp_avg, exp_avg_sq(, max_exp_avg_sq)]`` (Adam) or
+  ``[master?, momentum_buffer]`` (SGD with momentum). The master row is an fp32 copy of
+  the weights; it exists for wrapped parameters (their bytes rest in the parameter tier)
+  and for plain parameters that are not fp32 on the CPU. A plain fp32 CPU parameter is
+  its own master and is updated in place.
+* ``grad`` (wrapped parameters only): the fp32 gradient, accumulated over backward passes.
+
+Gradients. For a wrapped parameter a post-accumulate-grad hook moves each gradient off
+the device as soon as autograd has produced it: it is added into the shard's fp32
+accumulator and ``p.grad`` is set back to None. A shard's accumulator is written to its
+tier once all of its parameters have reported in a backward pass (or at the end of the
+pass); its squared norm and finiteness are noted then, so ``clip_grad_norm_`` and the
+fp16 overflow check need no pass over the tier. On CUDA the device-to-host copy runs on a
+side stream into pinned buffers and the add on a worker thread. Plain parameters keep
+their gradients in ``p.grad`` as with any torch optimizer.
+
+Step. Shards are processed in order as a pipeline: the store is asked for the states of
+the shards ahead (reads from NVMe in flight) while shard ``i`` is updated by torch's fused
+CPU kernel and the states of shard ``i - 1`` are being written back; the host budget
+bounds how many are in flight (a fetch that does not fit waits for a write to finish).
+Updated master weights are cast to the parameters' dtype and written to the parameter
+tier, a parameter group at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from .._units import format_size
+from ..config import OffloadConfig
+from ..io import BudgetError
+from ..store import Tier, TensorStore, create_store
+
+__all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
+
+
+@dataclass(eq=False)
+class _Segment:
+    param: torch.Tensor
+    start: int  # first element in the flattened parameter
+    length: int
+    offset: int  # first element in the shard
+    group_index: int  # torch param group
+    step: torch.Tensor  # this segment's step count (a split parameter's segments stay equal)
+    owner: Any = None  # (manager, ParamGroup, ParamSlot) for a wrapped parameter
+    has_grad: bool = False  # a gradient arrived since zero_grad()
+    shard: "_Shard | None" = None
+
+
+@dataclass(eq=False)
+class _Shard:
+    index: int
+    store: TensorStore
+    home: Tier
+    numel: int
+    rows: int
+    master: bool
+    wrapped: bool
+    segments: list[_Segment] = field(default_factory=list)
+    expected: int = 0  # distinct parameters that report a gradient per backward
+    grad_valid: bool = False  # the stored grad holds this cycle's accumulation
+    acc: torch.Tensor | None = None  # open fp32 accumulator during backward
+    acc_buffer: Any = None  # its HostBuffer when the home tier is not host memory
+    drained: set = field(default_factory=set)
+    sumsq: float = 0.0
+    maxabs: float = 0.0
+    finite: bool = True
+
+    @property
+    def state_key(self) -> str:
+        return f"optim/{id(self):x}/state"
+
+    @property
+    def grad_key(self) -> str:
+        return f"optim/{id(self):x}/grad"
+
+    @property
+    def state_bytes(self) -> int:
+        return self.rows * self.numel * 4
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self.state_bytes + (self.numel * 4 if self.wrapped else 0)
+
+
+class OffloadOptimizer(Optimizer):
+    """Base of :class:`AdamW`, :class:`Adam` and :class:`SGD`; see the module docstring.
+
+    Extra keyword arguments (beyond torch's):
+        config: for plain (not wrapped) parameters, where their states rest
+            (``config.optimizer_tier``, ``nvme_path``, ``host_budget``); default: host
+            memory without a budget. Wrapped parameters use their model's config.
+        shard_size: elements per shard (default: 16M, fewer when the host budget is small).
+        loss_scale: ``"dynamic"`` (default when a parameter is fp16), a fixed float, or None.
+        events: a list that receives ``(event, shard_index)`` tuples ("read", "update_start",
+            "update_end", "write") for tests and tracing.
+    """
+
+    _state_rows: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
+                 shard_size: int | None = None, loss_scale: str | float | None = "auto",
+                 events: list | None = None):
+        self._config = config
+        self._shard_size = int(shard_size) if shard_size is not None else None
+        if self._shard_size is not None and self._shard_size < 1:
+            raise ValueError(f"shard_size must be a positive number of elements, got {shard_size}")
+        self.events = events
+        self._shards: list[_Shard] = []
+        self._segments_of: dict[int, list[_Segment]] = {}
+        self._laid_out: set[int] = set()
+        self._own_store: TensorStore | None = None
+        self._hooks: list[Any] = []
+        self._callback_queued = False
+        self._drain_pool: ThreadPoolExecutor | None = None
+        self._drains: list[Future] = []
+        self._d2h_streams: dict[torch.device, Any] = {}
+        self._clip_coef = 1.0
+        self._closed = False
+        self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
+                      "read_bytes": 0, "write_bytes": 0}
+        super().__init__(params, defaults)
+        self._init_loss_scale(loss_scale)
+        self._ensure_layout()  # budget errors now, before any training step
+
+    # -- torch.optim.Optimizer interface ----------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        managers = set()
+        for p in self.param_groups[index]["params"]:
+            if p.device.type == "meta":
+                raise ValueError("a parameter is on the meta device: wrap the model with "
+                                 "offload.wrap(model, cfg, checkpoint=...) before building the optimizer")
+            owner = _owner_of(p)
+            if owner is not None:
+                managers.add(owner[0])
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._check_managers(managers)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        started = time.perf_counter()
+        self._sync_drains()
+        self._ensure_layout()
+        if self._scaler_enabled and self._found_inf():
+            self._skip_step()
+            return loss
+        grad_scale = (self.loss_scale if self._scaler_enabled else 1.0) / self._clip_coef
+        self._clip_coef = 1.0
+        work = [s for s in self._shards if self._has_grads(s)]
+        self._run_pipeline(work, grad_scale)
+        if self._scaler_enabled:
+            self._grow_scale()
+        self.stats["steps"] += 1
+        self.stats["step_seconds"] += time.perf_counter() - started
+        for manager in {s.segments[0].owner[0] for s in work if s.wrapped}:
+            manager.coordinator.resume_prefetch()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._sync_drains()
+        super().zero_grad(set_to_none=set_to_none)
+        for shard in self._shards:
+            shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
+            for seg in shard.segments:
+                seg.has_grad = False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all this optimizer's parameters to a total norm of
+        ``max_norm`` (like ``torch.nn.utils.clip_grad_norm_``) and return the total norm.
+
+        Offloaded gradients are not touched: their norm comes from what was noted when they
+        were written, and the scaling is applied inside the next ``step()``.
+        """
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"norm_type={norm_type}: offload optimizers clip by the 2-norm or the "
+                             "inf-norm")
+        self._sync_drains()
+        self._ensure_layout()
+        sumsq, maxabs = 0.0, 0.0
+        for shard in self._shards:
+            if shard.wrapped and shard.grad_valid:
+                sumsq += shard.sumsq
+                maxabs = max(maxabs, shard.maxabs)
+        for p in self._plain_params():
+            if p.grad is not None:
+                g = p.grad.detach().float()
+                sumsq += float(torch.dot(g.reshape(-1), g.reshape(-1)))
+                maxabs = max(maxabs, float(g.abs().max())) if g.numel() else maxabs
+        total = math.sqrt(sumsq) if norm_type == 2.0 else maxabs
+        if self._scaler_enabled:
+            total /= self.loss_scale
+        self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
+        return torch.tensor(total)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16 dynamic loss scaling); call ``backward()`` on
+        the result. Unchanged when loss scaling is off."""
+        return loss * self.loss_scale if self._scaler_enabled else loss
+
+    def state_dict(self) -> dict:
+        """torch's format: per parameter ``step``, the moment buffers (full tensors in the
+        parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``."""
+        self._sync_drains()
+        self._ensure_layout()
+        packed = super().state_dict()  # param_groups with indices; our self.state is empty
+        index = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+        state: dict[int, dict] = {}
+        for shard in self._shards:
+            rows = self._read_state(shard)
+            names = self._row_names(shard)
+            for seg in shard.segments:
+                if float(seg.step) == 0 and "momentum_buffer" not in names:
+                    continue
+                entry = state.setdefault(index[id(seg.param)], {"step": seg.step.clone()})
+                if float(seg.step) == 0:
+                    continue
+                for r, name in enumerate(names):
+                    if name not in entry:
+                        entry[name] = torch.zeros(seg.param.shape, dtype=torch.float32)
+                    entry[name].view(-1)[seg.start: seg.start + seg.length].copy_(
+                        rows[r, seg.offset: seg.offset + seg.length])
+        packed["state"] = state
+        return packed
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's format (from this class or from the torch optimizer of the same
+        name); moments are kept in fp32 whatever the parameters' dtype."""
+        self._sync_drains()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        by_index = {}
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"parameter group {i} has {len(group['params'])} parameters, the state "
+                                 f"dict's has {len(saved['params'])}")
+            by_index.update(zip(saved["params"], group["params"]))
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        loaded = {id(by_index[int(k)]): v for k, v in state_dict["state"].items()}
+        self._ensure_layout()
+        for shard in self._shards:
+            rows = torch.zeros(shard.rows, shard.numel, dtype=torch.float32)
+            names = self._row_names(shard)
+            for seg in shard.segments:
+                entry = loaded.get(id(seg.param), {})
+                seg.step.fill_(float(entry.get("step", 0)))
+                for r, name in enumerate(names):
+                    if name == "master_param" and name not in entry:
+                        source = self._current_values(seg)
+                    elif name in entry:
+                        source = entry[name].reshape(-1)[seg.start: seg.start + seg.length]
+                    else:
+                        continue
+                    rows[r, seg.offset: seg.offset + seg.length].copy_(source)
+            self._write_state(shard, rows)
+
+    def close(self) -> None:
+        """Release the optimizer's stored states, hooks and threads."""
+        if self._closed:
+            return
+        self._sync_drains()
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        for shard in self._shards:
+            for key in (shard.state_key, shard.grad_key):
+                if key in shard.store:
+                    shard.store.delete(key)
+        if self._drain_pool is not None:
+            self._drain_pool.shutdown()
+        if self._own_store is not None:
+            self._own_store.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and self._drain_pool is not None:
+                self._drain_pool.shutdown(wait=False)
+        except Exception:
+            pass
+
+    # -- the update, per optimizer ---------------------------------------------------------
+    def _update(self, group: dict, params: list, grads: list, rows: list[list], steps: list,
+                grad_scale: float) -> None:
+        raise TypeError("use offload.AdamW, offload.Adam or offload.SGD")
+
+    def _rows_for(self, group: dict) -> tuple[str, ...]:
+        return self._state_rows
+
+    # -- layout ----------------------------------------------------------------------------
+    def _plain_params(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if _owner_of(p) is None:
+                    yield p
+
+    def _check_managers(self, managers: set) -> None:
+        seen = {m for s in self._shards if s.wrapped for m in [s.segments[0].owner[0]]}
+        managers = managers | seen
+        configs = {m.config for m in managers}
+        if len(configs) > 1:
+            raise ValueError("the parameters come from wrapped models with different configs "
+                             f"({len(configs)}): build one optimizer per model, or wrap the models with "
+                             "the same OffloadConfig")
+
+    def _ensure_layout(self) -> None:
+        """Lay out (once) the parameters not laid out yet and store their initial states."""
+        todo: list[tuple[int, torch.Tensor, Any]] = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) not in self._laid_out:
+                    todo.append((gi, p, _owner_of(p)))
+        if not todo:
+            return
+        wrapped = [t for t in todo if t[2] is not None]
+        plain = [t for t in todo if t[2] is None]
+        # a wrapped model's parameters in the order of its groups and slots
+        order = {}
+        for t in wrapped:
+            manager, pgroup, slot = t[2]
+            order[id(t[1])] = (id(manager), manager.groups.index(pgroup), pgroup.slots.index(slot))
+        wrapped.sort(key=lambda t: order[id(t[1])])
+        new: list[_Shard] = []
+        new += self._cut(wrapped, wrapped=True)
+        new += self._cut(plain, wrapped=False)
+        self._check_host_budget(new)
+        for shard in new:
+            self._init_state(shard)
+        self._shards.extend(new)
+        for _, p, _ in todo:
+            self._laid_out.add(id(p))
+
+    def _cut(self, items: list, *, wrapped: bool) -> list[_Shard]:
+        """Consecutive segments of ``items`` into shards that share a store and a master layout."""
+        shards: list[_Shard] = []
+        current: _Shard | None = None
+        for gi, p, owner in items:
+            store, home = self._store_for(owner)
+            master = wrapped or p.dtype != torch.float32 or p.device.type != "cpu"
+            rows = (1 if master else 0) + len(self._rows_for(self.param_groups[gi]))
+            size = self._shard_elements(store, home, rows, wrapped)
+            start, n = 0, p.numel()
+            step = torch.zeros((), dtype=torch.float32)
+            segs: list[_Segment] = []
+            while start < n:
+                if current is None or current.store is not store or current.master != master \
+                        or current.rows != rows or current.numel >= size:
+                    current = _Shard(len(self._shards) + len(shards), store, home, 0, rows, master, wrapped)
+                    shards.append(current)
+                take = min(n - start, size - current.numel)
+                seg = _Segment(p, start, take, current.numel, gi, step if not segs else step.clone(),
+                               owner=owner, shard=current)
+                current.segments.append(seg)
+                current.numel += take
+                segs.append(seg)
+                start += take
+            self._segments_of[id(p)] = segs
+        for shard in shards:
+            shard.expected = len({id(s.param) for s in shard.segments if s.param.requires_grad})
+        return shards
+
+    def _store_for(self, owner) -> tuple[TensorStore, Tier]:
+        if owner is not None:
+            manager = owner[0]
+            return manager.store, Tier.parse(manager.config.optimizer_tier)
+        if self._own_store is None:
+            cfg = self._config
+            if cfg is None:
+                self._own_store = create_store(device="cpu", device_budget=1, host_budget=1 << 62)
+                self._own_home = Tier.HOST
+            else:
+                nvme = cfg.nvme_path if cfg.optimizer_tier == "nvme" else None
+                self._own_store = create_store(device="cpu", device_budget=1, host_budget=cfg.host_budget,
+                                               nvme_path=nvme, file_size=cfg.file_size,
+                                               block_size=cfg.block_size, threads=cfg.io_threads,
+                                               queue_depth=cfg.queue_depth)
+                self._own_home = Tier.parse(cfg.optimizer_tier)
+        return self._own_store, self._own_home
+
+    def _shard_elements(self, store: TensorStore, home: Tier, rows: int, wrapped: bool) -> int:
+        if self._shard_size is not None:
+            return self._shard_size
+        if home is Tier.HOST:
+            return _DEFAULT_SHARD
+        # NVMe: four shards in flight (read ahead, update, write back) within the host budget
+        per_element = 4 * (rows + (1 if wrapped else 0))
+        budget = store.tiers[Tier.HOST].budget
+        return max(1 << 16, min(_DEFAULT_SHARD, budget // (4 * per_element)))
+
+    def _check_host_budget(self, shards: list[_Shard]) -> None:
+        by_store: dict[int, list[_Shard]] = defaultdict(list)
+        for s in shards + self._shards:
+            by_store[id(s.store)].append(s)
+        for group in by_store.values():
+            store = group[0].store
+            budget = store.tiers[Tier.HOST].budget
+            resting = sum(s.bytes_in_flight for s in group if s.home is Tier.HOST)
+            largest = max((s.bytes_in_flight for s in group if s.home is not Tier.HOST), default=0)
+            if resting + largest > budget:
+                need = resting + largest
+                raise BudgetError(
+                    f"the optimizer states need {format_size(need)} of host memory "
+                    f"({format_size(resting)} resting in optimizer_tier='host'"
+                    + (f", {format_size(largest)} for one shard in flight" if largest else "")
+                    + f") but host_budget is {format_size(budget)}: raise host_budget, set "
+                    "optimizer_tier='nvme', or pass a smaller shard_size")
+
+    def _row_names(self, shard: _Shard) -> list[str]:
+        names = list(self._rows_for(self.param_groups[shard.segments[0].group_index]))
+        return (["master_param"] if shard.master else []) + names
+
+    def _current_values(self, seg: _Segment) -> torch.Tensor:
+        if seg.owner is None:
+            return seg.param.detach().reshape(-1)[seg.start: seg.start + seg.length].float().cpu()
+        manager, pgroup, slot = seg.owner
+        data = manager.group_bytes(pgroup)
+        view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).reshape(-1)
+        return view[seg.start: seg.start + seg.length].float()
+
+    def _init_state(self, shard: _Shard) -> None:
+        rows = torch.zeros(shard.rows, shard.numel, dtype=torch.float32)
+        if shard.master:
+            cache: dict[int, torch.Tensor] = {}
+            for seg in shard.segments:
+                if seg.owner is None:
+                    rows[0, seg.offset: seg.offset + seg.length].copy_(self._current_values(seg))
+                    continue
+                manager, pgroup, slot = seg.owner
+                data = cache.get(id(pgroup))
+                if data is None:
+                    data = cache[id(pgroup)] = manager.group_bytes(pgroup)
+                view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).reshape(-1)
+                rows[0, seg.offset: seg.offset + seg.length].copy_(view[seg.start: seg.start + seg.length])
+        self._write_state(shard, rows)
+        if shard.wrapped:
+            shard.store.put(shard.grad_key, torch.zeros(shard.numel, dtype=torch.float32), shard.home)
+
+    def _write_state(self, shard: _Shard, rows: torch.Tensor) -> None:
+        if shard.rows:
+            shard.store.put(shard.state_key, rows, shard.home)
+
+    def _read_state(self, shard: _Shard) -> torch.Tensor:
+        if not shard.rows:
+            return torch.empty(0, shard.numel)
+        if shard.home is Tier.HOST:
+            return shard.store.wait(shard.state_key, Tier.HOST).clone()
+        shard.store.fetch(shard.state_key, Tier.HOST)
+        out = shard.store.wait(shard.state_key, Tier.HOST).clone()
+        shard.store.evict(shard.state_key, Tier.HOST)
+        return out
+
+    # -- gradients during backward ---------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        p.grad = None
+        self._ensure_layout()
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if grad.is_cuda:
+            self._drain_cuda(p, grad)
+        else:
+            self._drain(p, grad)
+
+    def _drain(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        flat = grad.reshape(-1)
+        for seg in self._segments_of[id(p)]:
+            shard = seg.shard
+            acc = self._open(shard)
+            acc[seg.offset: seg.offset + seg.length].add_(flat[seg.start: seg.start + seg.length])
+            seg.has_grad = True
+            shard.drained.add(id(p))
+            if len(shard.drained) >= shard.expected:
+                self._flush(shard)
+
+    def _drain_cuda(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Copy ``grad`` to pinned host memory on a side stream; add it on a worker thread."""
+        device = grad.device
+        stream = self._d2h_streams.get(device)
+        if stream is None:
+            stream = self._d2h_streams[device] = torch.cuda.Stream(device)
+        if self._drain_pool is None:
+            self._drain_pool = ThreadPoolExecutor(1, thread_name_prefix="offload-grad")
+        store = self._segments_of[id(p)][0].shard.store
+        buffer = store.staging.acquire(grad.numel() * grad.element_size())
+        host = buffer.view(grad.dtype, (grad.numel(),))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            host.copy_(grad.reshape(-1), non_blocking=True)
+            grad.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+
+        def add() -> None:
+            try:
+                event.synchronize()
+                self._drain(p, host)
+            finally:
+                store.staging.release(buffer)
+
+        self._drains.append(self._drain_pool.submit(add))
+
+    def _sync_drains(self) -> None:
+        drains, self._drains = self._drains, []
+        for f in drains:
+            f.result()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self._drain_pool is not None:
+            self._drains.append(self._drain_pool.submit(self._flush_all))
+        else:
+            self._flush_all()
+
+    def _flush_all(self) -> None:
+        for shard in self._shards:
+            if shard.acc is not None:
+                self._flush(shard)
+
+    def _open(self, shard: _Shard) -> torch.Tensor:
+        if shard.acc is not None:
+            return shard.acc
+        store = shard.store
+        if shard.home is Tier.HOST:
+            acc = store.wait(shard.grad_key, Tier.HOST)
+            if not shard.grad_valid:
+                acc.zero_()
+        else:
+            shard.acc_buffer = store.staging.acquire(shard.numel * 4)
+            acc = shard.acc_buffer.view(torch.float32, (shard.numel,))
+            if shard.grad_valid:  # an earlier backward of this cycle: add to it
+                store.fetch(shard.grad_key, Tier.HOST, priority=0)
+                acc.copy_(store.wait(shard.grad_key, Tier.HOST))
+                store.evict(shard.grad_key, Tier.HOST)
+                self.stats["read_bytes"] += shard.numel * 4
+            else:
+                acc.zero_()
+        shard.acc = acc
+        return acc
+
+    def _flush(self, shard: _Shard) -> None:
+        acc = shard.acc
+        shard.sumsq = float(torch.dot(acc, acc))
+        shard.maxabs = float(acc.abs().max()) if acc.numel() else 0.0
+        shard.finite = math.isfinite(shard.sumsq)
+        if shard.home is Tier.HOST:
+            shard.store.mark_dirty(shard.grad_key, Tier.HOST)
+        else:
+            shard.store.put(shard.grad_key, acc, shard.home)
+            shard.store.staging.release(shard.acc_buffer)
+            shard.acc_buffer = None
+            self.stats["write_bytes"] += shard.numel * 4
+        shard.acc = None
+        shard.grad_valid = True
+        shard.drained.clear()
+
+    # -- the step --------------------------------------------------------------------------
+    def _has_grads(self, shard: _Shard) -> bool:
+        if shard.wrapped:
+            return shard.grad_valid and any(s.has_grad for s in shard.segments)
+        return any(s.param.grad is not None for s in shard.segments)
+
+    def _found_inf(self) -> bool:
+        for shard in self._shards:
+            if shard.wrapped and shard.grad_valid and not shard.finite:
+                return True
+        for p in self._plain_params():
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                return True
+        return False
+
+    def _log(self, event: str, shard: _Shard) -> None:
+        if self.events is not None:
+            self.events.append((event, shard.index))
+
+    def _issue_read(self, shard: _Shard, issued: set) -> None:
+        if id(shard) in issued:
+            return
+        issued.add(id(shard))
+        if shard.home is Tier.HOST:
+            return
+        self._log("read", shard)
+        if shard.rows:
+            shard.store.fetch(shard.state_key, Tier.HOST)
+            self.stats["read_bytes"] += shard.state_bytes
+        if shard.wrapped:
+            shard.store.fetch(shard.grad_key, Tier.HOST)
+            self.stats["read_bytes"] += shard.numel * 4
+
+    def _run_pipeline(self, work: list[_Shard], grad_scale: float) -> None:
+        issued: set = set()
+        pending = self._group_writes(work)
+        ahead = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
+        for i, shard in enumerate(work):
+            for nxt in work[i: i + 1 + ahead]:
+                self._issue_read(shard if nxt is shard else nxt, issued)
+            waited = time.perf_counter()
+            rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
+            grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
+            self.stats["wait_seconds"] += time.perf_counter() - waited
+            self._log("update_start", shard)
+            self._update_shard(shard, rows, grads, grad_scale)
+            self._log("update_end", shard)
+            self._write_back(shard, rows, pending)
+            if shard.home is not Tier.HOST:
+                self._log("write", shard)
+                if shard.rows:
+                    shard.store.mark_dirty(shard.state_key, Tier.HOST)
+                    shard.store.evict(shard.state_key, Tier.HOST)
+                    self.stats["write_bytes"] += shard.state_bytes
+                if shard.wrapped:
+                    shard.store.evict(shard.grad_key, Tier.HOST)
+            elif shard.rows:
+                shard.store.mark_dirty(shard.state_key, Tier.HOST)
+
+    def _update_shard(self, shard: _Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
+                      grad_scale: float) -> None:
+        by_group: dict[int, list[_Segment]] = defaultdict(list)
+        for seg in shard.segments:
+            if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
+                by_group[seg.group_index].append(seg)
+        temp = None
+        for gi, segs in by_group.items():
+            group = self.param_groups[gi]
+            params, gs, state_rows, steps = [], [], [[] for _ in self._rows_for(group)], []
+            first = 1 if shard.master else 0
+            for seg in segs:
+                a, b = seg.offset, seg.offset + seg.length
+                if shard.master:
+                    params.append(rows[0, a:b])
+                else:
+                    params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
+                if shard.wrapped:
+                    gs.append(grads[a:b])
+                else:
+                    g = seg.param.grad.reshape(-1)[seg.start: seg.start + seg.length]
+                    if g.dtype != torch.float32 or g.device.type != "cpu":
+                        if temp is None:
+                            temp = torch.empty(shard.numel, dtype=torch.float32)
+                        temp[a:b].copy_(g)
+                        g = temp[a:b]
+                    gs.append(g)
+                for r in range(len(state_rows)):
+                    state_rows[r].append(rows[first + r, a:b])
+                steps.append(seg.step)
+            self._update(group, params, gs, state_rows, steps, grad_scale)
+
+    def _group_writes(self, work: list[_Shard]) -> dict:
+        """For each wrapped parameter group touched by this step: how many of the step's
+        shards cover it, and whether its current bytes must be read first (some of its
+        parameters are not updated by this step)."""
+        pending: dict[int, list] = {}
+        covered: dict[int, int] = defaultdict(int)
+        for shard in work:
+            if not shard.wrapped:
+                continue
+            for pgroup in {id(s.owner[1]): s.owner for s in shard.segments}.values():
+                manager, g, _ = pgroup
+                entry = pending.setdefault(id(g), [manager, g, 0, None])
+                entry[2] += 1
+            for seg in shard.segments:
+                covered[id(seg.owner[1])] += seg.length * seg.owner[2].dtype.itemsize
+        for key, entry in pending.items():
+            manager, g = entry[0], entry[1]
+            if covered[key] < g.nbytes:
+                entry[3] = manager.group_bytes(g)  # keep what this step does not update
+        return pending
+
+    def _write_back(self, shard: _Shard, rows: torch.Tensor | None, pending: dict) -> None:
+        if not shard.master:
+            return  # plain fp32 CPU parameters were updated in place
+        if not shard.wrapped:
+            for seg in shard.segments:
+                if seg.param.grad is not None and seg.length:
+                    dest = seg.param.data.view(-1)[seg.start: seg.start + seg.length]
+                    dest.copy_(rows[0, seg.offset: seg.offset + seg.length])
+            return
+        done = []
+        for seg in shard.segments:
+            entry = pending[id(seg.owner[1])]
+            manager, g, _, data = entry
+            if data is None:
+                data = entry[3] = torch.empty(g.nbytes, dtype=torch.uint8)
+            slot = seg.owner[2]
+            view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(-1)
+            view[seg.start: seg.start + seg.length].copy_(rows[0, seg.offset: seg.offset + seg.length])
+        for key in {id(seg.owner[1]) for seg in shard.segments}:
+            entry = pending[key]
+            entry[2] -= 1
+            if entry[2] == 0:
+                done.append(entry)
+        for manager, g, _, data in done:
+            manager.write_group(g, data)
+            del pending[id(g)]
+
+    # -- loss scaling ----------------------------------------------------------------------
+    def _init_loss_scale(self, loss_scale) -> None:
+        if loss_scale == "auto":
+            fp16 = any(p.dtype == torch.float16 for g in self.param_groups for p in g["params"])
+            fp16 = fp16 or any(_owner_of(p) is not None and _owner_of(p)[2].dtype == torch.float16
+                               for g in self.param_groups for p in g["params"])
+            loss_scale = "dynamic" if fp16 else None
+        self._dynamic = loss_scale == "dynamic"
+        self._scaler_enabled = loss_scale is not None
+        self.loss_scale = 2.0 ** 16 if self._dynamic else float(loss_scale or 1.0)
+        self._good_steps = 0
+        self.growth_interval = 2000
+
+    def _skip_step(self) -> None:
+        self.stats["skipped_steps"] += 1
+        self._clip_coef = 1.0
+        if self._dynamic:
+            self.loss_scale = max(self.loss_scale / 2, 1.0)
+            self._good_steps = 0
+        log.info("gradients overflowed: step skipped, loss scale now %g", self.loss_scale)
+
+    def _grow_scale(self) -> None:
+        if not self._dynamic:
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.growth_interval:
+            self.loss_scale *= 2
+            self._good_steps = 0
+
+
+def _owner_of(p: torch.Tensor):
+    from ..params import owner_of
+
+    return owner_of(p)
+
+
+class AdamW(OffloadOptimizer):
+    """AdamW (decoupled weight decay) with states in the optimizer tier; torch's fused CPU
+    kernel does the update. Arguments as ``torch.optim.AdamW`` plus those of
+    :class:`OffloadOptimizer`."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, **kwargs):
+        _check_adam_args(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize)
+        super().__init__(params, defaults, **kwargs)
+
+    def _rows_for(self, group: dict) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _update(self, group, params, grads, rows, steps, grad_scale) -> None:
+        from torch.optim import adam, adamw
+
+        beta1, beta2 = group["betas"]
+        scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
+        fn = adamw.adamw if self._decoupled else adam.adam
+        fn(params, grads, rows[0], rows[1], rows[2] if group["amsgrad"] else [], steps, fused=True,
+           grad_scale=scale, found_inf=None, amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2,
+           lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+class Adam(AdamW):
+    """Adam with L2 weight decay (added to the gradient), as ``torch.optim.Adam``."""
+
+    _decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, **kwargs):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, **kwargs)
+
+
+class SGD(OffloadOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay, as ``torch.optim.SGD``."""
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False, **kwargs):
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"invalid SGD hyperparameters: lr={lr}, momentum={momentum}, "
+                             f"weight_decay={weight_decay} (all must be >= 0)")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, **kwargs)
+
+    def _rows_for(self, group: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _update(self, group, params, grads, rows, steps, grad_scale) -> None:
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if grad_scale != 1.0:
+                g = g / grad_scale
+            if group["maximize"]:
+                g = -g
+            if wd != 0:
+                g = g.add(p, alpha=wd)
+            if momentum != 0:
+                buf = rows[0][i]
+                if float(steps[i]) == 0:
+                    buf.copy_(g)
+                else:
+                    buf.mul_(momentum).add_(g, alpha=1 - group["dampening"])
+                g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+            p.add_(g, alpha=-lr)
+            steps[i] += 1
+
+
+def _check_adam_args(lr, betas, eps, weight_decay) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+    if not 0.0 <= eps:
+        raise ValueError(f"invalid eps {eps}: must be >= 0")
+    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
