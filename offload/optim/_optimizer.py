@@ -185,6 +185,14 @@ class OffloadOptimizer(Optimizer):
             manager.coordinator.resume_prefetch()
         return loss
 
+    def synchronize(self) -> None:
+        """Wait until the step's write-backs have reached their tier. ``step()`` returns
+        with them in flight, so they overlap the next forward and backward; a fetch of a
+        state still being written is served from memory."""
+        self._sync_drains()
+        for store in {id(s.store): s.store for s in self._shards}.values():
+            store.drain()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._sync_drains()
         super().zero_grad(set_to_none=set_to_none)

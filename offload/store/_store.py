@@ -255,6 +255,16 @@ class TensorStore:
             if record is not None:
                 self._delete(record)
 
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until no transfer is in flight (e.g. the write-backs of an optimizer step)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self._in_flight} transfers still in flight after {timeout}s")
+                self._cond.wait(remaining)
+
     def __contains__(self, key: str) -> bool:
         return key in self._tensors
 
