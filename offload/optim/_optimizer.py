@@ -484,12 +484,7 @@ class OffloadOptimizer(Optimizer):
     def _read_state(self, shard: _Shard) -> torch.Tensor:
         if not shard.rows:
             return torch.empty(0, shard.numel)
-        if shard.home is Tier.HOST:
-            return shard.store.wait(shard.state_key, Tier.HOST).clone()
-        shard.store.fetch(shard.state_key, Tier.HOST)
-        out = shard.store.wait(shard.state_key, Tier.HOST).clone()
-        shard.store.evict(shard.state_key, Tier.HOST)
-        return out
+        return shard.store.read_copy(shard.state_key)
 
     # -- gradients during backward ---------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -46,12 +46,7 @@ class ParamManager:
             for slot in group.slots:
                 out[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(slot.param.data)
             return out
-        if self.home is Tier.HOST:
-            return self.store.wait(group.key, Tier.HOST).clone()
-        self.store.fetch(group.key, Tier.HOST)
-        out = self.store.wait(group.key, Tier.HOST).clone()
-        self.store.evict(group.key, Tier.HOST)
-        return out
+        return self.store.read_copy(group.key)
 
     def write_group(self, group: ParamGroup, data: torch.Tensor) -> None:
         """Replace ``group``'s bytes (host uint8 ``data``) with new values, e.g. after an

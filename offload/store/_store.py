@@ -255,6 +255,18 @@ class TensorStore:
             if record is not None:
                 self._delete(record)
 
+    def read_copy(self, key: str) -> torch.Tensor:
+        """A copy of ``key``'s current bytes in ordinary host memory. A tensor resting in a
+        slower tier is fetched into the HOST tier for this, and that copy dropped again."""
+        with self._cond:
+            home = self._record(key).home
+        if home is not Tier.NVME:
+            return self.wait(key, home).to("cpu", copy=True)
+        self.fetch(key, Tier.HOST)
+        out = self.wait(key, Tier.HOST).clone()
+        self.evict(key, Tier.HOST)
+        return out
+
     def drain(self, timeout: float | None = None) -> None:
         """Block until no transfer is in flight (e.g. the write-backs of an optimizer step)."""
         deadline = None if timeout is None else time.monotonic() + timeout
