@@ -139,6 +139,9 @@ class OffloadOptimizer(Optimizer):
         self._d2h_streams: dict[torch.device, Any] = {}
         self._clip_coef = 1.0
         self._closed = False
+        # read_bytes / write_bytes: what the optimizer asked its tier for; a read of a state
+        # still being written back is served from memory, so the disk may move fewer bytes
+        # (the store's own stats count those it moved)
         self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
                       "read_bytes": 0, "write_bytes": 0}
         super().__init__(params, defaults)
@@ -580,7 +583,7 @@ class OffloadOptimizer(Optimizer):
     def _flush(self, shard: _Shard) -> None:
         acc = shard.acc
         shard.sumsq = float(torch.dot(acc, acc))
-        shard.maxabs = float(acc.abs().max()) if acc.numel() else 0.0
+        shard.maxabs = float(torch.linalg.vector_norm(acc, math.inf)) if acc.numel() else 0.0
         shard.finite = math.isfinite(shard.sumsq)
         if shard.home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)
@@ -658,31 +661,42 @@ class OffloadOptimizer(Optimizer):
         for seg in shard.segments:
             if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
                 by_group[seg.group_index].append(seg)
-        temp = None
-        for gi, segs in by_group.items():
-            group = self.param_groups[gi]
-            params, gs, state_rows, steps = [], [], [[] for _ in self._rows_for(group)], []
-            first = 1 if shard.master else 0
-            for seg in segs:
-                a, b = seg.offset, seg.offset + seg.length
-                if shard.master:
-                    params.append(rows[0, a:b])
-                else:
-                    params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
-                if shard.wrapped:
-                    gs.append(grads[a:b])
-                else:
-                    g = seg.param.grad.reshape(-1)[seg.start: seg.start + seg.length]
-                    if g.dtype != torch.float32 or g.device.type != "cpu":
-                        if temp is None:
-                            temp = torch.empty(shard.numel, dtype=torch.float32)
-                        temp[a:b].copy_(g)
-                        g = temp[a:b]
-                    gs.append(g)
-                for r in range(len(state_rows)):
-                    state_rows[r].append(rows[first + r, a:b])
-                steps.append(seg.step)
-            self._update(group, params, gs, state_rows, steps, grad_scale)
+        temp = None  # fp32 CPU copies of gradients that are not (plain parameters only)
+        try:
+            for gi, segs in by_group.items():
+                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp)
+        finally:
+            if temp is not None:
+                shard.store.staging.release(temp)
+
+    def _update_group(self, shard: _Shard, gi: int, segs: list[_Segment], rows, grads,
+                      grad_scale: float, temp):
+        """One fused call for the segments of torch param group ``gi`` in ``shard``."""
+        group = self.param_groups[gi]
+        params, gs, state_rows, steps = [], [], [[] for _ in self._rows_for(group)], []
+        first = 1 if shard.master else 0
+        for seg in segs:
+            a, b = seg.offset, seg.offset + seg.length
+            if shard.master:
+                params.append(rows[0, a:b])
+            else:
+                params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
+            if shard.wrapped:
+                gs.append(grads[a:b])
+            else:
+                g = seg.param.grad.reshape(-1)[seg.start: seg.start + seg.length]
+                if g.dtype != torch.float32 or g.device.type != "cpu":
+                    if temp is None:  # from the pool: reused across steps
+                        temp = shard.store.staging.acquire(shard.numel * 4)
+                    dest = temp.view(torch.float32, (shard.numel,))[a:b]
+                    dest.copy_(g)
+                    g = dest
+                gs.append(g)
+            for r in range(len(state_rows)):
+                state_rows[r].append(rows[first + r, a:b])
+            steps.append(seg.step)
+        self._update(group, params, gs, state_rows, steps, grad_scale)
+        return temp
 
     def _group_writes(self, work: list[_Shard]) -> dict:
         """For each wrapped parameter group touched by this step: how many of the step's

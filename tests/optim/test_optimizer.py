@@ -369,3 +369,26 @@ def test_errors(tmp_path, no_leaks):
         offload.AdamW(m.parameters())
     with pytest.raises(ValueError, match="betas"):
         offload.AdamW(nn.Linear(2, 2).parameters(), betas=(1.0, 0.9))
+
+
+def test_plain_bf16_parameters_keep_an_fp32_master(no_leaks):
+    """Plain (unwrapped) bf16 parameters: fp32 master rows in the shard, gradients converted
+    through a pooled buffer, the bf16 parameters rewritten from the master after each step."""
+    model = Branchy().to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1, fused=True)
+    opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, shard_size=3000)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.float()
+        ref_opt.step()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    for i, (m, p) in enumerate(zip(master, model.parameters())):
+        torch.testing.assert_close(sd["state"][i]["master_param"], m.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(p.detach(), m.detach().to(torch.bfloat16), rtol=0, atol=0)
+    opt.close()
