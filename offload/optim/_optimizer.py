@@ -383,7 +383,7 @@ class OffloadOptimizer(Optimizer):
             store, home = self._store_for(owner)
             master = wrapped or p.dtype != torch.float32 or p.device.type != "cpu"
             rows = (1 if master else 0) + len(self._rows_for(self.param_groups[gi]))
-            size = self._shard_elements(store, home, rows, wrapped)
+            size = self._shard_elements(store, home, rows, wrapped, owner)
             start, n = 0, p.numel()
             step = torch.zeros((), dtype=torch.float32)
             segs: list[_Segment] = []
@@ -422,14 +422,15 @@ class OffloadOptimizer(Optimizer):
                 self._own_home = Tier.parse(cfg.optimizer_tier)
         return self._own_store, self._own_home
 
-    def _shard_elements(self, store: TensorStore, home: Tier, rows: int, wrapped: bool) -> int:
+    def _shard_elements(self, store: TensorStore, home: Tier, rows: int, wrapped: bool, owner=None) -> int:
         if self._shard_size is not None:
             return self._shard_size
         if home is Tier.HOST:
             return _DEFAULT_SHARD
-        # NVMe: four shards in flight (read ahead, update, write back) within the host budget
+        # NVMe: four shards in flight (read ahead, update, write back) within the host budget,
+        # next to the staging buffer that writes a parameter group's new values to NVMe
         per_element = 4 * (rows + (1 if wrapped else 0))
-        budget = store.tiers[Tier.HOST].budget
+        budget = store.tiers[Tier.HOST].budget - _write_back_staging(owner)
         return max(1 << 16, min(_DEFAULT_SHARD, budget // (4 * per_element)))
 
     def _check_host_budget(self, shards: list[_Shard]) -> None:
@@ -441,12 +442,14 @@ class OffloadOptimizer(Optimizer):
             budget = store.tiers[Tier.HOST].budget
             resting = sum(s.bytes_in_flight for s in group if s.home is Tier.HOST)
             largest = max((s.bytes_in_flight for s in group if s.home is not Tier.HOST), default=0)
-            if resting + largest > budget:
-                need = resting + largest
+            staging = max((_write_back_staging(s.segments[0].owner) for s in group if s.wrapped), default=0)
+            if resting + largest + staging > budget:
+                need = resting + largest + staging
                 raise BudgetError(
                     f"the optimizer states need {format_size(need)} of host memory "
                     f"({format_size(resting)} resting in optimizer_tier='host'"
                     + (f", {format_size(largest)} for one shard in flight" if largest else "")
+                    + (f", {format_size(staging)} to write back a parameter group" if staging else "")
                     + f") but host_budget is {format_size(budget)}: raise host_budget, set "
                     "optimizer_tier='nvme', or pass a smaller shard_size")
 
@@ -774,6 +777,17 @@ class OffloadOptimizer(Optimizer):
         if self._good_steps >= self.growth_interval:
             self.loss_scale *= 2
             self._good_steps = 0
+
+
+def _write_back_staging(owner) -> int:
+    """Host bytes the step needs to write a parameter group of ``owner``'s model back to a
+    parameter tier that is not host memory (a staging buffer of the largest group)."""
+    if owner is None:
+        return 0
+    manager = owner[0]
+    if manager.home is not Tier.NVME:
+        return 0
+    return max((g.nbytes for g in manager.groups if not g.resident), default=0)
 
 
 def _owner_of(p: torch.Tensor):
