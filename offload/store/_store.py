@@ -267,6 +267,106 @@ class TensorStore:
         self.evict(key, Tier.HOST)
         return out
 
+    def read_into(self, key: str, dest: torch.Tensor, *, priority: int = 1) -> Any:
+        """Start copying ``key``'s current bytes into ``dest`` (a contiguous uint8 host
+        tensor of at least ``nbytes``, page aligned for a direct read); returns a completion
+        (``wait()`` raises the transfer's error). The bytes come from the fastest copy that
+        holds the newest version, read in place: no copy is made in any tier, so this needs
+        no budget, and that copy cannot be dropped until the transfer ends."""
+        with self._cond:
+            record = self._record(key)
+            if record.lost is not None:
+                raise StoreError(f"tensor {key!r} was lost: {record.lost}") from record.lost
+            if dest.numel() < record.nbytes:
+                raise ValueError(f"read_into({key!r}): destination holds {dest.numel()} bytes, "
+                                 f"the tensor {record.nbytes}")
+            while True:
+                source = self._source(record, exclude=None)
+                if source is not None:
+                    break
+                if not any(c.state is Residency.LOADING for c in record.copies.values()):
+                    raise StoreError(f"tensor {key!r} has no copy holding its newest bytes")
+                self._cond.wait()
+            if record.nbytes == 0:
+                return Done()
+            source.readers += 1
+            self._in_flight += 1
+            backend = self.tiers[source.tier]
+        try:
+            completion = backend.read_into(source.slot, dest, record.nbytes, priority=priority)
+        except Exception as err:
+            completion = Done(err)
+        done = Pending()
+
+        def finished(c: Any) -> None:
+            with self._cond:
+                self._in_flight -= 1
+                self._reader_done(record, source)
+                self._pump_all()
+                self._cond.notify_all()
+            done._finish(c.exception())
+
+        completion.add_done_callback(finished)
+        return done
+
+    def borrow_host(self, key: str) -> tuple[torch.Tensor, Any] | None:
+        """``(view, release)`` of ``key``'s newest bytes when a copy holding them is in host
+        memory (a HOST slot, or a DEVICE slot on a CPU device), else None. The copy is held
+        (not dropped, its slot not reused) until ``release()`` is called; the caller must
+        not change it. Lets a writer send resting bytes to a file without copying them."""
+        with self._cond:
+            record = self._record(key)
+            source = self._source(record, exclude=None)
+            if source is None or record.nbytes == 0 or not self.tiers[source.tier].addressable:
+                return None
+            source.readers += 1
+            view = self.tiers[source.tier].tensor(source.slot)[: record.nbytes]
+
+        def release() -> None:
+            with self._cond:
+                self._reader_done(record, source)
+                self._pump_all()
+                self._cond.notify_all()
+
+        return view, release
+
+    def overwrite_in_place(self, key: str) -> tuple[torch.Tensor, Any] | None:
+        """``(view, done)`` of ``key``'s home copy when it rests in host memory (a HOST
+        slot, or a DEVICE slot on a CPU device), else None. Other copies are dropped and
+        transfers touching the home copy waited for; the caller writes the new bytes into
+        ``view`` and calls ``done()``. Lets a reader fill resting bytes from a file
+        without a second copy."""
+        with self._cond:
+            record = self._record(key)
+            home = record.copies.get(record.home)
+            if not self.tiers[record.home].addressable or record.nbytes == 0 or home is None:
+                return None
+            busy = (Residency.LOADING, Residency.STORING)
+            while any(c.state in busy for c in record.copies.values()) or home.readers:
+                self._cond.wait()
+            if home.state is not Residency.RESIDENT:
+                return None
+            for other in list(record.copies.values()):
+                if other is not home and other.state is Residency.RESIDENT:
+                    other.valid = False
+                    self._drop(record, other)
+                elif other is not home and other.state is Residency.QUEUED:
+                    self._queues[other.tier].remove((record, other))
+                    self._move(record, other, Residency.ABSENT)
+                    self._release(record, other)
+            home.readers += 1  # nothing frees or reuses the slot while the caller writes
+            record.version += 1
+            view = self.tiers[record.home].tensor(home.slot)[: record.nbytes]
+
+        def done() -> None:
+            with self._cond:
+                home.valid, home.dirty = True, False
+                self._reader_done(record, home)
+                self._pump_all()
+                self._cond.notify_all()
+
+        return view, done
+
     def drain(self, timeout: float | None = None) -> None:
         """Block until no transfer is in flight (e.g. the write-backs of an optimizer step)."""
         deadline = None if timeout is None else time.monotonic() + timeout
