@@ -8,12 +8,15 @@ time, driven by the model's own forward and backward.
     model = offload.wrap(model, cfg)
     stats = offload.stats(model)   # bytes per tier, bytes moved, stall seconds, prefetch hits
     opt = offload.AdamW(model.parameters(), lr=1e-4)   # states in cfg.optimizer_tier
+    offload.save_checkpoint("ckpt/step-100", model, opt, extra={"step": 100})
 
 The lower layers are importable too: ``offload.io`` (aligned buffers, the async file
 engine) and ``offload.store`` (the tiered tensor store).
 """
 
 from ._units import format_size, parse_size
+from .checkpoint import (CheckpointError, export, load_checkpoint, load_state_dict_from, rng_state,
+                         save_checkpoint, set_rng_state, state_dict)
 from .config import OffloadConfig
 from .optim import SGD, Adam, AdamW
 from .params import init_empty_weights, reset_peak_stats, stats, unwrap, wrap
@@ -21,4 +24,6 @@ from .params import init_empty_weights, reset_peak_stats, stats, unwrap, wrap
 __version__ = "0.1.0"
 
 __all__ = ["OffloadConfig", "wrap", "unwrap", "stats", "reset_peak_stats", "init_empty_weights",
-           "AdamW", "Adam", "SGD", "parse_size", "format_size", "__version__"]
+           "AdamW", "Adam", "SGD", "save_checkpoint", "load_checkpoint", "load_state_dict_from",
+           "state_dict", "export", "rng_state", "set_rng_state", "CheckpointError", "parse_size",
+           "format_size", "__version__"]

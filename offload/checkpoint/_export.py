@@ -1,0 +1,152 @@
+"""export: the model's weights as standard safetensors shards (+ index), streamed."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import struct
+import time
+
+from torch import nn
+
+from .._units import format_size, parse_size
+from ._catalog import Tensorish, catalog, host_bytes
+from ._format import check_writable, dtype_name, fsync_dir
+from ._stream import progress
+
+__all__ = ["export"]
+
+log = logging.getLogger(__name__)
+
+
+def export(model: nn.Module, path: str, format: str = "safetensors", shard_size: int | str = "5GiB") -> list[str]:
+    """Write ``model``'s parameters and persistent buffers to the directory ``path`` as
+    safetensors shards of at most ``shard_size`` (with ``model.safetensors.index.json`` when
+    there are several), the layout ``transformers``' ``from_pretrained`` reads; a
+    transformers model's ``config.json`` (and generation config) is written too.
+
+    Weights stream a parameter group at a time from wherever they rest, so host memory
+    holds one group, not the model. Tied parameters are written once, under the name the
+    model registers first (as ``save_pretrained`` does). Each file appears atomically
+    (written under a temporary name, fsynced, renamed); the index is written last.
+    Returns the paths written.
+    """
+    if format != "safetensors":
+        raise ValueError(f"export format {format!r} is not supported: use format='safetensors'")
+    limit = parse_size(shard_size, name="shard_size")
+    if limit <= 0:
+        raise ValueError(f"shard_size must be positive, got {shard_size!r}")
+    started = time.perf_counter()
+    path = os.path.abspath(path)
+    check_writable(os.path.join(path, "model.safetensors"))
+    os.makedirs(path, exist_ok=True)
+    cat = catalog(model)
+    tensors = cat.all()
+    shards: list[list[Tensorish]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for stale in glob.glob(os.path.join(glob.escape(path), "model*.safetensors*")):
+        os.remove(stale)
+    where: dict[int, tuple[int, int]] = {}  # id(Tensorish) -> (file index, byte offset)
+    fds = []
+    try:
+        for i, (name, members) in enumerate(zip(names, shards)):
+            header, at = {}, 0
+            for t in members:
+                header[t.name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                                  "data_offsets": [at, at + t.nbytes]}
+                at += t.nbytes
+            header["__metadata__"] = {"format": "pt"}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            fd = os.open(os.path.join(path, name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            base = 8 + len(raw)
+            for t in members:
+                where[id(t)] = (i, base + header[t.name]["data_offsets"][0])
+        _stream(cat, tensors, where, fds)
+        for fd, name in zip(fds, names):
+            os.fsync(fd)
+            os.close(fd)
+            os.rename(os.path.join(path, name + ".tmp"), os.path.join(path, name))
+        fds = []
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        for name in names:
+            if os.path.exists(os.path.join(path, name + ".tmp")):
+                os.remove(os.path.join(path, name + ".tmp"))
+        raise
+    written = [os.path.join(path, name) for name in names]
+    total = sum(t.nbytes for t in tensors)
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.name: names[i] for i, members in enumerate(shards) for t in members}}
+        tmp = os.path.join(path, "model.safetensors.index.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(index, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.rename(tmp, os.path.join(path, "model.safetensors.index.json"))
+        written.append(os.path.join(path, "model.safetensors.index.json"))
+    for attr in ("config", "generation_config"):
+        cfg = getattr(model, attr, None)
+        if cfg is not None and hasattr(cfg, "save_pretrained"):
+            cfg.save_pretrained(path)
+    fsync_dir(path)
+    seconds = time.perf_counter() - started
+    log.info("exported %s in %d file(s) to %s in %.2f s", format_size(total), n, path, seconds)
+    return written
+
+
+def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int]) -> None:
+    manager = cat.manager
+    bar = progress(sum(t.nbytes for t in tensors), "export")
+    pool = manager.store.staging if manager is not None else None
+    try:
+        done_groups = set()
+        for t in tensors:
+            if t.group is None:
+                data = host_bytes(t.tensor)
+                i, offset = where[id(t)]
+                _pwrite(fd=fds[i], data=memoryview(data.numpy()) if data.numel() else b"", offset=offset)
+                if bar is not None:
+                    bar.update(t.nbytes)
+                continue
+            if id(t.group) in done_groups:
+                continue
+            done_groups.add(id(t.group))
+            group = t.group
+            buf = pool.acquire(group.nbytes)
+            try:
+                manager.store.read_into(group.key, buf.bytes).wait()
+                for member in tensors:
+                    if member.group is group:
+                        i, offset = where[id(member)]
+                        view = buf.bytes[member.slot.offset: member.slot.offset + member.slot.nbytes]
+                        _pwrite(fds[i], memoryview(view.numpy()), offset)
+            finally:
+                pool.release(buf)
+            if bar is not None:
+                bar.update(group.nbytes)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+

@@ -1,0 +1,351 @@
+"""load_checkpoint and load_state_dict_from: checked against the model first, then streamed
+into whatever tiers the model and optimizer use now, each piece verified by its checksum."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._units import format_size
+from ..io import BufferPool
+from ..optim._optimizer import OffloadOptimizer
+from ._catalog import Catalog, Tensorish, catalog
+from ._format import ALIGN, CheckpointError, dtype_of, read_manifest
+from ._save import resources
+from ._stream import BlobReader, ReadItem, ReadRun, merge_runs
+
+__all__ = ["load_checkpoint", "load_state_dict_from"]
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (wrapped with any
+    tier layout and budget, or plain) and ``optimizer``; returns the ``extra`` it was saved with.
+
+    Everything is checked before anything is changed: the manifest and files are complete,
+    the model's names and shapes match (an error lists every difference), the optimizer's
+    class and parameters match. Each tensor's checksum is verified as it streams in; a
+    mismatch raises (the model then holds a mix of old and new values: load another
+    checkpoint).
+    """
+    started = time.perf_counter()
+    manifest = read_manifest(path)
+    cat = catalog(model)
+    model_items = _model_items(manifest, cat)
+    opt_plan = _check_optimizer(manifest, optimizer, cat) if optimizer is not None else None
+    pool, window, engine_args = resources(cat, optimizer)
+    reader = BlobReader(path, pool=pool, window=window, engine_args=engine_args)
+    total = sum(i.nbytes for i in model_items)
+    try:
+        if isinstance(optimizer, OffloadOptimizer):
+            # one stream for both, so the disk never idles between them (the optimizer's items
+            # come after the model's: a missing master row is taken from the loaded weights)
+            opt_items = _offload_optimizer_items(optimizer, opt_plan)
+            reader.run(model_items + opt_items, total + sum(i.nbytes for i in opt_items))
+            _finish_offload_optimizer(optimizer, opt_plan)
+        else:
+            reader.run(model_items, total)
+            if optimizer is not None:
+                _load_torch_optimizer(optimizer, manifest, opt_plan, reader)
+    finally:
+        if cat.manager is None and not isinstance(optimizer, OffloadOptimizer):
+            pool.close()
+    seconds = time.perf_counter() - started
+    size = sum(manifest["files"].values())
+    log.info("checkpoint %s loaded: %s in %.2f s (%.2f GB/s)", path, format_size(size), seconds,
+             size / seconds / 1e9 if seconds else 0.0)
+    return manifest.get("extra")
+
+
+def load_state_dict_from(path: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint as plain CPU tensors by name (tied parameters under
+    each name), verified, for ``model.load_state_dict`` on a model that is not wrapped."""
+    manifest = read_manifest(path)
+    out: dict[str, torch.Tensor] = {}
+    items = []
+    for entry in _model_entries(manifest):
+        dtype, shape = dtype_of(entry["dtype"]), tuple(entry["shape"])
+
+        def consume(data: torch.Tensor, entry=entry, dtype=dtype, shape=shape) -> None:
+            value = _as_tensor(data[: entry["length"]], dtype, shape).clone()
+            for name in [entry["name"], *entry.get("aliases", [])]:
+                out[name] = value
+
+        items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
+                              [(entry, 0)], consume))
+    pool = BufferPool(1 << 62, name="checkpoint")
+    try:
+        BlobReader(path, pool=pool, window=256 << 20).run(items)
+    finally:
+        pool.close()
+    return out
+
+
+# -- model --------------------------------------------------------------------------------------
+def _model_entries(manifest: dict) -> list[dict]:
+    return [e for e in manifest["tensors"] if "row" not in e]
+
+
+def _match_model(manifest: dict, cat: Catalog) -> list[tuple[Tensorish, dict]]:
+    saved: dict[str, dict] = {}
+    for entry in _model_entries(manifest):
+        for name in [entry["name"], *entry.get("aliases", [])]:
+            saved.setdefault(name, entry)
+    pairs, missing, mismatched, used = [], [], [], set()
+    for t in cat.all():
+        entry = next((saved[n] for n in t.names if n in saved), None)
+        if entry is None:
+            missing.append(t.name)
+            continue
+        used.update(t.names)
+        if tuple(entry["shape"]) != tuple(t.shape):
+            mismatched.append(f"{t.name}: checkpoint {tuple(entry['shape'])}, model {tuple(t.shape)}")
+            continue
+        pairs.append((t, entry))
+    unexpected = [e["name"] for e in _model_entries(manifest)
+                  if not any(n in used for n in [e["name"], *e.get("aliases", [])])]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint ({len(missing)}): {missing[:20]}")
+    if unexpected:
+        problems.append(f"not in the model ({len(unexpected)}): {unexpected[:20]}")
+    if mismatched:
+        problems.append(f"shapes differ ({len(mismatched)}): {mismatched[:20]}")
+    if problems:
+        raise CheckpointError("the checkpoint does not match the model: " + "; ".join(problems)
+                              + ". Build the model from the config the checkpoint was saved with "
+                              f"(it was saved from {manifest['model'].get('class')}).")
+    return pairs
+
+
+def _model_items(manifest: dict, cat: Catalog) -> list[ReadItem]:
+    pairs = _match_model(manifest, cat)
+    items: list[ReadItem] = []
+    by_group: dict[int, list[tuple[Tensorish, dict]]] = {}
+    loose = []
+    for t, entry in pairs:
+        if t.group is not None:
+            by_group.setdefault(id(t.group), []).append((t, entry))
+        else:
+            loose.append((t, entry))
+    if cat.manager is not None:
+        for group in cat.manager.groups:
+            items.append(_group_item(cat, group, by_group.get(id(group), [])))
+    for t, entry in loose:
+        def consume(data: torch.Tensor, t=t, entry=entry) -> None:
+            value = _as_tensor(data[: entry["length"]], dtype_of(entry["dtype"]), t.shape)
+            with torch.no_grad():
+                t.tensor.copy_(value)
+
+        items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
+                              [(entry, 0)], consume))
+    return items
+
+
+def _group_item(cat: Catalog, group: Any, members: list[tuple[Tensorish, dict]]) -> ReadItem:
+    """The group's flat buffer: same-dtype tensors read straight into their slots (one read
+    when the layout matches the saved one), others into a scratch area and cast."""
+    runs, checks, casts = [], [], []
+    extra = -(-group.nbytes // ALIGN) * ALIGN
+    for t, entry in members:
+        if dtype_of(entry["dtype"]) == t.dtype:
+            runs.append(ReadRun(entry["file"], entry["offset"], entry["length"], t.slot.offset))
+            checks.append((entry, t.slot.offset))
+        else:
+            at = extra + entry["offset"] % ALIGN
+            runs.append(ReadRun(entry["file"], entry["offset"], entry["length"], at))
+            checks.append((entry, at))
+            casts.append((t, entry, at))
+            extra = -(-(at + entry["length"]) // ALIGN) * ALIGN
+    manager = cat.manager
+
+    def consume(data: torch.Tensor) -> None:
+        for t, entry, at in casts:
+            source = _as_tensor(data[at: at + entry["length"]], dtype_of(entry["dtype"]), t.shape)
+            data[t.slot.offset: t.slot.offset + t.slot.nbytes].view(t.dtype).view(t.shape).copy_(source)
+        manager.write_group(group, data[: group.nbytes])
+
+    def in_place() -> Any:
+        if not group.resident:
+            manager.coordinator.forget(group)
+        return manager.store.overwrite_in_place(group.key)
+
+    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=None if casts else in_place)
+
+
+def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return raw.view(torch.bool).view(shape)
+    return raw.view(dtype).view(shape)
+
+
+# -- optimizer ----------------------------------------------------------------------------------
+def _check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catalog) -> dict:
+    info = manifest.get("optimizer")
+    if info is None:
+        raise CheckpointError("the checkpoint holds no optimizer state (it was saved without an optimizer): "
+                              "call load_checkpoint(path, model) and start the optimizer afresh")
+    ours = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if info["class"].rsplit(".", 1)[-1] != type(optimizer).__name__ or \
+            (info["format"] == "offload") != isinstance(optimizer, OffloadOptimizer):
+        raise CheckpointError(f"the checkpoint's optimizer is {info['class']}, this one is {ours}: "
+                              "build the same optimizer class to resume")
+    saved_groups = info["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one "
+                              f"{len(optimizer.param_groups)}")
+    names: list[list[str]] = []
+    problems = []
+    for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        here = []
+        for p in group["params"]:
+            name = cat.param_name(p)
+            if name is None:
+                raise CheckpointError(f"a parameter of param group {gi} (shape {tuple(p.shape)}) is not a "
+                                      "parameter of the model being loaded")
+            here.append(name)
+        if here != saved["params"]:
+            gone = sorted(set(saved["params"]) - set(here))[:10]
+            new = sorted(set(here) - set(saved["params"]))[:10]
+            problems.append(f"param group {gi}: " + (f"missing {gone} " if gone else "")
+                            + (f"new {new} " if new else "") + ("(order differs)" if not gone and not new else ""))
+        names.append(here)
+    if problems:
+        raise CheckpointError("the optimizer's parameters differ from the checkpoint's: " + "; ".join(problems))
+    pieces: dict[tuple[str, str], list[dict]] = {}
+    for entry in manifest["tensors"]:
+        if "row" in entry:
+            pieces.setdefault((entry["name"], entry["row"]), []).append(entry)
+    for key, entries in pieces.items():
+        entries.sort(key=lambda e: e.get("start", 0))
+        if "start" in entries[0]:
+            at = 0
+            for e in entries:
+                if e["start"] != at:
+                    raise CheckpointError(f"corrupt manifest: optimizer state {key[1]} of {key[0]} has a gap "
+                                          f"at element {at}")
+                at += e["numel"]
+    return {"names": names, "pieces": pieces, "info": info}
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, info: dict) -> None:
+    for group, saved in zip(optimizer.param_groups, info["param_groups"]):
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            if isinstance(group.get(key), tuple) and isinstance(value, list):
+                value = tuple(value)
+            if isinstance(group.get(key), torch.Tensor):
+                group[key].fill_(value)
+                continue
+            group[key] = value
+
+
+def _offload_optimizer_items(opt: OffloadOptimizer, plan: dict) -> list[ReadItem]:
+    info, pieces = plan["info"], plan["pieces"]
+    opt.synchronize()
+    _restore_groups(opt, info)
+    opt._ensure_layout()
+    cat_names = {id(p): n for group, names in zip(opt.param_groups, plan["names"])
+                 for p, n in zip(group["params"], names)}
+    items = []
+    for shard in opt._shards:
+        for seg in shard.segments:
+            step = info["state"].get(cat_names[id(seg.param)], {}).get("step", 0.0)
+            seg.step.fill_(float(step))
+        if shard.rows:
+            items.append(_shard_item(opt, shard, cat_names, pieces))
+    return items
+
+
+def _finish_offload_optimizer(opt: OffloadOptimizer, plan: dict) -> None:
+    for shard in opt._shards:
+        shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
+        for seg in shard.segments:
+            seg.has_grad = False
+    scaler = plan["info"].get("scaler") or {}
+    if opt._scaler_enabled and scaler.get("enabled"):
+        opt.loss_scale = float(scaler["loss_scale"])
+        opt._good_steps = int(scaler["good_steps"])
+
+
+def _shard_item(opt: OffloadOptimizer, shard: Any, names: dict, pieces: dict) -> ReadItem:
+    rows = opt._row_names(shard)
+    row_bytes = shard.numel * 4
+    runs, checks, copies, zeros, masters = [], [], [], [], []
+    extra = -(-shard.state_bytes // ALIGN) * ALIGN
+    for seg in shard.segments:
+        name = names[id(seg.param)]
+        lo, hi = seg.start, seg.start + seg.length
+        for r, row in enumerate(rows):
+            dest = r * row_bytes + seg.offset * 4
+            saved = pieces.get((name, row))
+            if not saved:
+                (masters if row == "master_param" else zeros).append((seg, dest))
+                continue
+            for e in saved:
+                s, n = e["start"], e["numel"]
+                if s + n <= lo or s >= hi:
+                    continue
+                if s >= lo and s + n <= hi:  # the piece lies inside this segment: read in place
+                    at = dest + (s - lo) * 4
+                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
+                    checks.append((e, at))
+                else:  # it spans a segment boundary (shards cut differently): scratch, then copy
+                    at = extra + e["offset"] % ALIGN
+                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
+                    checks.append((e, at))
+                    extra = -(-(at + e["length"]) // ALIGN) * ALIGN
+                    a, b = max(s, lo), min(s + n, hi)
+                    copies.append((at + (a - s) * 4, dest + (a - lo) * 4, (b - a) * 4))
+
+    def consume(data: torch.Tensor) -> None:
+        for src, dst, n in copies:
+            data[dst: dst + n].copy_(data[src: src + n])
+        for seg, dst in zeros:
+            data[dst: dst + seg.length * 4].zero_()
+        for seg, dst in masters:
+            data[dst: dst + seg.length * 4].view(torch.float32).copy_(opt._current_values(seg))
+        opt._write_state(shard, data[: shard.state_bytes].view(torch.float32).view(shard.rows, shard.numel))
+
+    def in_place() -> Any:
+        return shard.store.overwrite_in_place(shard.state_key) if shard.state_key in shard.store else None
+
+    simple = not (copies or zeros or masters)
+    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=in_place if simple else None)
+
+
+def _load_torch_optimizer(opt: torch.optim.Optimizer, manifest: dict, plan: dict, reader: BlobReader) -> None:
+    info = plan["info"]
+    index = {name: i for i, name in enumerate(n for names in plan["names"] for n in names)}
+    state: dict[int, dict] = {}
+    for name, values in info["state"].items():
+        state.setdefault(index[name], {}).update(values)
+    items = []
+    for (name, row), entries in plan["pieces"].items():
+        for entry in entries:
+            def consume(data: torch.Tensor, name=name, row=row, entry=entry) -> None:
+                value = _as_tensor(data[: entry["length"]], dtype_of(entry["dtype"]), tuple(entry["shape"]))
+                state.setdefault(index[name], {})[row] = value.clone()
+
+            items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
+                                  [(entry, 0)], consume))
+    reader.run(items)
+    groups, start = [], 0
+    for saved, names in zip(info["param_groups"], plan["names"]):
+        group = {k: v for k, v in saved.items() if k != "params"}
+        group["params"] = list(range(start, start + len(names)))
+        start += len(names)
+        groups.append(group)
+    for group, current in zip(groups, opt.param_groups):
+        for key, value in group.items():
+            if isinstance(current.get(key), tuple) and isinstance(value, list):
+                group[key] = tuple(value)
+    opt.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,301 @@
+"""save_checkpoint and state_dict: every tier's state, streamed a blob at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._units import format_size
+from ..io import BufferPool
+from ..optim._optimizer import OffloadOptimizer
+from ._catalog import Catalog, Tensorish, catalog, host_bytes
+from ._format import (FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, dtype_name,
+                      fault_point, write_json)
+from ._stream import Blob, BlobWriter, Piece
+
+__all__ = ["save_checkpoint", "state_dict", "resources"]
+
+log = logging.getLogger(__name__)
+_PACK = 64 << 20  # small tensors are packed into blobs of up to this many bytes
+_WINDOW = 512 << 20  # most bytes of save/load buffers held at once
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    extra: dict | None = None) -> None:
+    """Save ``model`` (wrapped or not) and ``optimizer`` into the directory ``path``.
+
+    Every parameter group and optimizer shard is streamed from the tier where it rests
+    into the checkpoint's files with host memory bounded by the host budget (never the
+    whole model), checksummed, and listed in ``manifest.json``. The directory appears
+    atomically: a crash at any moment leaves the previous checkpoint at ``path`` (if any)
+    intact, and load refuses anything incomplete. ``extra`` is a small JSON-able dict
+    (step, scheduler state, :func:`offload.rng_state` ...) returned by ``load_checkpoint``.
+
+    Call it between optimizer steps: gradients accumulated since the last ``step()`` are
+    not saved.
+    """
+    started = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    extra_json = _check_extra(extra)
+    cat = catalog(model)
+    blobs = _model_blobs(cat)
+    opt_info = None
+    if optimizer is not None:
+        opt_blobs, opt_info = _optimizer_blobs(optimizer, cat)
+        blobs += opt_blobs
+    pool, window, engine_args = resources(cat, optimizer)
+    writer = BlobWriter(blobs, pool=pool, window=window, engine_args=engine_args)
+    directory = AtomicDirectory(path)
+    try:
+        writer.check_space(directory.path)
+        writer.run(directory.tmp)
+        fault_point("before_manifest")
+        manifest = {
+            "format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": dict(writer.sizes),
+            "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+                      "wrapped": cat.manager is not None,
+                      "config": _config_summary(cat)},
+            "tensors": [piece.entry for blob in blobs for piece in blob.pieces],
+            "optimizer": opt_info,
+            "extra": extra_json,
+        }
+        write_json(os.path.join(directory.tmp, MANIFEST), manifest)
+        fault_point("after_manifest")
+        directory.commit()
+    except BaseException:
+        directory.abort()
+        raise
+    finally:
+        if cat.manager is None:
+            pool.close()
+    seconds = time.perf_counter() - started
+    log.info("checkpoint %s saved: %s in %.2f s (%.2f GB/s)", directory.path, format_size(writer.total),
+             seconds, writer.total / seconds / 1e9 if seconds else 0.0)
+
+
+def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers as plain CPU tensors, gathered from
+    wherever they rest (for models that fit in RAM). Tied parameters appear under each of
+    their names, as the same tensor, like ``nn.Module.state_dict``."""
+    cat = catalog(model)
+    out: dict[str, torch.Tensor] = {}
+    cache: tuple[Any, torch.Tensor] | None = None
+    for t in cat.all():
+        if t.group is not None:
+            if cache is None or cache[0] is not t.group:
+                cache = (t.group, cat.manager.group_bytes(t.group))
+            raw = cache[1][t.slot.offset: t.slot.offset + t.slot.nbytes]
+            value = raw.view(t.dtype).reshape(t.shape).clone() if t.slot.nbytes else \
+                torch.empty(t.shape, dtype=t.dtype)
+        else:
+            value = t.tensor.detach().to("cpu", copy=True)
+        for name in t.names:
+            out[name] = value
+    return out
+
+
+# -- what to write ----------------------------------------------------------------------------
+def _entry(name: str, t: Tensorish | None = None, **fields: Any) -> dict:
+    entry = {"name": name}
+    if t is not None:
+        entry.update(kind=t.kind, dtype=dtype_name(t.dtype), shape=list(t.shape))
+        if t.aliases:
+            entry["aliases"] = list(t.aliases)
+    entry.update(fields)
+    return entry
+
+
+def _model_blobs(cat: Catalog) -> list[Blob]:
+    blobs: list[Blob] = []
+    loose: list[Tensorish] = []
+    if cat.manager is not None:
+        store = cat.manager.store
+        by_group: dict[int, list[Tensorish]] = {}
+        for t in cat.params:
+            by_group.setdefault(id(t.group), []).append(t)
+        for group in cat.manager.groups:
+            pieces = [Piece(_entry(t.name, t), t.slot.offset, t.slot.nbytes) for t in by_group[id(group)]]
+            blobs.append(Blob("model.bin", group.nbytes,
+                              lambda dest, key=group.key: store.read_into(key, dest), pieces,
+                              borrow=lambda key=group.key: store.borrow_host(key)))
+    else:
+        loose += cat.params
+    loose += cat.buffers
+    blobs += _packed("model.bin", [(t, _entry(t.name, t)) for t in loose])
+    return blobs
+
+
+def _packed(section: str, items: list[tuple[Any, dict]]) -> list[Blob]:
+    """Blobs of up to ``_PACK`` bytes, each a run of whole tensors copied in at fill time."""
+    blobs: list[Blob] = []
+    current: list[tuple[Any, dict, int]] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal current, size
+        if not current:
+            return
+        members = current
+
+        def fill(dest: torch.Tensor, members=members) -> None:
+            for t, _, at in members:
+                src = host_bytes(t.tensor if isinstance(t, Tensorish) else t)
+                dest[at: at + src.numel()].copy_(src)
+
+        blobs.append(Blob(section, size, fill, [Piece(e, at, _nbytes(t)) for t, e, at in members]))
+        current, size = [], 0
+
+    for t, entry in items:
+        n = _nbytes(t)
+        if current and size + n > _PACK:
+            close()
+        at = -(-size // 256) * 256
+        current.append((t, entry, at))
+        size = at + n
+    close()
+    return blobs
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, Tensorish):
+        return t.nbytes
+    return t.numel() * t.element_size()
+
+
+def _optimizer_blobs(optimizer: torch.optim.Optimizer, cat: Catalog) -> tuple[list[Blob], dict]:
+    names: dict[int, str] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            name = cat.param_name(p)
+            if name is None:
+                raise CheckpointError(f"optimizer parameter {pi} of param group {gi} (shape "
+                                      f"{tuple(p.shape)}) is not a parameter of the model: save the "
+                                      "optimizer with the model it trains")
+            names[id(p)] = name
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: _jsonable(v, f"param_groups[...][{k!r}]") for k, v in group.items() if k != "params"}
+        hyper["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(hyper)
+    info: dict[str, Any] = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                            "param_groups": groups}
+    if isinstance(optimizer, OffloadOptimizer):
+        return _offload_optimizer_blobs(optimizer, names, info)
+    return _torch_optimizer_blobs(optimizer, names, info)
+
+
+def _offload_optimizer_blobs(opt: OffloadOptimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
+    opt.synchronize()
+    opt._ensure_layout()
+    if any(s.grad_valid for s in opt._shards):
+        log.warning("save_checkpoint: gradients accumulated since the last optimizer step are not saved; "
+                    "save after step() and zero_grad()")
+    info["format"] = "offload"
+    info["scaler"] = {"enabled": opt._scaler_enabled, "dynamic": opt._dynamic, "loss_scale": opt.loss_scale,
+                      "good_steps": opt._good_steps}
+    state: dict[str, dict] = {}
+    blobs: list[Blob] = []
+    for shard in opt._shards:
+        rows = opt._row_names(shard)
+        pieces = []
+        for seg in shard.segments:
+            name = names[id(seg.param)]
+            state.setdefault(name, {})["step"] = float(seg.step)
+            for r, row in enumerate(rows):
+                at = (r * shard.numel + seg.offset) * 4
+                pieces.append(Piece(_entry(name, None, row=row, dtype="F32", shape=list(seg.param.shape),
+                                           start=seg.start, numel=seg.length), at, seg.length * 4))
+        if rows:
+            store, key = shard.store, shard.state_key
+            blobs.append(Blob("optimizer.bin", shard.state_bytes,
+                              lambda dest, store=store, key=key: store.read_into(key, dest), pieces,
+                              borrow=lambda store=store, key=key: store.borrow_host(key)))
+    info["state"] = state
+    return blobs, info
+
+
+def _torch_optimizer_blobs(opt: torch.optim.Optimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
+    info["format"] = "torch"
+    state: dict[str, dict] = {}
+    tensors: list[tuple[torch.Tensor, dict]] = []
+    for p, values in opt.state.items():
+        name = names.get(id(p))
+        if name is None:
+            continue
+        entry_state = state.setdefault(name, {})
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((value, _entry(name, None, row=key, dtype=dtype_name(value.dtype),
+                                              shape=list(value.shape), device=value.device.type)))
+            else:
+                entry_state[key] = _jsonable(value, f"optimizer state {key!r} of {name}")
+    info["state"] = state
+    return _packed("optimizer.bin", tensors), info
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def resources(cat: Catalog, optimizer: Any = None) -> tuple[BufferPool, int, dict]:
+    """The host buffer pool to stream through (the wrapped model's, so buffers count in its
+    host budget), the window of bytes held at once, and the file engine's settings."""
+    manager = cat.manager
+    if manager is None and isinstance(optimizer, OffloadOptimizer) and optimizer._own_store is not None:
+        pool = optimizer._own_store.staging
+        return pool, min(_WINDOW, pool.budget // 2), {}
+    if manager is None:
+        return BufferPool(1 << 62, name="checkpoint"), _WINDOW, {}
+    cfg = manager.config
+    pool = manager.store.staging
+    engine = {"block_size": cfg.block_size, "threads": cfg.io_threads, "queue_depth": cfg.queue_depth}
+    return pool, min(_WINDOW, pool.budget // 2), engine
+
+
+def _jsonable(value: Any, what: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise CheckpointError(f"{what} is a tensor of shape {tuple(value.shape)}; only scalars can "
+                                  "be stored as hyper-parameters")
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v, what) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, what) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"{what} is a {type(value).__name__}, which a checkpoint cannot store as JSON")
+
+
+def _check_extra(extra: Any) -> Any:
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict of JSON-able values, got {type(extra).__name__}")
+    try:
+        text = json.dumps(extra)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"extra cannot be saved: {err}. Pass JSON-able values (numbers, strings, "
+                              "lists, dicts); offload.rng_state() gives the RNG state in that form") from None
+    if len(text) > (16 << 20):
+        raise CheckpointError(f"extra is {len(text)} bytes of JSON; it is meant for small metadata "
+                              "(step, RNG, scheduler). Save tensors with the model instead")
+    return json.loads(text)
+
+
+def _config_summary(cat: Catalog) -> dict | None:
+    if cat.manager is None:
+        return None
+    cfg = cat.manager.config
+    out = {}
+    for key in ("device", "param_tier", "optimizer_tier", "dtype"):
+        value = getattr(cfg, key, None)
+        out[key] = str(value) if value is not None else None
+    return out
+
