@@ -115,7 +115,7 @@ class BlobWriter:
                 else:
                     while held and in_window + self.buffer_size > self.window:
                         in_window -= self._retire_head(held, bar)
-                    buf = self._acquire(self.buffer_size, held, bar)
+                    buf = _acquire(self.pool, self.buffer_size, held, lambda: self._retire_head(held, bar), "saving")
                     in_window += buf.nbytes
                     held.append([blob, buf, blob.fill(buf.bytes), None])
                 self._issue_ready(held)
@@ -138,38 +138,21 @@ class BlobWriter:
                         pass
                 if len(item) > 4:
                     item[4].exception()
-                self._release(item[1])
+                _release(self.pool, item[1])
             self._crc.shutdown()
             engine.close()
             self.pool.trim()
             if bar is not None:
                 bar.close()
 
-    def _acquire(self, size: int, held: collections.deque, bar: Any) -> HostBuffer:
-        while True:
-            buf = self.pool.try_acquire(size)
-            if buf is not None:
-                return buf
-            if not held:
-                raise BudgetError(f"saving needs a host buffer of {format_size(size)} but the host budget "
-                                  f"({format_size(self.pool.budget)}) has {format_size(self.pool.in_use_bytes)} "
-                                  "in use: raise host_budget or use a smaller group_bytes / shard_size")
-            self._retire_head(held, bar)
-
     def _issue_ready(self, held: collections.deque) -> None:
-        """Checksum and start writing the blobs whose fill has finished, in order."""
+        """Start writing (and checksumming) the blobs whose fill has finished, in order."""
         for item in held:
             if item[3] is not None:
                 continue
             if item[2] is not None and not item[2].done():
                 return
             self._issue(item)
-
-    def _release(self, buf: Any) -> None:
-        if isinstance(buf, HostBuffer):
-            self.pool.release(buf)
-        else:
-            buf[1]()  # a borrowed view: let the store drop or reuse it again
 
     def _issue(self, item: list) -> None:
         blob, buf, fill, _ = item
@@ -207,10 +190,32 @@ class BlobWriter:
         blob, buf, fill, write, crc = item
         write.wait()
         crc.result()
-        self._release(buf)
+        _release(self.pool, buf)
         if bar is not None:
             bar.update(blob.nbytes)
         return buf.nbytes if isinstance(buf, HostBuffer) else 0
+
+
+def _acquire(pool: BufferPool, size: int, held: collections.deque, finish_oldest: Callable[[], Any],
+             what: str) -> HostBuffer:
+    """A pool buffer of ``size``, finishing our own oldest transfers while the budget is full."""
+    while True:
+        buf = pool.try_acquire(size)
+        if buf is not None:
+            return buf
+        if not held:
+            raise BudgetError(f"{what} needs a host buffer of {format_size(size)} but the host budget "
+                              f"({format_size(pool.budget)}) has {format_size(pool.in_use_bytes)} in use: "
+                              "raise host_budget or use a smaller group_bytes / shard_size")
+        finish_oldest()
+
+
+def _release(pool: BufferPool, buf: Any) -> None:
+    """Give back a pool buffer, or a ``(view, release)`` borrowed from (or lent by) the store."""
+    if isinstance(buf, HostBuffer):
+        pool.release(buf)
+    else:
+        buf[1]()
 
 
 def _disk_full(path: str, needed: int, free: int | None) -> DiskFullError:
@@ -293,7 +298,7 @@ class BlobReader:
                 else:
                     while held and in_window + size > max(self.window, size):
                         in_window -= self._finish(held.popleft(), bar)
-                    buf = self._acquire(size, held, bar)
+                    buf = _acquire(self.pool, size, held, lambda: self._finish(held.popleft(), bar), "loading")
                     in_window += buf.nbytes
                     dest = buf.bytes[item.phase:]
                 handles = []
@@ -318,29 +323,12 @@ class BlobReader:
                     verified.exception()
                 except Exception:
                     pass
-                self._release(buf)
+                _release(self.pool, buf)
             self._verifier.shutdown()
             engine.close()
             self.pool.trim()
             if bar is not None:
                 bar.close()
-
-    def _acquire(self, size: int, held: collections.deque, bar: Any) -> HostBuffer:
-        while True:
-            buf = self.pool.try_acquire(size)
-            if buf is not None:
-                return buf
-            if not held:
-                raise BudgetError(f"loading needs a host buffer of {format_size(size)} but the host budget "
-                                  f"({format_size(self.pool.budget)}) has {format_size(self.pool.in_use_bytes)} "
-                                  "in use: raise host_budget")
-            self._finish(held.popleft(), bar)
-
-    def _release(self, buf: Any) -> None:
-        if isinstance(buf, HostBuffer):
-            self.pool.release(buf)
-        else:
-            buf[1]()  # in place: the store may use the copy again
 
     def _verify(self, item: ReadItem, data: torch.Tensor, handles: list) -> None:
         for h in handles:
@@ -367,7 +355,7 @@ class BlobReader:
             if not in_place:
                 item.consume(data)
         finally:
-            self._release(buf)
+            _release(self.pool, buf)
         if bar is not None:
             bar.update(item.nbytes)
         return 0 if in_place else buf.nbytes
