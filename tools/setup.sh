@@ -2,6 +2,7 @@
 # Set up offload in the current Python environment, from nothing.
 #   tools/setup.sh          the package
 #   tools/setup.sh test     + test dependencies
+#   tools/setup.sh examples + what the examples need (transformers, safetensors, tqdm)
 #   tools/setup.sh bench    + benchmark tools (tqdm, fio)
 #   tools/setup.sh peers    + DeepSpeed too, to compare against (its ops JIT-build on first use)
 #
@@ -18,9 +19,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 case "$what" in
   test)  "$PY" -m pip install --quiet -e ".[test]" ;;
+  examples) "$PY" -m pip install --quiet -e ".[examples]" ;;
   bench|peers) "$PY" -m pip install --quiet -e ".[bench]" ;;
   "")    "$PY" -m pip install --quiet -e . ;;
-  *) echo "usage: tools/setup.sh [test|bench|peers]" >&2; exit 2 ;;
+  *) echo "usage: tools/setup.sh [test|examples|bench|peers]" >&2; exit 2 ;;
 esac
 
 if [ "$what" = bench ] || [ "$what" = peers ]; then

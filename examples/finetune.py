@@ -1,0 +1,224 @@
+"""Fine-tune a causal language model with its parameters and optimizer states offloaded.
+
+    python examples/finetune.py --steps 5 --param-tier nvme --optimizer-tier nvme
+
+By default the model is GPT-2-style with 24 layers x 1024 (355M parameters, random
+weights, built from a config so nothing is downloaded); ``--model DIR`` takes a local
+``save_pretrained`` directory (weights streamed from its safetensors) or a directory or
+file with a ``config.json`` (random weights), any AutoModelForCausalLM architecture. The
+text is generated arithmetic ("17 plus 25 is 42.") tokenized as bytes, or ``--corpus
+FILE`` (any UTF-8 text), so the loss falls visibly within a few dozen steps.
+
+Every step logs one line: loss, tokens/s, step time, bytes read and written by the NVMe
+tier, stall seconds (compute waiting for parameters), peak device and host bytes; a tqdm
+bar shows progress. ``--save-dir`` checkpoints every ``--save-every`` steps and at the end
+(atomic, resumable with ``--resume``); the trained weights are exported as safetensors to
+``--export-dir`` (loadable with transformers' from_pretrained).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+import offload
+
+log = logging.getLogger("finetune")
+
+
+def build_model(args):
+    import transformers
+
+    if args.model is None:
+        config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads,
+                                         vocab_size=args.vocab, n_positions=max(1024, args.seq_len))
+        torch.manual_seed(args.seed)
+        return transformers.AutoModelForCausalLM.from_config(config), None
+    config = transformers.AutoConfig.from_pretrained(args.model)  # a local path: nothing downloaded
+    has_weights = os.path.isdir(args.model) and any(f.endswith(".safetensors") for f in os.listdir(args.model))
+    if has_weights:
+        with offload.init_empty_weights():
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return model, args.model
+    torch.manual_seed(args.seed)
+    return transformers.AutoModelForCausalLM.from_config(config), None
+
+
+def corpus(args) -> torch.Tensor:
+    """Byte-level tokens of the training text."""
+    if args.corpus:
+        with open(args.corpus, "rb") as fh:
+            data = fh.read()
+    else:
+        rng = random.Random(args.seed)
+        lines = []
+        for _ in range(20000):
+            a, b = rng.randrange(100), rng.randrange(100)
+            op, value = rng.choice((("plus", a + b), ("minus", a - b), ("times", a * b)))
+            lines.append(f"{a} {op} {b} is {value}.")
+        data = " ".join(lines).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(tokens: torch.Tensor, args, vocab: int):
+    if int(tokens.max()) >= vocab:
+        raise SystemExit(f"the model's vocabulary ({vocab}) is smaller than 256 byte tokens: use a model "
+                         "with vocab_size >= 256")
+    g = torch.Generator().manual_seed(args.seed)
+    span = args.seq_len
+    while True:
+        starts = torch.randint(0, len(tokens) - span - 1, (args.batch_size,), generator=g)
+        yield torch.stack([tokens[s: s + span] for s in starts.tolist()])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", default=None, help="local save_pretrained directory, or config.json path/dir "
+                   "(default: a GPT-2-style model built from --layers/--hidden/--heads/--vocab)")
+    m.add_argument("--layers", type=int, default=24, help="default model: transformer layers (24)")
+    m.add_argument("--hidden", type=int, default=1024, help="default model: hidden size (1024)")
+    m.add_argument("--heads", type=int, default=16, help="default model: attention heads (16)")
+    m.add_argument("--vocab", type=int, default=50257, help="default model: vocabulary size (50257)")
+    o = parser.add_argument_group("offload")
+    o.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="compute device: cuda, cuda:N or cpu (default: cuda when available)")
+    o.add_argument("--param-tier", default="nvme", choices=["device", "host", "nvme"],
+                   help="where parameters rest between uses (default nvme)")
+    o.add_argument("--optimizer-tier", default="nvme", choices=["host", "nvme"],
+                   help="where fp32 master weights and Adam moments rest (default nvme)")
+    o.add_argument("--nvme-path", default="./offload-nvme", help="directory for swap files (default "
+                   "./offload-nvme, created if missing; use a local disk)")
+    o.add_argument("--device-budget", default="1GiB", help="most parameter bytes on the device at once (1GiB)")
+    o.add_argument("--host-budget", default="4GiB", help="most bytes of host buffers offload may hold (4GiB)")
+    o.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype of the parameters; master weights stay fp32 (default fp32)")
+    t = parser.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    t.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
+    t.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    t.add_argument("--warmup", type=int, default=2, help="linear warm-up steps (default 2)")
+    t.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm, 0 to disable (default 1.0)")
+    t.add_argument("--corpus", default=None, help="UTF-8 text file to train on (default: generated arithmetic)")
+    t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    c = parser.add_argument_group("checkpoints and output")
+    c.add_argument("--save-dir", default=None, help="checkpoint directory (default: no checkpoints)")
+    c.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: only at the end)")
+    c.add_argument("--resume", action="store_true", help="continue from --save-dir if a checkpoint is there")
+    c.add_argument("--stop-at", type=int, default=None, help="stop after this step (saving a checkpoint when "
+                   "--save-dir is set), as a job cut off by a time limit would; --resume continues the run")
+    c.add_argument("--export-dir", default="./finetuned", help="export the trained model as safetensors here "
+                   "(default ./finetuned; '' to skip)")
+    c.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    started = time.perf_counter()
+    model, weights = build_model(args)
+    nvme = "nvme" in (args.param_tier, args.optimizer_tier)
+    if nvme:
+        os.makedirs(args.nvme_path, exist_ok=True)
+    cfg = offload.OffloadConfig(device=args.device, param_tier=args.param_tier, optimizer_tier=args.optimizer_tier,
+                                nvme_path=args.nvme_path if nvme else None, device_budget=args.device_budget,
+                                host_budget=args.host_budget,
+                                compute_dtype=None if args.dtype == "fp32" else args.dtype)
+    model = offload.wrap(model, cfg, checkpoint=weights)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = offload.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                        lr=args.lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup))
+        * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
+    first = 0
+    if args.resume and args.save_dir and os.path.exists(os.path.join(args.save_dir, "manifest.json")):
+        extra = offload.load_checkpoint(args.save_dir, model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        offload.set_rng_state(extra["rng"])
+        first = extra["step"]
+        log.info("resumed from %s at step %d", args.save_dir, first)
+    log.info("model: %.1fM parameters; setup took %.1f s", params / 1e6, time.perf_counter() - started)
+
+    data = batches(corpus(args), args, model.config.vocab_size)
+    for _ in range(first * args.grad_accum):  # the same batches as an uninterrupted run
+        next(data)
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    device = torch.device(args.device)
+    try:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        bar = tqdm(total=args.steps, initial=first, desc="train", unit="step", file=sys.stderr)
+        redirect = logging_redirect_tqdm()  # log lines print above the bar, not through it
+        redirect.__enter__()
+    except ImportError:
+        bar = redirect = None
+    losses, times = [], []
+    before = offload.stats(model)
+    for step in range(first, args.steps):
+        t0 = time.perf_counter()
+        offload.reset_peak_stats(model)
+        total = 0.0
+        for _ in range(args.grad_accum):
+            ids = next(data).to(device)
+            loss = model(input_ids=ids, labels=ids).loss / args.grad_accum
+            opt.scale_loss(loss).backward()
+            total += float(loss.detach())
+        if args.clip > 0:
+            opt.clip_grad_norm_(args.clip)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        seconds = time.perf_counter() - t0
+        now = offload.stats(model)
+        losses.append(total)
+        times.append(seconds)
+        log.info("step %d/%d loss %.4f | %.0f tok/s | %.2f s | read %s written %s | stall %.2f s | "
+                 "peak device %s host %s", step + 1, args.steps, total, tokens_per_step / seconds, seconds,
+                 offload.format_size(now["read_bytes"] - before["read_bytes"]),
+                 offload.format_size(now["write_bytes"] - before["write_bytes"]),
+                 now["stall_seconds"] - before["stall_seconds"], offload.format_size(now["device_peak_bytes"]),
+                 offload.format_size(now["host_peak_bytes"]))
+        if not math.isfinite(total):
+            log.error("the loss is not finite at step %d: lower --lr or use --dtype bf16/fp32", step + 1)
+            return 1
+        before = now
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.3f}")
+        last = step + 1 == args.steps or step + 1 == args.stop_at
+        if args.save_dir and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            offload.save_checkpoint(args.save_dir, model, opt, extra={
+                "step": step + 1, "scheduler": sched.state_dict(), "rng": offload.rng_state()})
+            log.info("checkpoint saved to %s", args.save_dir)
+        if step + 1 == args.stop_at:
+            log.info("stopping at step %d as asked (--stop-at)", step + 1)
+            break
+    if bar is not None:
+        bar.close()
+        redirect.__exit__(None, None, None)
+    opt.synchronize()
+    if losses:
+        log.info("done: %d steps, loss %.4f -> %.4f, median step %.2f s (%.0f tok/s)", len(losses), losses[0],
+                 losses[-1], sorted(times)[len(times) // 2], tokens_per_step / sorted(times)[len(times) // 2])
+    if args.export_dir:
+        offload.export(model, args.export_dir)
+        log.info("exported to %s (transformers' from_pretrained loads it)", args.export_dir)
+    opt.close()
+    offload.unwrap(model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
