@@ -52,6 +52,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             reader.run(model_items, total)
             if optimizer is not None:
                 _load_torch_optimizer(optimizer, manifest, opt_plan, reader)
+    except CheckpointError as err:  # found while streaming: some tensors were already replaced
+        raise CheckpointError(f"{err} (the model{' and optimizer' if optimizer is not None else ''} now "
+                              "hold a mix of old and loaded values: load another checkpoint before "
+                              "training on)") from err
     finally:
         if cat.manager is None and not isinstance(optimizer, OffloadOptimizer):
             pool.close()

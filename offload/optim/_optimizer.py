@@ -175,11 +175,13 @@ class OffloadOptimizer(Optimizer):
         self._ensure_layout()
         if self._scaler_enabled and self._found_inf():
             self._skip_step()
+            self._consume_offloaded_grads()
             return loss
         grad_scale = (self.loss_scale if self._scaler_enabled else 1.0) / self._clip_coef
         self._clip_coef = 1.0
         work = [s for s in self._shards if self._has_grads(s)]
         self._run_pipeline(work, grad_scale)
+        self._consume_offloaded_grads()
         if self._scaler_enabled:
             self._grow_scale()
         self.stats["steps"] += 1
@@ -187,6 +189,17 @@ class OffloadOptimizer(Optimizer):
         for manager in {s.segments[0].owner[0] for s in work if s.wrapped}:
             manager.coordinator.resume_prefetch()
         return loss
+
+    def _consume_offloaded_grads(self) -> None:
+        # Note: a step consumes the offloaded gradients. Loops that reset gradients with
+        # model.zero_grad() (transformers' Trainer does) never call our zero_grad(), and
+        # p.grad is already None for these parameters, so the next backward would otherwise
+        # add onto the last step's sums. Plain parameters keep torch's semantics (p.grad).
+        for shard in self._shards:
+            if shard.wrapped:
+                shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
+                for seg in shard.segments:
+                    seg.has_grad = False
 
     def synchronize(self) -> None:
         """Wait until the step's write-backs have reached their tier. ``step()`` returns

@@ -392,3 +392,24 @@ def test_plain_bf16_parameters_keep_an_fp32_master(no_leaks):
         torch.testing.assert_close(sd["state"][i]["master_param"], m.detach(), rtol=0, atol=0)
         torch.testing.assert_close(p.detach(), m.detach().to(torch.bfloat16), rtol=0, atol=0)
     opt.close()
+
+
+def test_model_zero_grad_is_enough(tmp_path):
+    """Loops that reset gradients with model.zero_grad() (transformers' Trainer) never call
+    the optimizer's zero_grad(); a step consumes the offloaded gradients, so they do not
+    leak into the next step."""
+    batches = lm_batches(211, steps=3, micro=1)
+    ref = tiny_gpt2()
+    ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
+    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+    opt = make_opt("adamw", model.parameters(), offloaded=True)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for (ids,) in batches:
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            m.zero_grad()
+    got, want = offload.state_dict(model), ref.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    offload.unwrap(model)
+    opt.close()
