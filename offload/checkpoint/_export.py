@@ -40,7 +40,7 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
         raise ValueError(f"shard_size must be positive, got {shard_size!r}")
     started = time.perf_counter()
     path = os.path.abspath(path)
-    check_writable(os.path.join(path, "model.safetensors"))
+    check_writable(path)
     os.makedirs(path, exist_ok=True)
     cat = catalog(model)
     tensors = cat.all()

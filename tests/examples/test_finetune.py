@@ -49,3 +49,23 @@ def test_help_explains_every_flag():
     for flag in re.findall(r"add_argument\(\"(--[\w-]+)\"", open(SCRIPT).read()):
         assert flag in out.stdout
     assert "python examples/finetune.py" in out.stdout
+
+
+HF = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_trainer.py")
+
+
+def test_hf_trainer_matches_the_same_trainer_without_offload(tmp_path):
+    """transformers.Trainer with the wrapped model and offload.AdamW (clipping through the
+    callback) gives the losses of the same Trainer run on the plain model with torch AdamW."""
+    pytest.importorskip("accelerate")
+    common = [sys.executable, HF, *TINY, "--steps", "4", "--output-dir", str(tmp_path / "out")]
+    losses = {}
+    for mode in ("offload", "plain"):
+        extra = ["--nvme-path", str(tmp_path / "nvme")] + (["--no-offload"] if mode == "plain" else [])
+        out = subprocess.run(common + extra, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        losses[mode] = [float(m.group(1)) for m in re.finditer(r"step \d+ loss ([\d.]+)", out.stderr)]
+    assert len(losses["offload"]) == 4
+    torch.testing.assert_close(losses["offload"], losses["plain"], rtol=1e-4, atol=1e-5)
+    assert (tmp_path / "out" / "model" / "model.safetensors").exists()
+    assert (tmp_path / "out" / "checkpoint" / "manifest.json").exists()
