@@ -69,3 +69,24 @@ def test_hf_trainer_matches_the_same_trainer_without_offload(tmp_path):
     torch.testing.assert_close(losses["offload"], losses["plain"], rtol=1e-4, atol=1e-5)
     assert (tmp_path / "out" / "model" / "model.safetensors").exists()
     assert (tmp_path / "out" / "checkpoint" / "manifest.json").exists()
+
+
+INFER = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "inference.py")
+
+
+def test_inference_from_nvme_generates_what_the_plain_model_does(tmp_path):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(cfg).eval()
+    plain.save_pretrained(tmp_path / "model")
+    prompt = "17 plus 25 is"
+    ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        want = plain.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    out = subprocess.run([sys.executable, INFER, "--model", str(tmp_path / "model"), "--prompt", prompt,
+                          "--max-new-tokens", "8", "--device", "cpu", "--device-budget", "1MiB",
+                          "--host-budget", "16MiB", "--nvme-path", str(tmp_path / "nvme")],
+                         capture_output=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.decode().rstrip("\n") == prompt + bytes(t for t in want if t < 256).decode(errors="replace")
+    assert b"tokens/s" in out.stderr and b"read" in out.stderr
