@@ -78,9 +78,8 @@ def batches(tokens: torch.Tensor, args, vocab: int):
         yield torch.stack([tokens[s: s + span] for s in starts.tolist()])
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
+    """The model and offload flags (shared with examples/hf_trainer.py)."""
     m = parser.add_argument_group("model")
     m.add_argument("--model", default=None, help="local save_pretrained directory, or config.json path/dir "
                    "(default: a GPT-2-style model built from --layers/--hidden/--heads/--vocab)")
@@ -101,6 +100,22 @@ def main(argv=None) -> int:
     o.add_argument("--host-budget", default="4GiB", help="most bytes of host buffers offload may hold (4GiB)")
     o.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype of the parameters; master weights stay fp32 (default fp32)")
+
+
+def offload_config(args) -> offload.OffloadConfig:
+    nvme = "nvme" in (args.param_tier, args.optimizer_tier)
+    if nvme:
+        os.makedirs(args.nvme_path, exist_ok=True)
+    return offload.OffloadConfig(device=args.device, param_tier=args.param_tier,
+                                 optimizer_tier=args.optimizer_tier, nvme_path=args.nvme_path if nvme else None,
+                                 device_budget=args.device_budget, host_budget=args.host_budget,
+                                 compute_dtype=None if args.dtype == "fp32" else args.dtype)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_model_and_offload_args(parser)
     t = parser.add_argument_group("training")
     t.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     t.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
@@ -125,14 +140,7 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     model, weights = build_model(args)
-    nvme = "nvme" in (args.param_tier, args.optimizer_tier)
-    if nvme:
-        os.makedirs(args.nvme_path, exist_ok=True)
-    cfg = offload.OffloadConfig(device=args.device, param_tier=args.param_tier, optimizer_tier=args.optimizer_tier,
-                                nvme_path=args.nvme_path if nvme else None, device_budget=args.device_budget,
-                                host_budget=args.host_budget,
-                                compute_dtype=None if args.dtype == "fp32" else args.dtype)
-    model = offload.wrap(model, cfg, checkpoint=weights)
+    model = offload.wrap(model, offload_config(args), checkpoint=weights)
     model.train()
     params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -34,7 +34,7 @@ import torch
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune import build_model, corpus  # noqa: E402  (same model and data)
+from finetune import add_model_and_offload_args, build_model, corpus, offload_config  # noqa: E402
 
 log = logging.getLogger("hf_trainer")
 
@@ -91,20 +91,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--model", default=None, help="local save_pretrained directory or config (default: "
-                        "GPT-2-style from --layers/--hidden/--heads/--vocab)")
-    parser.add_argument("--layers", type=int, default=24, help="default model: layers (24)")
-    parser.add_argument("--hidden", type=int, default=1024, help="default model: hidden size (1024)")
-    parser.add_argument("--heads", type=int, default=16, help="default model: attention heads (16)")
-    parser.add_argument("--vocab", type=int, default=50257, help="default model: vocabulary (50257)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="compute device (default: cuda when available)")
-    parser.add_argument("--param-tier", default="nvme", choices=["device", "host", "nvme"], help="(default nvme)")
-    parser.add_argument("--optimizer-tier", default="nvme", choices=["host", "nvme"], help="(default nvme)")
-    parser.add_argument("--nvme-path", default="./offload-nvme", help="swap directory (default ./offload-nvme)")
-    parser.add_argument("--device-budget", default="1GiB", help="(default 1GiB)")
-    parser.add_argument("--host-budget", default="4GiB", help="(default 4GiB)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype (fp32)")
+    add_model_and_offload_args(parser)  # the same model, tiers and budgets as examples/finetune.py
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--batch-size", type=int, default=2, help="per-device batch (default 2)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
@@ -132,14 +119,7 @@ def main(argv=None) -> int:
         result = trainer.train()
         log.info("Trainer finished: %d steps, training loss %.4f", result.global_step, result.training_loss)
         return 0
-    nvme = "nvme" in (args.param_tier, args.optimizer_tier)
-    if nvme:
-        os.makedirs(args.nvme_path, exist_ok=True)
-    cfg = offload.OffloadConfig(device=args.device, param_tier=args.param_tier, optimizer_tier=args.optimizer_tier,
-                                nvme_path=args.nvme_path if nvme else None, device_budget=args.device_budget,
-                                host_budget=args.host_budget,
-                                compute_dtype=None if args.dtype == "fp32" else args.dtype)
-    model = offload.wrap(model, cfg, checkpoint=weights)
+    model = offload.wrap(model, offload_config(args), checkpoint=weights)
     model.is_parallelizable = model.model_parallel = True  # Trainer: do not move the model
     opt = offload.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
