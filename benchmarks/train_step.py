@@ -1,0 +1,276 @@
+"""Training step time up a ladder of model sizes, parameters and AdamW states on NVMe, next to
+the in-memory torch step of the same model and a lower bound from this machine's disk.
+
+    python benchmarks/train_step.py --sizes 100M,200M,400M --steps 3 --json train.json
+    python benchmarks/train_step.py --sizes 2B --steps 2 --no-memory --json top.json   # > RAM
+
+Each size is a GPT-2-style model (hidden 1024 up to 400M, wider above) built from a config
+with random weights and saved once as safetensors in ``--path``; every run is a fresh
+process (so peak RSS is its own):
+
+  memory  plain torch: the model in RAM, torch.optim.AdamW(fused=True); times forward +
+          backward and the optimizer step separately (the compute terms of the bound);
+          skipped when model + grads + states (16 B/parameter) do not fit in 80% of RAM;
+  ours    the model built on the meta device and streamed from the safetensors into
+          offload's NVMe tier (device budget below the model's size: a third of it, at least
+          twice the embedding + 64 MiB), offload.AdamW with states
+          on NVMe; step = forward + backward + step + synchronize (write-backs included).
+
+Batch ``--batch`` x ``--seq`` tokens, fp32, 2 warm-up steps not timed, then the median of
+``--steps``. Bytes read and written per step come from offload's own counters (the
+optimizer's part separately). Page cache: offload's swap files are read and written with
+O_DIRECT, so the page cache serves none of these bytes.
+
+Lower bound = max(forward+backward compute, parameter bytes / disk) + max(optimizer
+compute, optimizer bytes / disk), with compute from the in-memory run (scaled by
+parameter count from the largest measured size when the model does not fit) and the
+disk's read and write bandwidth measured with offload's engine in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+import torch
+
+log = logging.getLogger("bench.train")
+
+# (layers, hidden, heads) per nominal size; vocabulary 50257, 1024 positions
+SHAPES = {"100M": (6, 1024, 16), "200M": (14, 1024, 16), "400M": (30, 1024, 16),
+          "800M": (30, 1536, 16), "1.6B": (40, 1920, 16), "2B": (48, 2048, 16)}
+
+
+def gpt2_config(size: str):
+    import transformers
+
+    layers, hidden, heads = SHAPES[size]
+    return transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=50257,
+                                   n_positions=1024)
+
+
+def prepare(size: str, root: str) -> str:
+    """The model saved as safetensors (once per size and --path)."""
+    import transformers
+
+    path = os.path.join(root, f"gpt2-{size}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        log.info("building and saving the %s model in %s (once)", size, path)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(gpt2_config(size))
+        model.save_pretrained(path, max_shard_size="2GB")
+        del model
+    return path
+
+
+class Peak:
+    def __init__(self):
+        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.01)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def worker_memory(path: str, args) -> dict:
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(path)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    fb, st, total, losses = [], [], [], []
+    peak = Peak()
+    for i in range(args.steps + 2):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t2 = time.perf_counter()
+        losses.append(float(loss))
+        if i >= 2:
+            fb.append(t1 - t0), st.append(t2 - t1), total.append(t2 - t0)
+    return {"step_s": statistics.median(total), "fwd_bwd_s": statistics.median(fb), "opt_s": statistics.median(st),
+            "peak_rss_bytes": peak.stop(), "losses": losses, "params": sum(p.numel() for p in model.parameters())}
+
+
+def worker_ours(path: str, args) -> dict:
+    import transformers
+
+    import offload
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    with offload.init_empty_weights():
+        model = transformers.GPT2LMHeadModel(config)
+    params = sum(p.numel() for p in model.parameters())
+    swap = tempfile.mkdtemp(prefix="swap-", dir=args.path)
+    cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=swap,
+                                device_budget=device_budget(config, params), host_budget=args.host_budget,
+                                file_size="1GiB")
+    try:
+        model = offload.wrap(model, cfg, checkpoint=path)
+        model.train()
+        opt = offload.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+        rows, losses = [], []
+        peak = Peak()
+        for i in range(args.steps + 2):
+            before, ob = offload.stats(model), dict(opt.stats)
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            opt.synchronize()
+            t2 = time.perf_counter()
+            now = offload.stats(model)
+            losses.append(float(loss))
+            log.info("ours step %d: %.2f s (fwd+bwd %.2f), loss %.4f", i + 1, t2 - t0, t1 - t0, float(loss))
+            if i >= 2:
+                rows.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0,
+                             "read_bytes": now["read_bytes"] - before["read_bytes"],
+                             "write_bytes": now["write_bytes"] - before["write_bytes"],
+                             "opt_read_bytes": opt.stats["read_bytes"] - ob["read_bytes"],
+                             "opt_write_bytes": opt.stats["write_bytes"] - ob["write_bytes"],
+                             "stall_s": now["stall_seconds"] - before["stall_seconds"]})
+        out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        out.update(peak_rss_bytes=peak.stop(), losses=losses, params=params,
+                   device_peak_bytes=offload.stats(model)["device_peak_bytes"])
+        opt.close()
+        offload.unwrap(model)
+        return out
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+
+
+def device_budget(config, params: int) -> int:
+    """Below the model's size: a third of it, but room for the tied embedding (the largest
+    group, used at both ends of the pass) twice over plus 64 MiB for the layers streaming by."""
+    return max(params * 4 // 3, 2 * config.vocab_size * config.n_embd * 4 + (64 << 20))
+
+
+def disk_bandwidth(root: str, size: int = 1 << 30) -> tuple[float, float]:
+    from offload.io import FileEngine, HostBuffer
+
+    file = os.path.join(root, "bw.bin")
+    buf = HostBuffer(size)
+    buf.bytes[::4096].fill_(3)
+    with FileEngine() as engine:
+        fh = engine.open(file, create=True)
+        t = time.perf_counter()
+        engine.write(fh, 0, buf).wait()
+        engine.fsync(fh)
+        write = size / (time.perf_counter() - t)
+        t = time.perf_counter()
+        engine.read(fh, 0, buf).wait()
+        read = size / (time.perf_counter() - t)
+        engine.close_file(fh)
+    os.unlink(file)
+    return read, write
+
+
+def run_worker(mode: str, path: str, args) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--steps", str(args.steps),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--host-budget", args.host_budget, "--path", args.path]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        log.warning("%s worker failed:\n%s", mode, out.stderr[-3000:])
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--sizes", default="100M,200M,400M", help=f"comma list of {', '.join(SHAPES)} (default 100M,200M,400M)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after 2 warm-up steps (default 3)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--host-budget", default="4GiB", help="offload's host budget (default 4GiB)")
+    parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap "
+                        "(default: ./bench-train under the current directory; models are kept for re-runs)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the in-memory torch runs")
+    parser.add_argument("--json", default=None, help="write the report as JSON to this path")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("offload").setLevel(logging.WARNING)
+    args.path = os.path.abspath(args.path or "bench-train")
+    os.makedirs(args.path, exist_ok=True)
+    if args.worker:
+        fn = worker_memory if args.worker == "memory" else worker_ours
+        print(json.dumps(fn(args.model_path, args)))
+        return
+    ram = psutil.virtual_memory().total
+    report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "ladder": []}
+    scale = None  # (fwd_bwd, opt) seconds per parameter from the largest in-memory run
+    for size in args.sizes.split(","):
+        path = prepare(size, args.path)
+        read_bw, write_bw = disk_bandwidth(args.path)
+        entry = {"size": size, "disk_read_gbps": read_bw / 1e9, "disk_write_gbps": write_bw / 1e9}
+        mem = None
+        config = gpt2_config(size)
+        nparams = config.n_layer * 12 * config.n_embd ** 2 + config.vocab_size * config.n_embd
+        if not args.no_memory and nparams * 16 < 0.8 * ram:
+            mem = run_worker("memory", path, args)
+        ours = run_worker("ours", path, args)
+        if ours is None:
+            continue
+        params = ours["params"]
+        if mem is not None:
+            scale = (mem["fwd_bwd_s"] / params, mem["opt_s"] / params)
+        fwd_bwd = mem["fwd_bwd_s"] if mem else (scale[0] * params if scale else None)
+        opt_s = mem["opt_s"] if mem else (scale[1] * params if scale else None)
+        param_read = ours["read_bytes"] - ours["opt_read_bytes"]
+        param_write = ours["write_bytes"] - ours["opt_write_bytes"]
+        param_io = param_read / read_bw + param_write / write_bw
+        opt_io = ours["opt_read_bytes"] / read_bw + ours["opt_write_bytes"] / write_bw
+        bound = None if fwd_bwd is None else max(fwd_bwd, param_io) + max(opt_s, opt_io)
+        entry.update(params=params, step_s=ours["step_s"], memory_step_s=mem["step_s"] if mem else None,
+                     lower_bound_s=bound, peak_rss_bytes=ours["peak_rss_bytes"], read_bytes=ours["read_bytes"],
+                     write_bytes=ours["write_bytes"], stall_s=ours["stall_s"], fwd_bwd_s=fwd_bwd, opt_s=opt_s,
+                     compute_extrapolated=mem is None, param_io_s=param_io, opt_io_s=opt_io,
+                     tokens_per_s=args.batch * args.seq / ours["step_s"], losses=ours["losses"],
+                     memory_peak_rss_bytes=mem["peak_rss_bytes"] if mem else None,
+                     ours_vs_bound=bound / ours["step_s"] if bound else None,
+                     device_peak_bytes=ours["device_peak_bytes"])
+        report["ladder"].append(entry)
+        log.info("%s (%.0fM): ours %.2f s/step (%.0f tok/s), in memory %s, bound %s, read %.1f GB, written %.1f GB, "
+                 "stall %.2f s, peak RSS %.2f GiB", size, params / 1e6, ours["step_s"], entry["tokens_per_s"],
+                 f"{mem['step_s']:.2f} s" if mem else "n/a", f"{bound:.2f} s ({bound / ours['step_s']:.2f})" if bound else "n/a",
+                 ours["read_bytes"] / 1e9, ours["write_bytes"] / 1e9, ours["stall_s"], ours["peak_rss_bytes"] / 2**30)
+    print("\nsize   params  ours s/step  tok/s  in-memory s  bound s  bound/ours  read GB  written GB  stall s  peak RSS GiB")
+    for e in report["ladder"]:
+        print(f"{e['size']:6s} {e['params'] / 1e6:6.0f}M {e['step_s']:10.2f} {e['tokens_per_s']:6.0f} "
+              f"{e['memory_step_s'] or float('nan'):11.2f} {e['lower_bound_s'] or float('nan'):8.2f} "
+              f"{e['ours_vs_bound'] or float('nan'):10.2f} {e['read_bytes'] / 1e9:8.1f} {e['write_bytes'] / 1e9:11.1f} "
+              f"{e['stall_s']:8.2f} {e['peak_rss_bytes'] / 2**30:13.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
