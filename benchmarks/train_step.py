@@ -95,7 +95,7 @@ def worker_memory(path: str, args) -> dict:
 
     model = transformers.GPT2LMHeadModel.from_pretrained(path)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     fb, st, total, losses = [], [], [], []
     peak = Peak()
@@ -130,7 +130,7 @@ def worker_ours(path: str, args) -> dict:
     try:
         model = offload.wrap(model, cfg, checkpoint=path)
         model.train()
-        opt = offload.AdamW(model.parameters(), lr=1e-4)
+        opt = offload.AdamW(model.parameters(), lr=args.lr)
         ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         rows, losses = [], []
         peak = Peak()
@@ -192,7 +192,8 @@ def disk_bandwidth(root: str, size: int = 1 << 30) -> tuple[float, float]:
 
 def run_worker(mode: str, path: str, args) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--steps", str(args.steps),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--host-budget", args.host_budget, "--path", args.path]
+           "--batch", str(args.batch), "--seq", str(args.seq), "--host-budget", args.host_budget, "--path", args.path,
+           "--lr", str(args.lr)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         log.warning("%s worker failed:\n%s", mode, out.stderr[-3000:])
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--host-budget", default="4GiB", help="offload's host budget (default 4GiB)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, both runs (default 1e-4)")
     parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap "
                         "(default: ./bench-train under the current directory; models are kept for re-runs)")
     parser.add_argument("--no-memory", action="store_true", help="skip the in-memory torch runs")
