@@ -58,5 +58,7 @@ def test_pool_waits_for_release_and_times_out_clearly():
     assert pool.try_acquire(1) is None
     with pytest.raises(BudgetError, match="not free within"):
         pool.acquire(1, timeout=0.01)
-    threading.Timer(0.01, pool.release, args=(held,)).start()
+    releaser = threading.Timer(0.01, pool.release, args=(held,))
+    releaser.start()
     assert pool.acquire(1, timeout=30) is held
+    releaser.join()

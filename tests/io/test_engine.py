@@ -207,8 +207,10 @@ def test_close_fails_pending_requests_and_stops_threads(disk_dir, faulty, no_lea
     eng = FileEngine(backend=backend, threads=1, block_size=1 << 16)
     file = eng.open(os.path.join(disk_dir, "f.bin"), create=True)
     handle = eng.write(file, 0, HostBuffer(1 << 20))  # 16 blocks, one can run
-    threading.Timer(0.05, gate.set).start()
+    opener = threading.Timer(0.05, gate.set)
+    opener.start()
     eng.close()
+    opener.join()  # the timer thread itself must be gone before the leak check
     with pytest.raises(EngineClosedError):
         handle.wait(timeout=30)
     with pytest.raises(EngineClosedError):
