@@ -39,38 +39,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-import psutil
 import torch
 
 import offload
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import PeakRss, engine_bandwidth  # noqa: E402
+
 log = logging.getLogger("bench.checkpoint")
-
-
-class PeakRss:
-    """Largest RSS growth over the ``with`` block, sampled every 5 ms."""
-
-    def __enter__(self):
-        self.proc = psutil.Process()
-        self.before = self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        self.growth = self.peak - self.before
 
 
 def fio(path: str, size: int, rw: str) -> float:
@@ -81,30 +59,6 @@ def fio(path: str, size: int, rw: str) -> float:
            "--ioengine=libaio", "--direct=1", f"--size={size}", "--output-format=json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)["jobs"][0][rw]["bw_bytes"] / 1e9
-
-
-def engine_bandwidth(path: str, size: int) -> tuple[float, float]:
-    """(write, read) GB/s of ``size`` bytes in one request each through offload's file
-    engine (O_DIRECT, 8 MiB blocks, 32 in flight) from a huge-page host buffer: the disk
-    as our I/O layer sees it, a second reference next to fio."""
-    from offload.io import FileEngine, HostBuffer
-
-    file = os.path.join(path, "raw.bin")
-    buf = HostBuffer(size)
-    buf.bytes[::4096].fill_(7)
-    with FileEngine() as engine:
-        fh = engine.open(file, create=True)
-        t = time.perf_counter()
-        engine.write(fh, 0, buf).wait()
-        engine.fsync(fh)
-        write = size / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        engine.read(fh, 0, buf).wait()
-        read = size / (time.perf_counter() - t) / 1e9
-        engine.close_file(fh)
-    os.unlink(file)
-    del buf
-    return write, read
 
 
 def drop_cache(path: str) -> None:

@@ -38,11 +38,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import psutil
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import PeakRss, engine_bandwidth  # noqa: E402
 
 log = logging.getLogger("bench.train")
 
@@ -73,23 +75,6 @@ def prepare(size: str, root: str) -> str:
     return path
 
 
-class Peak:
-    def __init__(self):
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.01)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return self.peak
-
-
 def worker_memory(path: str, args) -> dict:
     import transformers
 
@@ -98,7 +83,7 @@ def worker_memory(path: str, args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     fb, st, total, losses = [], [], [], []
-    peak = Peak()
+    rss = PeakRss().start()
     for i in range(args.steps + 2):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -111,7 +96,7 @@ def worker_memory(path: str, args) -> dict:
         if i >= 2:
             fb.append(t1 - t0), st.append(t2 - t1), total.append(t2 - t0)
     return {"step_s": statistics.median(total), "fwd_bwd_s": statistics.median(fb), "opt_s": statistics.median(st),
-            "peak_rss_bytes": peak.stop(), "losses": losses, "params": sum(p.numel() for p in model.parameters())}
+            "peak_rss_bytes": rss.stop(), "losses": losses, "params": sum(p.numel() for p in model.parameters())}
 
 
 def worker_ours(path: str, args) -> dict:
@@ -133,7 +118,7 @@ def worker_ours(path: str, args) -> dict:
         opt = offload.AdamW(model.parameters(), lr=args.lr)
         ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         rows, losses = [], []
-        peak = Peak()
+        rss = PeakRss().start()
         for i in range(args.steps + 2):
             before, ob = offload.stats(model), dict(opt.stats)
             t0 = time.perf_counter()
@@ -155,7 +140,7 @@ def worker_ours(path: str, args) -> dict:
                              "opt_write_bytes": opt.stats["write_bytes"] - ob["write_bytes"],
                              "stall_s": now["stall_seconds"] - before["stall_seconds"]})
         out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        out.update(peak_rss_bytes=peak.stop(), losses=losses, params=params,
+        out.update(peak_rss_bytes=rss.stop(), losses=losses, params=params,
                    device_peak_bytes=offload.stats(model)["device_peak_bytes"])
         opt.close()
         offload.unwrap(model)
@@ -168,26 +153,6 @@ def device_budget(config, params: int) -> int:
     """Below the model's size: a third of it, but room for the tied embedding (the largest
     group, used at both ends of the pass) twice over plus 64 MiB for the layers streaming by."""
     return max(params * 4 // 3, 2 * config.vocab_size * config.n_embd * 4 + (64 << 20))
-
-
-def disk_bandwidth(root: str, size: int = 1 << 30) -> tuple[float, float]:
-    from offload.io import FileEngine, HostBuffer
-
-    file = os.path.join(root, "bw.bin")
-    buf = HostBuffer(size)
-    buf.bytes[::4096].fill_(3)
-    with FileEngine() as engine:
-        fh = engine.open(file, create=True)
-        t = time.perf_counter()
-        engine.write(fh, 0, buf).wait()
-        engine.fsync(fh)
-        write = size / (time.perf_counter() - t)
-        t = time.perf_counter()
-        engine.read(fh, 0, buf).wait()
-        read = size / (time.perf_counter() - t)
-        engine.close_file(fh)
-    os.unlink(file)
-    return read, write
 
 
 def run_worker(mode: str, path: str, args) -> dict | None:
@@ -230,8 +195,9 @@ def main() -> None:
     scale = None  # (fwd_bwd, opt) seconds per parameter from the largest in-memory run
     for size in args.sizes.split(","):
         path = prepare(size, args.path)
-        read_bw, write_bw = disk_bandwidth(args.path)
-        entry = {"size": size, "disk_read_gbps": read_bw / 1e9, "disk_write_gbps": write_bw / 1e9}
+        write_gbps, read_gbps = engine_bandwidth(args.path, 1 << 30)
+        read_bw, write_bw = read_gbps * 1e9, write_gbps * 1e9
+        entry = {"size": size, "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps}
         mem = None
         config = gpt2_config(size)
         nparams = config.n_layer * 12 * config.n_embd ** 2 + config.vocab_size * config.n_embd

@@ -114,7 +114,10 @@ def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int]) -> None:
     bar = progress(sum(t.nbytes for t in tensors), "export")
     pool = manager.store.staging if manager is not None else None
     try:
-        done_groups = set()
+        members: dict[int, list[Tensorish]] = {}
+        for t in tensors:
+            if t.group is not None:
+                members.setdefault(id(t.group), []).append(t)
         for t in tensors:
             if t.group is None:
                 data = host_bytes(t.tensor)
@@ -123,18 +126,16 @@ def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int]) -> None:
                 if bar is not None:
                     bar.update(t.nbytes)
                 continue
-            if id(t.group) in done_groups:
-                continue
-            done_groups.add(id(t.group))
+            if id(t.group) not in members:
+                continue  # written with an earlier tensor of its group
             group = t.group
             buf = pool.acquire(group.nbytes)
             try:
                 manager.store.read_into(group.key, buf.bytes).wait()
-                for member in tensors:
-                    if member.group is group:
-                        i, offset = where[id(member)]
-                        view = buf.bytes[member.slot.offset: member.slot.offset + member.slot.nbytes]
-                        _pwrite(fds[i], memoryview(view.numpy()), offset)
+                for member in members.pop(id(group)):
+                    i, offset = where[id(member)]
+                    view = buf.bytes[member.slot.offset: member.slot.offset + member.slot.nbytes]
+                    _pwrite(fds[i], memoryview(view.numpy()), offset)
             finally:
                 pool.release(buf)
             if bar is not None:
