@@ -11,7 +11,8 @@ time, driven by the model's own forward and backward.
     offload.save_checkpoint("ckpt/step-100", model, opt, extra={"step": 100})
 
 The lower layers are importable too: ``offload.io`` (aligned buffers, the async file
-engine) and ``offload.store`` (the tiered tensor store).
+engine) and ``offload.store`` (the tiered tensor store); ``offload.profile`` measures the
+machine (the ``offload-profile`` command).
 """
 
 from ._units import format_size, parse_size

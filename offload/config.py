@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +15,14 @@ from ._units import parse_size
 
 __all__ = ["OffloadConfig"]
 
+log = logging.getLogger(__name__)
+
 _AUTO_WINDOW_MIN, _AUTO_WINDOW_MAX = 64 << 20, 256 << 20
 _TIERS_PARAM = ("device", "host", "nvme")
 _TIERS_OPTIM = ("host", "nvme")
+_IO_MODES = ("auto", "manual")
+_ENGINE_DEFAULTS = {"block_size": 8 << 20, "io_threads": 32, "queue_depth": 32}
+_logged_profiles: set[str] = set()
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -46,7 +52,14 @@ class OffloadConfig:
         cache_bytes: device bytes that keep parameter groups resident across passes (the
             most used first), so they are not read again every step or token; ``"auto"``:
             what the device budget leaves after the prefetch window and the largest group.
-        block_size, io_threads, queue_depth: the file engine's settings.
+        io: where the file engine's settings come from when ``block_size``, ``io_threads``
+            or ``queue_depth`` is not given: ``"auto"`` (default) reads the profile that
+            ``offload-profile --path DIR`` cached for ``nvme_path`` (DIR is ``nvme_path`` or
+            a parent of it on the same file system) and falls back to the built-in
+            settings when there is none; ``"manual"`` always uses the built-in settings.
+            Values given explicitly are always kept. ``io_source`` says which it was.
+        block_size, io_threads, queue_depth: the file engine's settings: bytes per system
+            call, worker threads, blocks in the kernel at once (built-in: 8MiB, 32, 32).
         file_size: bytes per preallocated swap file.
     """
 
@@ -61,9 +74,10 @@ class OffloadConfig:
     resident_bytes: int | str = "64KiB"
     group_bytes: int | str = 0
     cache_bytes: int | str = "auto"
-    block_size: int | str = "8MiB"
-    io_threads: int = 32
-    queue_depth: int = 32
+    io: str = "auto"
+    block_size: int | str | None = None
+    io_threads: int | None = None
+    queue_depth: int | None = None
     file_size: int | str = "1GiB"
 
     def __post_init__(self) -> None:
@@ -71,8 +85,10 @@ class OffloadConfig:
         set_("device", _check_device(self.device))
         set_("param_tier", _check_choice("param_tier", self.param_tier, _TIERS_PARAM))
         set_("optimizer_tier", _check_choice("optimizer_tier", self.optimizer_tier, _TIERS_OPTIM))
-        for name in ("device_budget", "host_budget", "block_size", "file_size"):
+        for name in ("device_budget", "host_budget", "file_size"):
             set_(name, parse_size(getattr(self, name), name=name))
+        if self.block_size is not None:
+            set_("block_size", parse_size(self.block_size, name="block_size"))
         set_("resident_bytes", parse_size(self.resident_bytes, name="resident_bytes", allow_zero=True))
         set_("group_bytes", parse_size(self.group_bytes, name="group_bytes", allow_zero=True))
         if self.prefetch_bytes != "auto":
@@ -84,9 +100,9 @@ class OffloadConfig:
                              f"{sorted(set(_DTYPES))} or None to keep the model's dtype")
         for name in ("io_threads", "queue_depth"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if self.block_size % 4096:
+        if self.block_size is not None and self.block_size % 4096:
             raise ValueError(f"block_size={self.block_size} must be a multiple of 4096 bytes")
         uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
         if uses_nvme and not self.nvme_path:
@@ -94,6 +110,45 @@ class OffloadConfig:
                              "OffloadConfig(nvme_path='/path/on/a/local/ssd') or choose 'host'")
         if self.nvme_path is not None:
             set_("nvme_path", os.path.abspath(os.path.expanduser(str(self.nvme_path))))
+        set_("io", _check_choice("io", self.io, _IO_MODES, what="an I/O mode"))
+        self._resolve_engine_settings(uses_nvme)
+
+    def _resolve_engine_settings(self, uses_nvme: bool) -> None:
+        """Fill the engine settings left unset: from the cached profile (``io="auto"``) or
+        the built-in values."""
+        unset = [name for name in _ENGINE_DEFAULTS if getattr(self, name) is None]
+        object.__setattr__(self, "_io_unset", tuple(unset))
+        source = "given"
+        if unset:
+            source = "built-in"
+            found = None
+            if self.io == "auto" and uses_nvme:
+                from .profile import find_profile  # lazy: the profiler imports torch-heavy code
+
+                found = find_profile(self.nvme_path)
+            if found is not None:
+                path, report = found
+                choice = report["engine_choice"]
+                measured = {"block_size": int(choice["block_size"]), "io_threads": int(choice["threads"]),
+                            "queue_depth": int(choice["queue_depth"])}
+                for name in unset:
+                    object.__setattr__(self, name, measured[name])
+                source = path
+                if path not in _logged_profiles:
+                    _logged_profiles.add(path)
+                    log.info("io='auto': file engine settings from %s (measured %s): block_size %d KiB, "
+                             "io_threads %d, queue_depth %d", path, report.get("created", "?"),
+                             self.block_size >> 10, self.io_threads, self.queue_depth)
+            else:
+                for name in unset:
+                    object.__setattr__(self, name, _ENGINE_DEFAULTS[name])
+        object.__setattr__(self, "_io_source", source)
+
+    @property
+    def io_source(self) -> str:
+        """Where the engine settings came from: ``"given"`` (all set explicitly), the path of
+        the cached profile they were read from, or ``"built-in"``."""
+        return self._io_source
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -119,6 +174,10 @@ class OffloadConfig:
         return max(0, min(window, self.device_budget - largest_group))
 
     def replace(self, **changes: Any) -> OffloadConfig:
+        """A copy with ``changes``; engine settings that were not given are resolved again
+        (a new ``nvme_path`` may have its own cached profile)."""
+        for name in self._io_unset:
+            changes.setdefault(name, None)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,10 +221,10 @@ def _parse(path: str, text: str) -> Any:
                          f"column {err.colno}") from None
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def _check_choice(name: str, value: Any, choices: tuple[str, ...], what: str = "a tier") -> str:
     text = str(value).lower()
     if text not in choices:
-        raise ValueError(f"{name}={value!r} is not a tier: use one of {list(choices)}")
+        raise ValueError(f"{name}={value!r} is not {what}: use one of {list(choices)}")
     return text
 
 

@@ -2,8 +2,8 @@
 # Set up offload in the current Python environment, from nothing.
 #   tools/setup.sh          the package
 #   tools/setup.sh test     + test dependencies
-#   tools/setup.sh examples + what the examples need (transformers, safetensors, tqdm)
-#   tools/setup.sh bench    + benchmark tools (tqdm, fio)
+#   tools/setup.sh examples + what the examples need (transformers, safetensors, accelerate)
+#   tools/setup.sh bench    + what the benchmarks need (transformers, accelerate, fio)
 #   tools/setup.sh peers    + DeepSpeed too, to compare against (its ops JIT-build on first use)
 #
 # torch goes in first and only if missing: `pip install torch==2.13.0` takes the local CPU

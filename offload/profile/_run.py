@@ -1,0 +1,298 @@
+"""The whole profile: disk sweep, buffered rows, host copy, CPU AdamW, CUDA links."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import time
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from .._units import format_size
+from ._disk import DiskProbe, DiskResult, DiskSetting, remove_stale_test_files, sweep_grid
+
+__all__ = ["run_profile", "check_target", "find_profile", "save_report", "planned_steps", "CACHE_NAME",
+           "REPORT_VERSION"]
+
+log = logging.getLogger(__name__)
+
+CACHE_NAME = "offload-profile.json"
+REPORT_VERSION = 1
+_RUNTIME_DEFAULT = DiskSetting(8 << 20, 32, 32)  # the runtime's built-in engine setting
+_RETRIES = 3  # the best settings of each op are measured again this many times in all
+
+
+def check_target(path: str, size: int, device: str) -> torch.device:
+    """Refuse, before touching anything, what cannot be profiled; returns the device."""
+    path = os.path.abspath(path)
+    fix = "give --path an existing directory on the disk the runtime will use"
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--path {path!r} does not exist: {fix} (create it first)")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"--path {path!r} is a file, not a directory: {fix}")
+    probe = os.path.join(path, f".offload-profile-{os.getpid()}-probe.tmp")
+    try:  # really create a file: a mode check misses read-only mounts and special file systems
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as err:
+        raise PermissionError(f"--path {path!r} is not writable by this user ({err.strerror}): {fix}, or "
+                              "fix its permissions") from None
+    if size < 64 << 20:
+        raise ValueError(f"--size {format_size(size)} is too small to measure a disk: use at least 64MiB "
+                         "(1GiB or more gives steadier figures)")
+    free = shutil.disk_usage(path).free
+    if free < size + (64 << 20):
+        raise OSError(f"--path {path!r} has {format_size(free)} free, less than --size {format_size(size)} "
+                      "plus 64 MiB of headroom: free space there or pass a smaller --size")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given but CUDA is not available here (torch "
+                               f"{torch.__version__}, built {'with' if torch.version.cuda else 'without'} "
+                               "CUDA): use --device cpu, or install a CUDA build of torch")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        dev = torch.device("cuda", index)
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
+def run_profile(path: str, size: int, *, device: str = "cpu", mode: str = "quick",
+                progress: Callable[[str], None] | None = None, cache: bool = True,
+                fio: bool = False) -> dict[str, Any]:
+    """Measure the disk at ``path`` (through offload's file engine), host memory, the CPU
+    optimizer and, on CUDA, the host-device link. Returns the report (see the keys in
+    ``docs/profile.md``) and, with ``cache``, saves it as ``path/offload-profile.json``,
+    where ``OffloadConfig(io="auto")`` finds it. With ``fio`` (and fio installed), fio
+    measures the best read and write settings again, as the yardstick of the table's share
+    column."""
+    dev = check_target(path, size, device)
+    path = os.path.abspath(path)
+    started = time.perf_counter()
+    note = progress or (lambda label: None)
+    for stale in remove_stale_test_files(path):
+        log.info("removed %s, left by a profiler run that did not finish", stale)
+
+    report: dict[str, Any] = {
+        "version": REPORT_VERSION, "path": path, "fs_device": os.stat(path).st_dev,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mode": mode, "size": size,
+        "device": str(dev), "host": _host_facts(), "torch": torch.__version__,
+    }
+    grid = sweep_grid(mode)
+    with DiskProbe(path, size) as probe:
+        note("disk: first write (new extents)")
+        first = probe.first_write(_RUNTIME_DEFAULT)
+        for setting in grid:
+            for op in ("write", "read"):
+                note(f"disk {op}: {setting.label()}")
+                probe.measure(op, setting)
+        # the leaders of each op again, interleaved, so one lucky or unlucky run decides less
+        for _ in range(_RETRIES - 1):
+            for op in ("write", "read"):
+                for setting in _leaders(probe.results, op, 3):
+                    note(f"disk {op} again: {setting.label()}")
+                    probe.measure(op, setting)
+        best_read = _best(probe.results, "read")
+        if probe.direct_supported:
+            for op in ("read", "write"):
+                note(f"disk {op}: buffered")
+                probe.measure(op, DiskSetting(best_read.setting.block_size, best_read.setting.queue_depth,
+                                              best_read.setting.threads, direct=False))
+        if dev.type == "cuda":
+            from ._links import cuda_links
+
+            note("cuda: host-device copies and their overlap with disk reads")
+            settings = {"block_size": best_read.setting.block_size, "threads": best_read.setting.threads,
+                        "queue_depth": best_read.setting.queue_depth}
+            report.update(_cuda_report(cuda_links(dev, disk_file=probe.path, disk_bytes=probe.measure_bytes,
+                                                  engine_settings=settings), dev))
+        report["disk_direct_supported"] = bool(probe.direct_supported)
+        report["disk_bytes_per_measurement"] = probe.measure_bytes
+        report.update(_disk_report(probe.results, first))
+    if fio:
+        note("fio: the best settings again")
+    report["fio"] = _fio_check(path, report) if fio else None
+    if dev.type != "cuda":
+        report.update({"h2d_pinned_gbps": None, "d2h_pinned_gbps": None, "h2d_pageable_gbps": None,
+                       "d2h_pageable_gbps": None, "pcie": None, "disk_h2d_overlap": None,
+                       "cuda_free_bytes": None})
+
+    from ._links import adam_throughput, host_copy
+
+    note("host memory copy")
+    copy = host_copy(256 << 20 if mode == "quick" else 1 << 30)
+    report["host_copy_gbps"] = copy.pop("host_copy_gbps")
+    report["host_copy"] = copy
+    note("CPU AdamW step")
+    adam = adam_throughput(16 << 20 if mode == "quick" else 64 << 20)
+    report["adam_params_per_s"] = adam.pop("adam_params_per_s")
+    report["adam"] = adam
+    report["elapsed_s"] = round(time.perf_counter() - started, 2)
+    if cache:
+        save_report(report, os.path.join(path, CACHE_NAME))
+    return report
+
+
+def planned_steps(mode: str, cuda: bool, fio: bool) -> int:
+    """How many progress notes :func:`run_profile` makes (for a progress bar's total)."""
+    return 1 + 2 * len(sweep_grid(mode)) + 2 * 3 * (_RETRIES - 1) + 2 + int(cuda) + int(fio) + 2
+
+
+def save_report(report: dict[str, Any], target: str) -> None:
+    """Write ``report`` as JSON, atomically (a reader never sees half a file)."""
+    tmp = f"{target}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def find_profile(directory: str) -> tuple[str, dict[str, Any]] | None:
+    """The cached profile that describes ``directory``: its own ``offload-profile.json`` or
+    that of the nearest existing parent on the same file system. A file that cannot be read,
+    is from another format version or describes another file system is skipped with a
+    warning."""
+    current = os.path.abspath(directory)
+    while not os.path.isdir(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+    fs = os.stat(current).st_dev
+    while True:
+        candidate = os.path.join(current, CACHE_NAME)
+        if os.path.isfile(candidate):
+            report = _read_cached(candidate, fs)
+            if report is not None:
+                return candidate, report
+        parent = os.path.dirname(current)
+        if parent == current or os.stat(parent).st_dev != fs:
+            return None
+        current = parent
+
+
+def _read_cached(candidate: str, fs: int) -> dict[str, Any] | None:
+    try:
+        with open(candidate) as fh:
+            report = json.load(fh)
+        choice = report["engine_choice"]
+        int(choice["block_size"]), int(choice["queue_depth"]), int(choice["threads"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring the cached profile %s (%s): re-run offload-profile --path %s", candidate,
+                    err, os.path.dirname(candidate))
+        return None
+    if report.get("version") != REPORT_VERSION:
+        log.warning("ignoring the cached profile %s: format version %s, this offload reads %d; re-run "
+                    "offload-profile --path %s", candidate, report.get("version"), REPORT_VERSION,
+                    os.path.dirname(candidate))
+        return None
+    if report.get("fs_device") != fs:
+        log.warning("ignoring the cached profile %s: it was measured on another file system (device %s, "
+                    "now %s); re-run offload-profile --path %s", candidate, report.get("fs_device"), fs,
+                    os.path.dirname(candidate))
+        return None
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+def _fio_check(path: str, report: dict[str, Any]) -> dict[str, Any] | None:
+    from ._fio import fio_available, hugetlb_free_bytes, remove, run_fio
+
+    if not fio_available():
+        log.warning("--fio: fio is not installed (apt-get install fio); no fio column")
+        return None
+    filename = os.path.join(path, f".offload-profile-{os.getpid()}-fio.tmp")
+    size = report["disk_bytes_per_measurement"]
+    try:
+        out: dict[str, Any] = {"size": size, "ioengine": "libaio", "direct": True}
+        for op in ("read", "write"):  # read first: fio lays the file out, the write overwrites
+            best = report[f"disk_best_{op}"]
+            in_flight = best["block_size"] * best["queue_depth"]
+            # fio's malloc buffers are 4 KiB pages; ours are huge pages: fio gets them too
+            # where hugetlb pages are free (see _fio.py)
+            kinds = ["malloc"] + (["shmhuge"] if hugetlb_free_bytes() >= in_flight else [])
+            figures = {kind: run_fio(filename, size, op, best["block_size"], best["queue_depth"], iomem=kind)
+                       for kind in kinds}
+            kind = max(figures, key=figures.get)
+            out[f"{op}_gbps"], out[f"{op}_iomem"] = figures[kind], kind
+            out[f"{op}_share"] = report[f"disk_{op}_gbps"] / figures[kind]
+        return out
+    finally:
+        remove(filename)
+
+
+def _host_facts() -> dict[str, Any]:
+    vm = psutil.virtual_memory()
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "ram_total_bytes": vm.total, "ram_available_bytes": vm.available,
+            "platform": platform.platform()}
+
+
+def _best_by_setting(results: list[DiskResult], op: str) -> dict[DiskSetting, DiskResult]:
+    best: dict[DiskSetting, DiskResult] = {}
+    for r in results:
+        if r.op == op and (r.setting not in best or r.gbps > best[r.setting].gbps):
+            best[r.setting] = r
+    return best
+
+
+def _leaders(results: list[DiskResult], op: str, n: int) -> list[DiskSetting]:
+    ranked = sorted(_best_by_setting(results, op).values(), key=lambda r: -r.gbps)
+    return [r.setting for r in ranked[:n] if r.setting.direct]
+
+
+def _best(results: list[DiskResult], op: str) -> DiskResult:
+    direct = [r for r in results if r.op == op and r.setting.direct]
+    return max(direct or [r for r in results if r.op == op], key=lambda r: r.gbps)
+
+
+def _setting_dict(r: DiskResult) -> dict[str, Any]:
+    s = r.setting
+    return {"block_size": s.block_size, "queue_depth": s.queue_depth, "threads": s.threads,
+            "direct": s.direct, "gbps": round(r.gbps, 4)}
+
+
+def _disk_report(results: list[DiskResult], first: DiskResult) -> dict[str, Any]:
+    best_read, best_write = _best(results, "read"), _best(results, "write")
+    reads, writes = _best_by_setting(results, "read"), _best_by_setting(results, "write")
+    both = [s for s in reads if s in writes and s.direct] or [s for s in reads if s in writes]
+    choice = max(both, key=lambda s: math.sqrt(reads[s].gbps * writes[s].gbps))
+    buffered = {op: max((r.gbps for r in results if r.op == op and not r.setting.direct), default=None)
+                for op in ("read", "write")}
+    return {
+        "disk_read_gbps": best_read.gbps,
+        "disk_write_gbps": best_write.gbps,
+        "disk_best_read": _setting_dict(best_read),
+        "disk_best_write": _setting_dict(best_write),
+        "disk_first_write_gbps": first.gbps,
+        "disk_buffered_read_gbps": buffered["read"],
+        "disk_buffered_write_gbps": buffered["write"],
+        "engine_choice": {"block_size": choice.block_size, "queue_depth": choice.queue_depth,
+                          "threads": choice.threads, "direct": choice.direct,
+                          "read_gbps": reads[choice].gbps, "write_gbps": writes[choice].gbps},
+        "disk_sweep": [r.to_dict() for r in results],
+    }
+
+
+def _cuda_report(links: dict[str, Any], dev: torch.device) -> dict[str, Any]:
+    free, total = torch.cuda.mem_get_info(dev)
+    out = {k: links.get(k) for k in ("h2d_pinned_gbps", "d2h_pinned_gbps", "h2d_pageable_gbps",
+                                     "d2h_pageable_gbps", "pcie", "disk_h2d_overlap")}
+    out.update({"cuda_free_bytes": free, "cuda_total_bytes": total, "cuda_device_name": links["cuda_device"],
+                "cuda_pinned_page_locked": links["pinned_is_page_locked"]})
+    return out

@@ -1,0 +1,337 @@
+"""offload-profile: the command line, its refusals, interrupt cleanup, the recommendation,
+and OffloadConfig(io="auto") reading the cached profile."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import offload
+from offload.profile import CACHE_NAME, find_profile, recommend
+from offload.profile._disk import remove_stale_test_files
+from offload.profile.cli import format_table
+
+KEYS = ("disk_read_gbps", "disk_write_gbps", "disk_best_read", "disk_best_write", "host_copy_gbps",
+        "adam_params_per_s", "h2d_pinned_gbps", "d2h_pinned_gbps")
+
+
+def cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offload.profile", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def leftover_files(directory) -> list[str]:
+    return glob.glob(os.path.join(str(directory), ".offload-profile-*"))
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """One real quick run on a small file: (directory, report, stdout, recommended config)."""
+    base = tmp_path_factory.mktemp("profile")
+    target = base / "disk"
+    target.mkdir()
+    report, rec = base / "r.json", base / "c.json"
+    out = cli("--path", str(target), "--size", "64MiB", "--quick", "--json", str(report),
+              "--recommend", str(rec))
+    assert out.returncode == 0, out.stderr
+    return target, json.loads(report.read_text()), out.stdout, rec
+
+
+def test_report_has_the_keys_and_sane_figures(profiled):
+    target, report, _, _ = profiled
+    for key in KEYS:
+        assert key in report, key
+    for key in ("disk_best_read", "disk_best_write"):
+        best = report[key]
+        assert {"block_size", "queue_depth", "threads", "direct"} <= set(best)
+        assert best["block_size"] % 4096 == 0 and best["queue_depth"] >= 1 and best["threads"] >= 1
+    assert report["disk_best_read"]["gbps"] == pytest.approx(report["disk_read_gbps"], rel=1e-3)
+    if not torch.cuda.is_available():
+        assert report["h2d_pinned_gbps"] is None and report["d2h_pinned_gbps"] is None
+    assert report["disk_read_gbps"] > 0 and report["disk_write_gbps"] > 0
+    assert report["host_copy_gbps"] > 0 and report["adam_params_per_s"] > 0
+    # every swept setting was measured both ways, and the best is the max of the sweep
+    sweep = report["disk_sweep"]
+    reads = [r["gbps"] for r in sweep if r["op"] == "read" and r["direct"] == report["disk_best_read"]["direct"]]
+    assert max(reads) == pytest.approx(report["disk_read_gbps"], rel=1e-3)
+    assert {(r["block_size"], r["queue_depth"]) for r in sweep if r["op"] == "write"} == \
+           {(r["block_size"], r["queue_depth"]) for r in sweep if r["op"] == "read"}
+    assert report["path"] == str(target)
+    assert not leftover_files(target), "the test file was left behind"
+
+
+def test_table_has_a_row_per_link(profiled):
+    _, _, stdout, _ = profiled
+    for row in ("disk read", "disk write", "disk first write", "host memory copy", "CPU AdamW step"):
+        assert row in stdout, row
+    assert "GB/s" in stdout and "G params/s" in stdout
+    assert "recommended configuration" in stdout
+    for field in ("block_size", "host_budget", "device_budget", "prefetch_bytes", "param_tier",
+                  "optimizer_tier"):
+        assert f"  - {field}" in stdout, field
+
+
+def test_recommendation_loads_and_io_auto_reads_the_cache(profiled):
+    target, report, _, rec = profiled
+    cfg = offload.OffloadConfig.from_file(str(rec))
+    choice = report["engine_choice"]
+    assert (cfg.block_size, cfg.queue_depth, cfg.io_threads) == (
+        choice["block_size"], choice["queue_depth"], choice["threads"])
+    assert cfg.nvme_path == str(target)
+    # the cache written next to the data is what io="auto" reads, for the path and below it
+    assert os.path.isfile(target / CACHE_NAME)
+    auto = offload.OffloadConfig(device="cpu", nvme_path=str(target / "run1" / "x"))
+    assert auto.io_source == str(target / CACHE_NAME)
+    assert (auto.block_size, auto.queue_depth, auto.io_threads) == (
+        choice["block_size"], choice["queue_depth"], choice["threads"])
+
+
+# ---------------------------------------------------------------------------------------
+def fake_report(path, **over) -> dict:
+    """A synthetic report (fake figures) for recommend() and io='auto' tests."""
+    sweep = []
+    for bs, qd, gbps in ((1 << 20, 4, 1.0), (4 << 20, 8, 2.4), (8 << 20, 32, 2.5), (16 << 20, 32, 2.45)):
+        for op in ("read", "write"):
+            sweep.append({"op": op, "block_size": bs, "queue_depth": qd, "threads": qd, "direct": True,
+                          "bytes": 1 << 30, "seconds": 0.4, "gbps": gbps})
+    report = {
+        "version": 1, "path": str(path), "fs_device": os.stat(path).st_dev, "device": "cpu",
+        "disk_read_gbps": 2.5, "disk_write_gbps": 2.5, "disk_sweep": sweep,
+        "engine_choice": {"block_size": 4 << 20, "queue_depth": 8, "threads": 12, "direct": True,
+                          "read_gbps": 2.4, "write_gbps": 2.4},
+        "host": {"ram_available_bytes": 16 << 30}, "cuda_free_bytes": None,
+    }
+    report.update(over)
+    return report
+
+
+def write_cache(directory, report) -> str:
+    path = os.path.join(str(directory), CACHE_NAME)
+    with open(path, "w") as fh:
+        json.dump(report, fh)
+    return path
+
+
+def test_recommend_tiers_follow_the_model_size(tmp_path):
+    report = fake_report(tmp_path)
+    small, reasons = recommend(report, model_bytes=256 << 20)  # fits half the device budget
+    assert small["param_tier"] == "device" and small["optimizer_tier"] == "host"
+    assert small["nvme_path"] is None  # no tier on disk: no path needed
+    assert len(reasons) == 6 and all(isinstance(r, str) and r for r in reasons)
+    middle, _ = recommend(report, model_bytes=5 << 29)  # 2.5 GiB: above half the 4 GiB device budget,
+    # below half the 5.5 GiB host budget (CPU: 25% and 35% of the 16 GiB free)
+    assert middle["param_tier"] == "host" and middle["optimizer_tier"] == "nvme"
+    big, reasons = recommend(report, model_bytes=14 << 30, dtype="bf16")
+    assert big["param_tier"] == "nvme" and big["optimizer_tier"] == "nvme"
+    assert any("per step on this disk" in r for r in reasons)
+    default, _ = recommend(report)
+    assert default["param_tier"] == default["optimizer_tier"] == "nvme"
+    for cfg in (small, middle, big, default):
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps(cfg))
+        loaded = offload.OffloadConfig.from_file(str(path))
+        assert loaded.block_size == 4 << 20 and loaded.queue_depth == 8 and loaded.io_threads == 12
+        assert loaded.host_budget <= report["host"]["ram_available_bytes"]
+
+
+def test_recommend_prefetch_is_the_smallest_window_that_reads_at_speed(tmp_path):
+    cfg, reasons = recommend(fake_report(tmp_path))
+    # 4 MiB x 8 reached 2.4 of the best 2.5 GB/s (>= 90%): twice its 32 MiB in flight
+    assert offload.parse_size(cfg["prefetch_bytes"]) == 64 << 20
+    assert any(r.startswith("prefetch_bytes 64.00 MiB") for r in reasons)
+
+
+def test_io_auto_uses_a_cached_profile_and_keeps_given_values(tmp_path, caplog):
+    cache = write_cache(tmp_path, fake_report(tmp_path))
+    auto = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path / "sub"))
+    assert (auto.block_size, auto.queue_depth, auto.io_threads, auto.io_source) == (4 << 20, 8, 12, cache)
+    mixed = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), block_size="1MiB")
+    assert (mixed.block_size, mixed.queue_depth, mixed.io_threads) == (1 << 20, 8, 12)
+    manual = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), io="manual")
+    assert (manual.block_size, manual.queue_depth, manual.io_threads, manual.io_source) == (
+        8 << 20, 32, 32, "built-in")
+    given = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), block_size=4096, io_threads=2,
+                                  queue_depth=2)
+    assert given.io_source == "given"
+    # a config that needs no disk reads no profile
+    host_only = offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host")
+    assert host_only.io_source == "built-in"
+    # replace() resolves again for a new path; values given stay given
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-other"
+    elsewhere.mkdir()
+    moved = mixed.replace(nvme_path=str(elsewhere))
+    assert (moved.block_size, moved.queue_depth, moved.io_source) == (1 << 20, 32, "built-in")
+    with pytest.raises(ValueError, match="io='sometimes' is not an I/O mode"):
+        offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), io="sometimes")
+
+
+@pytest.mark.parametrize("damage", ["not json", "old version", "other disk", "no choice"])
+def test_io_auto_skips_a_bad_cache_with_a_warning(tmp_path, caplog, damage):
+    report = fake_report(tmp_path)
+    path = os.path.join(str(tmp_path), CACHE_NAME)
+    if damage == "not json":
+        with open(path, "w") as fh:
+            fh.write("{ half a file")
+    else:
+        if damage == "old version":
+            report["version"] = 0
+        elif damage == "other disk":
+            report["fs_device"] = report["fs_device"] + 1
+        else:
+            del report["engine_choice"]
+        write_cache(tmp_path, report)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        cfg = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path))
+    assert cfg.io_source == "built-in" and cfg.block_size == 8 << 20
+    assert f"ignoring the cached profile {path}" in caplog.text
+    assert "re-run offload-profile" in caplog.text
+
+
+def test_find_profile_walks_up_to_the_nearest_cache(tmp_path):
+    assert find_profile(str(tmp_path / "a" / "b")) is None
+    write_cache(tmp_path, fake_report(tmp_path))
+    (tmp_path / "a").mkdir()
+    found = find_profile(str(tmp_path / "a" / "b"))  # b does not exist yet: its parents are searched
+    assert found is not None and found[0] == os.path.join(str(tmp_path), CACHE_NAME)
+    nearer = fake_report(tmp_path / "a", engine_choice={"block_size": 1 << 20, "queue_depth": 2,
+                                                        "threads": 2, "direct": True})
+    write_cache(tmp_path / "a", nearer)
+    assert find_profile(str(tmp_path / "a" / "b"))[1]["engine_choice"]["block_size"] == 1 << 20
+
+
+def test_wrapped_model_runs_with_the_engine_settings_of_the_profile(tmp_path, no_leaks):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=32)).eval()
+    ref = copy.deepcopy(model)
+    report = fake_report(tmp_path, engine_choice={"block_size": 64 << 10, "queue_depth": 3, "threads": 5,
+                                                  "direct": True, "read_gbps": 1.0, "write_gbps": 1.0})
+    write_cache(tmp_path, report)
+    cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="host",
+                                nvme_path=str(tmp_path / "swap"), device_budget="1MiB", host_budget="16MiB",
+                                resident_bytes=0)
+    model = offload.wrap(model, cfg)
+    try:
+        from offload.params import manager_of
+        from offload.store import Tier
+
+        engine = manager_of(model).store.tiers[Tier.NVME].engine
+        assert (engine.block_size, engine.queue_depth, engine.threads) == (64 << 10, 3, 5)
+        ids = torch.randint(0, 101, (2, 16))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits)
+        assert offload.stats(model)["read_bytes"] > 0
+    finally:
+        offload.unwrap(model)
+
+
+# ---------------------------------------------------------------------------------------
+def test_refuses_a_missing_path(tmp_path):
+    out = cli("--path", str(tmp_path / "nope"), "--size", "64MiB")
+    assert out.returncode == 2 and "does not exist" in out.stderr and "--path" in out.stderr
+
+
+def test_refuses_a_file_as_path(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    out = cli("--path", str(f), "--size", "64MiB")
+    assert out.returncode == 2 and "is a file, not a directory" in out.stderr
+
+
+def test_refuses_an_unwritable_path(tmp_path):
+    if os.geteuid() == 0:
+        target = "/proc/self"  # root writes anywhere a mode allows; procfs refuses new files
+    else:
+        target = str(tmp_path / "ro")
+        os.mkdir(target, 0o500)
+    out = cli("--path", target, "--size", "64MiB")
+    assert out.returncode == 2 and "not writable" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("size", ["lots", "-1GiB", "12XB"])
+def test_refuses_a_size_that_is_not_a_size(tmp_path, size):
+    out = cli("--path", str(tmp_path), f"--size={size}")
+    assert out.returncode == 2 and "is not a size" in out.stderr, out.stderr
+    assert not leftover_files(tmp_path)
+
+
+def test_refuses_a_size_above_the_free_space(tmp_path):
+    out = cli("--path", str(tmp_path), "--size", "1000TiB")
+    assert out.returncode == 2 and "free" in out.stderr and "smaller --size" in out.stderr
+    assert not leftover_files(tmp_path)
+
+
+def test_refuses_cuda_without_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    out = cli("--path", str(tmp_path), "--size", "64MiB", "--device", "cuda")
+    assert out.returncode == 2 and "CUDA is not available" in out.stderr and "--device cpu" in out.stderr
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "offload.profile", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--path", "--size", "--device", "--quick", "--full", "--json", "--recommend",
+                 "--model-bytes", "--dtype", "--fio", "--no-cache", "--no-progress", "--verbose"):
+        assert flag in out.stdout, flag
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_removes_the_test_files(tmp_path, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "offload.profile", "--no-progress", "--path", str(tmp_path),
+                             "--size", "512MiB", "--full"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not leftover_files(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert leftover_files(tmp_path), "the profiler never created its test file"
+    time.sleep(0.5)  # well inside the sweep
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; test files removed" in err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def test_stale_test_files_of_dead_runs_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".offload-profile-{dead.pid}-abcd.tmp"
+    stale.write_bytes(b"x" * 4096)
+    mine = tmp_path / f".offload-profile-{os.getpid()}-abcd.tmp"
+    mine.write_bytes(b"x")
+    assert remove_stale_test_files(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and mine.exists()
+
+
+def test_format_table_shows_cuda_rows_and_shares(tmp_path):
+    report = fake_report(tmp_path)
+    report.update({
+        "disk_best_read": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32, "direct": True},
+        "disk_best_write": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32, "direct": True},
+        "disk_direct_supported": True, "disk_first_write_gbps": 1.8, "disk_buffered_read_gbps": 0.6,
+        "disk_buffered_write_gbps": 1.2, "host_copy_gbps": 9.0, "host_copy": {"bytes": 256 << 20, "threads": 2},
+        "adam_params_per_s": 1.6e9, "adam": {"threads": 2, "params": 16 << 20},
+        "h2d_pinned_gbps": 52.0, "d2h_pinned_gbps": 50.0, "h2d_pageable_gbps": 20.0, "d2h_pageable_gbps": 18.0,
+        "pcie": {"gt_per_s": 32.0, "lanes": 16, "gbps": 63.0},
+        "disk_h2d_overlap": {"disk_read_alone_gbps": 2.5, "h2d_alone_gbps": 52.0, "disk_read_with_h2d_gbps": 2.4,
+                             "h2d_with_disk_gbps": 50.0, "overlap_efficiency": 0.96, "overlaps": True},
+        "fio": {"read_gbps": 2.6, "write_gbps": 2.5, "read_share": 2.5 / 2.6, "write_share": 1.0},
+        "mode": "quick", "disk_bytes_per_measurement": 1 << 30, "elapsed_s": 20.0,
+    })
+    table = format_table(report)
+    assert "0.96 of fio 2.60" in table
+    assert "host to device, pinned" in table and "0.83 of PCIe 32 GT/s x16 (63.0)" in table
+    assert "disk read + H2D at once" in table and "0.96 of both alone" in table
