@@ -134,13 +134,17 @@ class DiskProbe:
 
     # -- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> DiskProbe:
-        self._buffer = HostBuffer(min(self.size, _BUFFER_MAX))
-        self._buffer.bytes[:: 4096].fill_(0x5A)  # something other than zeros on disk
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
-            os.posix_fallocate(fd, 0, self.size)
-        finally:
-            os.close(fd)
+            self._buffer = HostBuffer(min(self.size, _BUFFER_MAX))
+            self._buffer.bytes[:: 4096].fill_(0x5A)  # something other than zeros on disk
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
+        except BaseException:  # ENOSPC in a race with another writer, Ctrl-C: leave nothing
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
