@@ -144,9 +144,13 @@ class OffloadOptimizer(Optimizer):
         # (the store's own stats count those it moved)
         self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
                       "read_bytes": 0, "write_bytes": 0}
-        super().__init__(params, defaults)
-        self._init_loss_scale(loss_scale)
-        self._ensure_layout()  # budget errors now, before any training step
+        try:
+            super().__init__(params, defaults)
+            self._init_loss_scale(loss_scale)
+            self._ensure_layout()  # budget errors now, before any training step
+        except BaseException:
+            self.close()  # a refused optimizer leaves no store, files or threads behind
+            raise
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -382,6 +386,7 @@ class OffloadOptimizer(Optimizer):
         new += self._cut(wrapped, wrapped=True)
         new += self._cut(plain, wrapped=False)
         self._check_host_budget(new)
+        self._check_machine(new)
         for shard in new:
             self._init_state(shard)
         self._shards.extend(new)
@@ -465,6 +470,23 @@ class OffloadOptimizer(Optimizer):
                     + (f", {format_size(staging)} to write back a parameter group" if staging else "")
                     + f") but host_budget is {format_size(budget)}: raise host_budget, set "
                     "optimizer_tier='nvme', or pass a smaller shard_size")
+
+    def _check_machine(self, shards: list[_Shard]) -> None:
+        """Refuse, before allocating them, states that this machine's free RAM or disk cannot
+        hold (offload.plan's checks, for the states of these shards)."""
+        from .._plan import check_disk, check_ram
+
+        resting = sum(s.bytes_in_flight for s in shards if s.home is Tier.HOST)
+        if resting:
+            check_ram(resting, "the optimizer states in host memory",
+                      "set optimizer_tier='nvme' (OffloadConfig) or free memory")
+        by_path: dict[str, int] = defaultdict(int)
+        for s in shards:
+            if s.home is Tier.NVME:
+                by_path[s.store.tiers[Tier.NVME].files.path] += s.bytes_in_flight
+        for path, need in by_path.items():
+            check_disk(path, need, "the optimizer states on NVMe",
+                       "free space there, point nvme_path at a larger disk, or set optimizer_tier='host'")
 
     def _row_names(self, shard: _Shard) -> list[str]:
         names = list(self._rows_for(self.param_groups[shard.segments[0].group_index]))

@@ -105,6 +105,12 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
         for group in groups:
             group.resident = True
     _check_budgets(groups, config)
+    from .._plan import plan_groups
+
+    on_host = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"}
+    memory_plan = plan_groups(groups, config, optimizer=None, ram_credit=sum(on_host.values()))
+    log.info("%s", memory_plan)
+    memory_plan.check()  # before the store, its buffers or its files exist
     store = _make_store(config)
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)

@@ -1,0 +1,274 @@
+"""The memory plan: what a wrapped model (and its optimizer) will hold on each tier, checked
+against what the machine has, before anything is allocated.
+
+    p = offload.plan(model, cfg, optimizer="adamw")
+    print(p)          # a table: item, tier, bytes, how it was counted
+    p.check()         # raises MemoryPlanError with the numbers and a fix when it cannot fit
+
+``offload.wrap`` computes the plan for the parameters, logs it at INFO and refuses (before
+creating the store, its buffers or its files) when it cannot fit; the offloaded optimizers
+check their states the same way before allocating them.
+
+Note: what is counted. Budgets are upper bounds; the plan counts what the run will use up
+to them: the device budget or less if the whole model is smaller; host staging for NVMe
+reads (the prefetch window and the largest group), and everything that rests in host
+memory. Parameters that already sit in host memory (a model built on the CPU) are freed
+group by group as they are moved into the tiers, so they are credited against the RAM
+needed. The checks use ``psutil.virtual_memory().available``, ``torch.cuda.mem_get_info``
+and the free space of ``nvme_path``'s file system.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+from dataclasses import dataclass, field
+import psutil
+import torch
+from torch import nn
+
+from ._units import format_size
+from .config import OffloadConfig
+from .io import BudgetError
+
+__all__ = ["MemoryPlan", "MemoryPlanError", "plan", "free_disk_bytes", "check_ram", "check_disk"]
+
+log = logging.getLogger(__name__)
+
+_OPTIMIZER_ROWS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
+                   "sgd": ("momentum_buffer",), None: ()}
+_SHARD_ELEMENTS = 16 << 20  # the optimizer's default shard (elements)
+
+
+class MemoryPlanError(BudgetError):
+    """The plan does not fit this machine; the message has the numbers and the fix."""
+
+
+@dataclass
+class PlanRow:
+    item: str
+    tier: str  # "device", "host", "nvme"
+    nbytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    config: OffloadConfig
+    rows: list[PlanRow] = field(default_factory=list)
+    ram_need: int = 0          # host RAM: host rows, and device rows when the device is the CPU
+    ram_credit: int = 0        # parameters now in host memory that wrapping frees
+    ram_available: int = 0
+    device_need: int = 0       # CUDA memory (0 on the CPU)
+    device_free: int | None = None
+    disk_need: int = 0
+    disk_free: int | None = None
+    pinned: int = 0
+    memlock_limit: int | None = None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def check(self) -> None:
+        """Raise :class:`MemoryPlanError` listing every problem, each with its fix."""
+        if self.problems:
+            raise MemoryPlanError("offload memory plan does not fit this machine:\n  - "
+                                  + "\n  - ".join(self.problems) + "\n" + str(self))
+
+    def bytes_on(self, tier: str) -> int:
+        return sum(r.nbytes for r in self.rows if r.tier == tier)
+
+    def __str__(self) -> str:
+        c = self.config
+        head = (f"offload memory plan: device {c.device}, param_tier {c.param_tier}, optimizer_tier "
+                f"{c.optimizer_tier}, device_budget {format_size(c.device_budget)}, host_budget "
+                f"{format_size(c.host_budget)}")
+        table = [("item", "tier", "bytes", "counted as")] + [
+            (r.item, r.tier, format_size(r.nbytes), r.note) for r in self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(4)]
+        lines = [head] + ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                          for row in table]
+        ram = (f"host RAM: needs {format_size(self.ram_need)} (host rows within host_budget"
+               + ("" if self.config.torch_device.type == "cuda" else ", device rows within device_budget")
+               + ")"
+               + (f" less {format_size(self.ram_credit)} of parameters freed as they move"
+                  if self.ram_credit else "")
+               + f", {format_size(self.ram_available)} available")
+        lines.append("  " + ram)
+        if self.device_free is not None:
+            lines.append(f"  {c.device}: needs {format_size(self.device_need)}, {format_size(self.device_free)} free")
+        if self.disk_need:
+            free = "unknown" if self.disk_free is None else format_size(self.disk_free)
+            lines.append(f"  disk at {c.nvme_path}: needs {format_size(self.disk_need)}, {free} free")
+        if self.pinned:
+            limit = "unlimited" if self.memlock_limit is None else format_size(self.memlock_limit)
+            lines.append(f"  pinned host memory: {format_size(self.pinned)} (ulimit -l: {limit})")
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+
+def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw") -> MemoryPlan:
+    """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
+    of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``).
+    Allocates nothing; the model may be on the meta device."""
+    from .params._groups import build_groups
+
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    kind = None if optimizer is None else str(optimizer).lower()
+    if kind not in _OPTIMIZER_ROWS:
+        raise ValueError(f"optimizer={optimizer!r}: use 'adamw', 'adam', 'sgd' or None")
+    groups, _ = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
+                             resident_bytes=0 if config.param_tier == "device" else config.resident_bytes)
+    if config.param_tier == "device":
+        for group in groups:
+            group.resident = True
+    credit = sum(p.numel() * p.element_size() for p in _unique_params(model) if p.device.type == "cpu")
+    return plan_groups(groups, config, optimizer=kind, ram_credit=credit)
+
+
+def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
+                ram_credit: int = 0) -> MemoryPlan:
+    """The plan for parameter groups already built (``wrap`` calls this)."""
+    p = MemoryPlan(config=config, ram_credit=ram_credit)
+    cuda = config.torch_device.type == "cuda"
+    resident = sum(g.nbytes for g in groups if g.resident)
+    streamed = [g.nbytes for g in groups if not g.resident]
+    total = resident + sum(streamed)
+    largest = max(streamed, default=0)
+    median = sorted(streamed)[len(streamed) // 2] if streamed else 0
+    window = config.prefetch_limit(largest, median) if streamed else 0
+
+    # -- parameters ----------------------------------------------------------------------
+    if resident:
+        p.rows.append(PlanRow("parameters, resident", "device", resident,
+                              "small modules' parameters" if config.param_tier != "device" else "all of them"))
+    if streamed:
+        home = config.param_tier
+        p.rows.append(PlanRow("parameters, streamed", home, sum(streamed),
+                              f"{len(streamed)} groups, largest {format_size(largest)}"))
+        working = min(config.device_budget - resident, sum(streamed))
+        p.rows.append(PlanRow("parameters on the device in use", "device", working,
+                              f"up to the device budget: largest group + prefetch {format_size(window)} + cache"))
+        if home == "nvme":
+            staging = min(config.host_budget, window + largest)
+            p.rows.append(PlanRow("host staging for parameter reads", "host", staging,
+                                  "prefetch window + largest group, within host_budget"))
+
+    # -- optimizer -------------------------------------------------------------------------
+    if optimizer is not None and total:
+        elements = _elements(groups)
+        state_rows = _OPTIMIZER_ROWS[optimizer]
+        tier = config.optimizer_tier
+        p.rows.append(PlanRow(f"optimizer: {', '.join(state_rows)}", tier, 4 * len(state_rows) * elements,
+                              "fp32, 4 bytes per parameter each"))
+        p.rows.append(PlanRow("optimizer: master weights", tier, 4 * elements, "fp32 copy of the parameters"))
+        p.rows.append(PlanRow("optimizer: gradient accumulators", tier, 4 * elements,
+                              "fp32, summed over backward passes"))
+        if tier == "nvme":
+            per_element = 4 * (len(state_rows) + 2)
+            in_flight = min(config.host_budget, 4 * _SHARD_ELEMENTS * per_element, elements * per_element)
+            p.rows.append(PlanRow("optimizer: shards in flight", "host", in_flight,
+                                  "read ahead, update, write back; within host_budget"))
+
+    # -- needs -----------------------------------------------------------------------------
+    # one host pool (host_budget) holds everything on the host tier, one device budget the rest
+    host_rows = min(config.host_budget, p.bytes_on("host"))
+    device_rows = min(config.device_budget, p.bytes_on("device"))
+    p.ram_need = host_rows + (0 if cuda else device_rows)
+    p.device_need = device_rows if cuda else 0
+    p.disk_need = p.bytes_on("nvme")
+    p.pinned = host_rows if cuda else 0
+    _check_machine(p, config, cuda)
+    return p
+
+
+# ---------------------------------------------------------------------------------------
+def free_disk_bytes(path: str) -> int | None:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    current = os.path.abspath(path)
+    while not os.path.exists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+    try:
+        return shutil.disk_usage(current).free
+    except OSError:
+        return None
+
+
+def check_ram(need: int, what: str, fix: str, credit: int = 0) -> None:
+    """Raise MemoryPlanError when ``need`` bytes of host RAM (less ``credit``) exceed what is
+    available now."""
+    available = psutil.virtual_memory().available
+    if need - credit > available:
+        raise MemoryPlanError(f"{what} need {format_size(need - credit)} of host RAM but "
+                              f"{format_size(available)} is available: {fix}")
+
+
+def check_disk(path: str, need: int, what: str, fix: str) -> None:
+    free = free_disk_bytes(path)
+    if free is not None and need > free:
+        raise MemoryPlanError(f"{what} need {format_size(need)} on disk but {path!r} has "
+                              f"{format_size(free)} free: {fix}")
+
+
+def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
+    p.ram_available = psutil.virtual_memory().available
+    ram = p.ram_need - p.ram_credit
+    if ram > p.ram_available:
+        fixes = []
+        if p.bytes_on("host") and config.param_tier == "host":
+            fixes.append("param_tier='nvme'")
+        if any(r.tier == "host" and r.item.startswith("optimizer:") for r in p.rows) or (
+                config.optimizer_tier == "host" and any(r.item.startswith("optimizer:") for r in p.rows)):
+            fixes.append("optimizer_tier='nvme'")
+        limit = max(0, p.ram_available - (ram - p.bytes_on("host")))
+        if config.param_tier != "host":
+            fixes.append(f"host_budget<={format_size(limit)}")
+        if not cuda:
+            fixes.append("a smaller device_budget (on the CPU it is RAM too)")
+        p.problems.append(f"host RAM: {format_size(ram)} needed, {format_size(p.ram_available)} available: "
+                          f"set {' or '.join(fixes) or 'smaller budgets'}")
+    if cuda:
+        try:
+            free, _ = torch.cuda.mem_get_info(config.torch_device)
+        except RuntimeError:
+            free = None
+        p.device_free = free
+        if free is not None and p.device_need > free:
+            p.problems.append(f"{config.device}: {format_size(p.device_need)} needed, {format_size(free)} free: "
+                              f"set device_budget<={format_size(free * 9 // 10)} or free device memory")
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        p.memlock_limit = None if soft == resource.RLIM_INFINITY else soft
+        if p.memlock_limit is not None and p.pinned > p.memlock_limit and os.geteuid() != 0:
+            p.warnings.append(f"{format_size(p.pinned)} of pinned host buffers exceed ulimit -l "
+                              f"({format_size(p.memlock_limit)}); pinning may fail and fall back to slower "
+                              "pageable copies: raise the limit (ulimit -l unlimited)")
+    if p.disk_need and config.nvme_path:
+        p.disk_free = free_disk_bytes(config.nvme_path)
+        if p.disk_free is not None and p.disk_need > p.disk_free:
+            p.problems.append(f"disk at {config.nvme_path}: {format_size(p.disk_need)} needed, "
+                              f"{format_size(p.disk_free)} free: free space there, point nvme_path at a larger "
+                              "disk, or keep a tier in memory (param_tier or optimizer_tier='host')")
+
+
+def _unique_params(model: nn.Module) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append(param)
+    return out
+
+
+def _elements(groups: list) -> int:
+    return sum(slot.param.numel() for g in groups for slot in g.slots)

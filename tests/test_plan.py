@@ -1,0 +1,143 @@
+"""offload.plan: the memory plan, what wrap and the optimizers refuse before allocating."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import namedtuple
+
+import psutil
+import pytest
+import torch
+
+import offload
+from offload import _plan
+
+transformers = pytest.importorskip("transformers")
+
+_VM = namedtuple("_VM", "total available")
+
+
+def gpt2(**kw):
+    torch.manual_seed(0)
+    args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32)
+    args.update(kw)
+    cfg = transformers.GPT2Config(**args)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def config(tmp_path, **kw):
+    base = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "swap"),
+                device_budget="4MiB", host_budget="64MiB", resident_bytes=0)
+    base.update(kw)
+    return offload.OffloadConfig(**base)
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def unique_param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_plan_counts_what_wrap_and_the_optimizer_store(tmp_path, no_leaks):
+    model = gpt2()
+    cfg = config(tmp_path)
+    plan = offload.plan(model, cfg, optimizer="adamw")
+    assert plan.fits
+    params = unique_param_bytes(model)
+    rows = {r.item: r for r in plan.rows}
+    assert rows["parameters, streamed"].nbytes == params  # tied wte/lm_head counted once
+    assert rows["optimizer: exp_avg, exp_avg_sq"].nbytes == 2 * params
+    text = str(plan)
+    for item in ("parameters, streamed", "optimizer: master weights", "host RAM", "disk at"):
+        assert item in text
+    model = offload.wrap(model, cfg)
+    try:
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 211, (2, 16))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.synchronize()
+        # what rests on NVMe after a step: parameters, moments, master weights, gradients
+        on_disk = offload.stats(model)["nvme_bytes"]
+        assert on_disk == pytest.approx(plan.bytes_on("nvme"), rel=0.05)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+
+
+def test_plan_allocates_nothing_and_takes_meta_models(tmp_path):
+    with offload.init_empty_weights():
+        model = gpt2()
+    before = rss()
+    plan = offload.plan(model, config(tmp_path), optimizer=None)
+    assert rss() - before < 8 << 20
+    assert plan.ram_credit == 0  # meta parameters free nothing when they move
+    assert not any(r.item.startswith("optimizer") for r in plan.rows)
+    assert not os.path.exists(tmp_path / "swap")
+    with pytest.raises(ValueError, match="optimizer='lion'"):
+        offload.plan(model, config(tmp_path), optimizer="lion")
+
+
+def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch, no_leaks):
+    model = gpt2(n_embd=128)
+    cfg = config(tmp_path, param_tier="host", optimizer_tier="host", nvme_path=None,
+                 host_budget="256MiB", device_budget="256MiB")
+    monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))
+    before = rss()
+    with pytest.raises(offload.MemoryPlanError) as err:
+        offload.wrap(model, cfg)
+    message = str(err.value)
+    assert "host RAM" in message and "available" in message and "param_tier='nvme'" in message
+    assert "parameters, streamed" in message  # the plan's table comes with the error
+    assert rss() - before < 16 << 20
+    assert all(p.device.type == "cpu" and not hasattr(p, "_offload") for p in model.parameters())
+    monkeypatch.undo()
+    offload.unwrap(offload.wrap(model, cfg))  # the same model wraps once memory is there
+
+
+def test_wrap_refuses_before_creating_files_when_the_disk_is_short(tmp_path, monkeypatch, no_leaks):
+    model = gpt2()
+    cfg = config(tmp_path)
+    monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: 4096)
+    with pytest.raises(offload.MemoryPlanError, match=r"disk at .*swap.*needed.*free: free space there"):
+        offload.wrap(model, cfg)
+    assert not os.path.exists(tmp_path / "swap"), "wrap created the swap directory before refusing"
+
+
+def test_optimizer_refuses_states_that_do_not_fit(tmp_path, monkeypatch, no_leaks):
+    params = [torch.nn.Parameter(torch.randn(1 << 20))]
+    monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))
+    with pytest.raises(offload.MemoryPlanError, match="optimizer states in host memory.*optimizer_tier='nvme'"):
+        offload.AdamW(params, lr=1e-3).step()
+    monkeypatch.undo()
+    monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: 4096)
+    cfg = config(tmp_path, param_tier="host", optimizer_tier="nvme")
+    opt = None
+    with pytest.raises(offload.MemoryPlanError, match="optimizer states on NVMe.*optimizer_tier='host'"):
+        opt = offload.AdamW(params, lr=1e-3, config=cfg)
+        params[0].grad = torch.ones_like(params[0])
+        opt.step()
+    if opt is not None:
+        opt.close()
+
+
+def test_wrap_logs_the_plan(tmp_path, caplog, no_leaks):
+    model = gpt2()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        model = offload.wrap(model, config(tmp_path))
+    offload.unwrap(model)
+    assert "offload memory plan: device cpu, param_tier nvme" in caplog.text
+
+
+def test_cuda_plan_checks_device_memory(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    free, _ = torch.cuda.mem_get_info()
+    with offload.init_empty_weights():
+        model = gpt2()
+    cfg = config(tmp_path, device="cuda", param_tier="device", device_budget=4 * free)
+    plan = offload.plan(model, cfg, optimizer=None)
+    assert plan.device_free is not None and plan.device_need <= plan.device_free  # a small model fits
