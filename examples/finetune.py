@@ -100,6 +100,14 @@ def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--host-budget", default="4GiB", help="most bytes of host buffers offload may hold (4GiB)")
     o.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype of the parameters; master weights stay fp32 (default fp32)")
+    add_observability_args(o)
+
+
+def add_observability_args(o) -> None:
+    o.add_argument("--log-path", default=None, help="append one JSON line per step here (bytes moved, "
+                   "stall, optimizer time, loss); plot it with tools/plot_log.py (default: none)")
+    o.add_argument("--trace", default=None, help="write the timeline of fetches, compute and optimizer "
+                   "updates here as a Chrome trace at the end (open in ui.perfetto.dev; default: none)")
 
 
 def offload_config(args) -> offload.OffloadConfig:
@@ -109,7 +117,8 @@ def offload_config(args) -> offload.OffloadConfig:
     return offload.OffloadConfig(device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier, nvme_path=args.nvme_path if nvme else None,
                                  device_budget=args.device_budget, host_budget=args.host_budget,
-                                 compute_dtype=None if args.dtype == "fp32" else args.dtype)
+                                 compute_dtype=None if args.dtype == "fp32" else args.dtype,
+                                 log_path=getattr(args, "log_path", None), trace_path=getattr(args, "trace", None))
 
 
 def main(argv=None) -> int:
@@ -185,6 +194,7 @@ def main(argv=None) -> int:
             total += float(loss.detach())
         if args.clip > 0:
             opt.clip_grad_norm_(args.clip)
+        offload.note_step(model, loss=total)  # into the step log line (--log-path) the step writes
         opt.step()
         opt.zero_grad()
         sched.step()

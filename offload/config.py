@@ -58,6 +58,11 @@ class OffloadConfig:
             a parent of it on the same file system) and falls back to the built-in
             settings when there is none; ``"manual"`` always uses the built-in settings.
             Values given explicitly are always kept. ``io_source`` says which it was.
+        log_path: append one JSON line per step here (what moved and waited; see
+            ``offload.log_step``); ``tools/plot_log.py`` plots it. ``None``: no log.
+        trace_path: record the timeline of transfers, compute, stalls and optimizer updates
+            and write it here as a Chrome trace at ``unwrap`` (or ``offload.write_trace``).
+            A debugging aid: it keeps every event in memory.
         block_size, io_threads, queue_depth: the file engine's settings: bytes per system
             call, worker threads, blocks in the kernel at once (built-in: 8MiB, 32, 32).
         file_size: bytes per preallocated swap file.
@@ -79,6 +84,8 @@ class OffloadConfig:
     io_threads: int | None = None
     queue_depth: int | None = None
     file_size: int | str = "1GiB"
+    log_path: str | None = None
+    trace_path: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -110,6 +117,17 @@ class OffloadConfig:
                              "OffloadConfig(nvme_path='/path/on/a/local/ssd') or choose 'host'")
         if self.nvme_path is not None:
             set_("nvme_path", os.path.abspath(os.path.expanduser(str(self.nvme_path))))
+        for name in ("log_path", "trace_path"):
+            value = getattr(self, name)
+            if value is not None:
+                path = os.path.abspath(os.path.expanduser(str(value)))
+                parent = os.path.dirname(path)
+                if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+                    raise ValueError(f"{name}={value!r}: the directory {parent!r} does not exist or is not "
+                                     "writable: create it or choose another path")
+                if os.path.isdir(path):
+                    raise ValueError(f"{name}={value!r} is a directory: give a file name")
+                set_(name, path)
         set_("io", _check_choice("io", self.io, _IO_MODES, what="an I/O mode"))
         self._resolve_engine_settings(uses_nvme)
 

@@ -180,6 +180,7 @@ class OffloadOptimizer(Optimizer):
         if self._scaler_enabled and self._found_inf():
             self._skip_step()
             self._consume_offloaded_grads()
+            self._end_step(started, skipped=True)
             return loss
         grad_scale = (self.loss_scale if self._scaler_enabled else 1.0) / self._clip_coef
         self._clip_coef = 1.0
@@ -192,7 +193,15 @@ class OffloadOptimizer(Optimizer):
         self.stats["step_seconds"] += time.perf_counter() - started
         for manager in {s.segments[0].owner[0] for s in work if s.wrapped}:
             manager.coordinator.resume_prefetch()
+        self._end_step(started, skipped=False)
         return loss
+
+    def _end_step(self, started: float, *, skipped: bool) -> None:
+        """Tell the wrapped models this optimizer serves: their optimizer time, and the line
+        of their step log (OffloadConfig.log_path)."""
+        seconds = time.perf_counter() - started
+        for manager in {s.segments[0].owner[0] for s in self._shards if s.wrapped}:
+            manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped)
 
     def _consume_offloaded_grads(self) -> None:
         # Note: a step consumes the offloaded gradients. Loops that reset gradients with
@@ -700,12 +709,17 @@ class OffloadOptimizer(Optimizer):
             if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
                 by_group[seg.group_index].append(seg)
         temp = None  # fp32 CPU copies of gradients that are not (plain parameters only)
+        tracer = shard.store.tracer
+        began = tracer.now() if tracer is not None else 0.0
         try:
             for gi, segs in by_group.items():
                 temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp)
         finally:
             if temp is not None:
                 shard.store.staging.release(temp)
+            if tracer is not None:
+                tracer.span(f"update shard {shard.index}", "optimizer", began, tracer.now(), "optimizer",
+                            {"elements": shard.numel})
 
     def _update_group(self, shard: _Shard, gi: int, segs: list[_Segment], rows, grads,
                       grad_scale: float, temp):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class _Live:
     refs: int = 0  # acquisitions not yet released
     flat: torch.Tensor | None = None  # uint8 device view while materialized
     backward_refs: int = 0  # of refs, those taken for backward
+    started: list = field(default_factory=list)  # with a tracer: (phase, time) per acquisition
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Coordinator:
         self.cache_bytes = cache_bytes
         self.cached: dict[ParamGroup, bool] = {}  # kept resident across passes -> loaded yet
         self.events = events  # when a list, every fetch/acquire/release is appended
+        self.tracer: Any = None  # an offload._trace.Tracer: compute and stall spans
         self.live: dict[ParamGroup, _Live] = {g: _Live() for g in groups}
         self.by_storage: dict[int, ParamGroup] = {}  # data_ptr of materialized buffers
         self.traces: dict[str, list[ParamGroup]] = {}
@@ -140,6 +143,8 @@ class Coordinator:
             self._materialize(group)
         self._prefetch()
         self._log("ready", group, phase)  # compute of the module may start now
+        if self.tracer is not None:
+            live.started.append((phase, self.tracer.now()))
 
     def release(self, group: ParamGroup, phase: str) -> None:
         if group.resident:
@@ -151,6 +156,9 @@ class Coordinator:
         if phase == "backward":
             live.backward_refs -= 1
         self._log("release", group, phase)
+        if self.tracer is not None and live.started:
+            began_phase, began = live.started.pop()
+            self.tracer.span(f"{began_phase} {group.key}", "compute", began, self.tracer.now(), "compute")
         if live.refs == 0:
             self._dematerialize(group)
 
@@ -224,7 +232,10 @@ class Coordinator:
                 self.store.fetch(group.key, Tier.DEVICE, priority=0)
         started = time.perf_counter()
         flat = self.store.wait(group.key, Tier.DEVICE)
-        self.stall_seconds += time.perf_counter() - started
+        ended = time.perf_counter()
+        self.stall_seconds += ended - started
+        if self.tracer is not None and ended - started > 1e-5:
+            self.tracer.span(f"stall {group.key}", "stall", started, ended, "compute")
         live.flat = flat
         if group in self.cached:
             self.cached[group] = True

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
@@ -33,6 +36,54 @@ class ParamManager:
         self.model, self.config, self.store = model, config, store
         self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
         self.slots = {id(slot.param): (group, slot) for group in groups for slot in group.slots}
+        self.optimizer_seconds = 0.0
+        self.steps = 0
+        self.tracer: Tracer | None = None
+        if config.trace_path is not None:
+            self.tracer = Tracer()
+            store.tracer = coordinator.tracer = self.tracer
+        self._noted: dict[str, Any] = {}
+        self._last: dict[str, Any] | None = None
+        self._last_time = time.time()
+
+    # -- observability ------------------------------------------------------------------------
+    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool) -> None:
+        self.optimizer_seconds += seconds
+        self.note(lr=lr, skipped_step=skipped)
+        self.log_step()
+
+    def note(self, **fields: Any) -> None:
+        self._noted.update(fields)
+
+    def log_step(self, **fields: Any) -> dict[str, Any]:
+        """One step's record: what moved and waited since the previous record, the fields
+        noted since then and ``fields``; appended to ``config.log_path`` when set."""
+        now = time.time()
+        current = stats(self.model)
+        previous = self._last or {k: 0 for k in _DELTA_KEYS}
+        record: dict[str, Any] = {"step": self.steps, "time": round(now, 3),
+                                  "step_seconds": round(now - self._last_time, 6)}
+        for key in _DELTA_KEYS:
+            delta = current[key] - previous[key]
+            record[key] = round(delta, 6) if isinstance(delta, float) else delta
+        for key in ("device_peak_bytes", "host_peak_bytes"):
+            record[key] = current[key]
+        record.update(self._noted)
+        record.update(fields)
+        self._noted = {}
+        self._last, self._last_time = current, now
+        self.steps += 1
+        if self.config.log_path is not None:
+            with open(self.config.log_path, "a") as fh:
+                fh.write(json.dumps(record, default=float) + "\n")
+        return record
+
+    def write_trace(self, path: str | None = None) -> str:
+        target = path or self.config.trace_path
+        if self.tracer is None or target is None:
+            raise ValueError("no trace was recorded: wrap with OffloadConfig(trace_path='trace.json') to "
+                             "record the fetch/compute/optimizer timeline")
+        return self.tracer.write(target)
 
     @property
     def home(self) -> Tier:
@@ -149,6 +200,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             manager.store.evict(group.key, Tier.DEVICE)
     manager.store.close()
     del _managers[model]
+    if manager.tracer is not None:
+        log.info("offload: timeline written to %s (open in ui.perfetto.dev or chrome://tracing)",
+                 manager.write_trace())
     return model
 
 
@@ -165,7 +219,38 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "write_bytes": s["nvme"]["write_bytes"] if "nvme" in s else 0,
         "stall_seconds": c.stall_seconds, "prefetch_hits": c.prefetch_hits,
         "prefetch_misses": c.prefetch_misses, "groups": len(manager.groups),
+        "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
+        "optimizer_seconds": manager.optimizer_seconds,
     }
+
+
+_DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
+               "prefetch_hits", "prefetch_misses")
+
+
+def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:
+    """End a step of ``model``: returns (and, with ``OffloadConfig(log_path=...)``, appends
+    as one JSON line) what moved and waited since the previous step: ``read_bytes``,
+    ``write_bytes``, ``stall_seconds``, ``io_busy_seconds``, ``optimizer_seconds``,
+    ``prefetch_hits``, ``prefetch_misses``, the peaks, ``step_seconds`` (wall time since the
+    previous line), the fields given to :func:`note_step` and ``fields``.
+
+    An offloaded optimizer serving the model calls this after each ``step()``; call it
+    yourself per pass for inference, or in loops with no offloaded optimizer.
+    """
+    return manager_of(model).log_step(**fields)
+
+
+def note_step(model: nn.Module, **fields: Any) -> None:
+    """Attach ``fields`` (e.g. ``loss=loss.item()``) to the current step's log record."""
+    manager_of(model).note(**fields)
+
+
+def write_trace(model: nn.Module, path: str | None = None) -> str:
+    """Write the recorded timeline (``OffloadConfig(trace_path=...)``) as a Chrome trace
+    (open it in chrome://tracing or ui.perfetto.dev); returns the path. ``unwrap`` writes
+    it too."""
+    return manager_of(model).write_trace(path)
 
 
 def reset_peak_stats(model: nn.Module) -> None:

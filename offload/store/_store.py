@@ -101,6 +101,7 @@ class TensorStore:
         self.wait_seconds = 0.0
         self.fetches = 0
         self.fetch_hits = 0  # fetches that found the copy already there or on its way
+        self.tracer: Any = None  # an offload._trace.Tracer: every transfer becomes a span
         self._closed = False
         _live_stores.add(self)
 
@@ -147,6 +148,7 @@ class TensorStore:
                 completion = backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
         except Exception as err:
             completion = Done(err)
+        self._trace(completion, "put", record, None, copy.tier)
         completion.add_done_callback(lambda c, r=record, cp=copy: self._loaded(r, cp, None, c))
         return record
 
@@ -401,6 +403,9 @@ class TensorStore:
                                    "write_bytes": backend.write_bytes}
             out["host_pool"] = {"bytes": self.staging.held_bytes, "peak_bytes": self.staging.peak_bytes,
                                 "budget": self.staging.budget}
+            engine = getattr(self.tiers.get(Tier.NVME), "engine", None)
+            if engine is not None:  # seconds the file engine's workers spent inside system calls
+                out["nvme"]["busy_seconds"] = engine.stats.busy_seconds
             return out
 
     def reset_peaks(self) -> None:
@@ -506,6 +511,7 @@ class TensorStore:
         self._in_flight += 1
         source.readers += 1
         completion = self._transfer(record, source, copy, copy.priority)
+        self._trace(completion, "load", record, source.tier, copy.tier)
         completion.add_done_callback(lambda c: self._loaded(record, copy, source, c))
 
     def _write_home(self, record: StoredTensor, copy: _Copy) -> None:
@@ -518,6 +524,7 @@ class TensorStore:
         copy.readers += 1
         version = record.version
         completion = self._transfer(record, copy, home, priority=1)
+        self._trace(completion, "store", record, copy.tier, home.tier)
         completion.add_done_callback(lambda c: self._stored(record, copy, home, version, c))
 
     def _transfer(self, record: StoredTensor, source: _Copy, dest: _Copy, priority: int) -> Any:
@@ -531,6 +538,21 @@ class TensorStore:
             return _Chained(first, lambda: dst.write_from(dest.slot, dest.stage.bytes, n, priority=priority))
         except Exception as err:  # a transfer that could not even start fails like one that did
             return Done(err)
+
+    def _trace(self, completion: Any, kind: str, record: StoredTensor, source: Tier | None, dest: Tier) -> None:
+        """With a tracer: the transfer as an async span from now to its completion."""
+        tracer = self.tracer
+        if tracer is None:
+            return
+        name = f"{kind} {record.key}"
+        args = {"bytes": record.nbytes, "to": dest.name.lower()}
+        if source is not None:
+            args["from"] = source.name.lower()
+        # into the compute tier: a parameter fetch (what prefetching should hide); else a
+        # transfer between the resting tiers (write-backs, optimizer states)
+        cat = "fetch" if dest is Tier.DEVICE and kind == "load" else "transfer"
+        ident = tracer.begin(name, cat, args)
+        completion.add_done_callback(lambda c: tracer.end(ident, name, cat))
 
     # -- completions (engine worker threads, CUDA event thread, or inline) ----------------
     def _loaded(self, record: StoredTensor, copy: _Copy, source: _Copy | None, completion: Any) -> None:

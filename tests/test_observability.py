@@ -1,0 +1,145 @@
+"""Step log (OffloadConfig.log_path), stats timings, and the Chrome trace of the timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offload
+from offload._trace import busy_seconds, overlap_seconds
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0))
+
+
+def config(tmp_path, **kw):
+    base = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "swap"),
+                device_budget="8MiB", host_budget="64MiB", resident_bytes=0)
+    base.update(kw)
+    return offload.OffloadConfig(**base)
+
+
+def train(model, steps=3):
+    opt = offload.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        offload.note_step(model, loss=loss.item())
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    opt.close()
+    return losses
+
+
+def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, no_leaks):
+    trace = tmp_path / "trace.json"
+    model = offload.wrap(gpt2(), config(tmp_path, trace_path=str(trace)))
+    train(model)
+    offload.unwrap(model)  # writes the trace
+    data = json.loads(trace.read_text())
+    events = data["traceEvents"]
+    assert {"fetch", "transfer", "compute", "optimizer"} <= {e["cat"] for e in events}
+    begins = {e["id"] for e in events if e["ph"] == "b"}
+    assert begins == {e["id"] for e in events if e["ph"] == "e"}, "an async span was never closed"
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    # the point of prefetching: parameter fetches run while modules compute
+    fetches = _spans(events, "fetch")
+    compute = _spans(events, "compute")
+    overlapping = [f for f in fetches if any(c0 < f[1] and f[0] < c1 for c0, c1 in compute)]
+    assert len(overlapping) >= 3, f"{len(overlapping)} of {len(fetches)} fetches overlap compute"
+    assert overlap_seconds(events, "fetch", "compute") > 0
+    assert busy_seconds(events, "optimizer") > 0
+
+
+def _spans(events, cat):
+    opened, out = {}, []
+    for e in events:
+        if e["cat"] != cat:
+            continue
+        if e["ph"] == "X":
+            out.append((e["ts"], e["ts"] + e["dur"]))
+        elif e["ph"] == "b":
+            opened[e["id"]] = e["ts"]
+        elif e["ph"] == "e":
+            out.append((opened.pop(e["id"]), e["ts"]))
+    return out
+
+
+def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
+    log_path = tmp_path / "steps.jsonl"
+    model = offload.wrap(gpt2(), config(tmp_path, log_path=str(log_path)))
+    try:
+        losses = train(model)
+        totals = offload.stats(model)
+    finally:
+        offload.unwrap(model)
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    for key in ("step_seconds", "read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds",
+                "optimizer_seconds", "prefetch_hits", "prefetch_misses", "device_peak_bytes", "lr"):
+        assert all(key in r for r in lines), key
+    assert [r["loss"] for r in lines] == pytest.approx(losses)
+    assert not any(r["skipped_step"] for r in lines)
+    # deltas: the lines sum to what the model's stats say (the bytes of the last write-backs
+    # land after the last line, hence <=)
+    assert sum(r["read_bytes"] for r in lines) <= totals["read_bytes"]
+    assert sum(r["read_bytes"] for r in lines) > 0 and all(r["optimizer_seconds"] > 0 for r in lines)
+    assert totals["optimizer_seconds"] == pytest.approx(sum(r["optimizer_seconds"] for r in lines), abs=1e-5)
+    assert totals["io_busy_seconds"] > 0
+
+
+def test_log_step_for_inference_and_write_trace_errors(tmp_path, no_leaks):
+    model = offload.wrap(gpt2().eval(), config(tmp_path, optimizer_tier="host"))
+    try:
+        ids = torch.randint(0, 1000, (1, 32))
+        with torch.no_grad():
+            model(ids)
+        first = offload.log_step(model, tokens=32)
+        with torch.no_grad():
+            model(ids)
+        second = offload.log_step(model)
+        assert (first["step"], second["step"], first["tokens"]) == (0, 1, 32)
+        assert first["read_bytes"] > 0 and second["prefetch_hits"] > 0
+        with pytest.raises(ValueError, match="trace_path"):
+            offload.write_trace(model)
+    finally:
+        offload.unwrap(model)
+
+
+def test_bad_log_and_trace_paths_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="log_path=.*does not exist"):
+        config(tmp_path, log_path=str(tmp_path / "missing" / "log.jsonl"))
+    with pytest.raises(ValueError, match="trace_path=.*is a directory"):
+        config(tmp_path, trace_path=str(tmp_path))
+
+
+def test_plot_log_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    log_path = tmp_path / "steps.jsonl"
+    records = [{"step": i, "step_seconds": 1.0 + i, "read_bytes": 1e9, "write_bytes": 5e8, "stall_seconds": 0.1,
+                "optimizer_seconds": 0.3, "io_busy_seconds": 2.0, "loss": 5.0 - i} for i in range(4)]
+    log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), str(log_path), "-o",
+                          str(tmp_path / "p.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "is not a JSON line" in out.stderr
