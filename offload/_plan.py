@@ -29,6 +29,7 @@ import psutil
 import torch
 from torch import nn
 
+from ._os import nearest_existing_dir
 from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
@@ -192,12 +193,9 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
 # ---------------------------------------------------------------------------------------
 def free_disk_bytes(path: str) -> int | None:
     """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
-    current = os.path.abspath(path)
-    while not os.path.exists(current):
-        parent = os.path.dirname(current)
-        if parent == current:
-            return None
-        current = parent
+    current = nearest_existing_dir(path)
+    if current is None:
+        return None
     try:
         return shutil.disk_usage(current).free
     except OSError:

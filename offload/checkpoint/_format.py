@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from .._os import pid_alive
+
 __all__ = ["CheckpointError", "FORMAT", "VERSION", "MANIFEST", "dtype_name", "dtype_of", "crc32",
            "fault_point", "AtomicDirectory", "recover", "read_manifest", "check_writable"]
 
@@ -137,23 +139,13 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a!r}, {b!r}) failed: {os.strerror(err)}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stale(entry: str) -> bool:
     """A ``.tmp-<pid>-...`` or ``.prev-<pid>-...`` sibling left by a process that is gone."""
     try:
         pid = int(entry.rsplit(".", 1)[1].split("-")[1])
     except (IndexError, ValueError):
         return False
-    return pid != os.getpid() and not _pid_alive(pid)
+    return pid != os.getpid() and not pid_alive(pid)
 
 
 def recover(path: str) -> None:

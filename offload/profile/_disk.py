@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
+from .._os import pid_alive
 from ..io import FileEngine, HostBuffer, logical_block_size
 
 __all__ = ["DiskSetting", "DiskResult", "DiskProbe", "sweep_grid", "TEST_FILE_PATTERN"]
@@ -87,23 +88,13 @@ def remove_stale_test_files(directory: str) -> list[str]:
             pid = int(os.path.basename(path).split("-")[2])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             try:
                 os.unlink(path)
                 removed.append(path)
             except OSError:
                 pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskProbe:

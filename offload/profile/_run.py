@@ -14,6 +14,7 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from .._os import nearest_existing_dir
 from .._units import format_size
 from ._disk import DiskProbe, DiskResult, DiskSetting, remove_stale_test_files, sweep_grid
 
@@ -167,12 +168,9 @@ def find_profile(directory: str) -> tuple[str, dict[str, Any]] | None:
     that of the nearest existing parent on the same file system. A file that cannot be read,
     is from another format version or describes another file system is skipped with a
     warning."""
-    current = os.path.abspath(directory)
-    while not os.path.isdir(current):
-        parent = os.path.dirname(current)
-        if parent == current:
-            return None
-        current = parent
+    current = nearest_existing_dir(directory)
+    if current is None:
+        return None
     fs = os.stat(current).st_dev
     while True:
         candidate = os.path.join(current, CACHE_NAME)
