@@ -2,7 +2,7 @@
 against what the machine has, before anything is allocated.
 
     p = offload.plan(model, cfg, optimizer="adamw")
-    print(p)          # a table: item, tier, bytes, how it was counted
+    str(p)            # a table: item, tier, bytes, how it was counted (wrap logs it at INFO)
     p.check()         # raises MemoryPlanError with the numbers and a fix when it cannot fit
 
 ``offload.wrap`` computes the plan for the parameters, logs it at INFO and refuses (before
