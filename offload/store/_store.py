@@ -626,8 +626,21 @@ class TensorStore:
 
     def _delete(self, record: StoredTensor) -> None:
         busy = (Residency.LOADING, Residency.STORING)
+        idle_since = None
         while any(c.state in busy or c.readers for c in record.copies.values()):
-            self._cond.wait()
+            # Note: a copy loading or storing always has a transfer in flight. With none in
+            # flight for 30 s, nothing can end this wait (a lost completion, or a reader that
+            # never returned its borrow): raise with the states instead of hanging for ever.
+            if self._in_flight == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > 30:
+                    states = {c.tier.value: (c.state.value, c.readers) for c in record.copies.values()}
+                    raise StoreError(f"cannot delete {record.key!r}: its copies (tier: state, readers) "
+                                     f"{states} wait for transfers but none is in flight; this is a bug in "
+                                     "offload, please report it with this message")
+            else:
+                idle_since = None
+            self._cond.wait(timeout=5)
         for copy in record.copies.values():
             if copy.state is Residency.QUEUED:
                 self._queues[copy.tier].remove((record, copy))
