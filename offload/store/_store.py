@@ -629,9 +629,11 @@ class TensorStore:
         idle_since = None
         while any(c.state in busy or c.readers for c in record.copies.values()):
             # Note: a copy loading or storing always has a transfer in flight. With none in
-            # flight for 30 s, nothing can end this wait (a lost completion, or a reader that
-            # never returned its borrow): raise with the states instead of hanging for ever.
-            if self._in_flight == 0:
+            # flight for 30 s, nothing can end this wait (a completion was lost): raise with
+            # the states instead of hanging for ever. Readers alone may be a caller's borrow
+            # (borrow_host, overwrite_in_place) that is still working: those are waited for.
+            stuck = self._in_flight == 0 and any(c.state in busy for c in record.copies.values())
+            if stuck:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 30:
                     states = {c.tier.value: (c.state.value, c.readers) for c in record.copies.values()}
