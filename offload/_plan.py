@@ -34,7 +34,8 @@ from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
 
-__all__ = ["MemoryPlan", "MemoryPlanError", "plan", "free_disk_bytes", "check_ram", "check_disk"]
+__all__ = ["MemoryPlan", "MemoryPlanError", "plan", "plan_groups", "host_param_bytes", "free_disk_bytes",
+           "check_ram", "check_disk"]
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,7 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     if config.param_tier == "device":
         for group in groups:
             group.resident = True
-    credit = sum(p.numel() * p.element_size() for p in _unique_params(model) if p.device.type == "cpu")
-    return plan_groups(groups, config, optimizer=kind, ram_credit=credit)
+    return plan_groups(groups, config, optimizer=kind, ram_credit=host_param_bytes(model))
 
 
 def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
@@ -225,8 +225,7 @@ def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
         fixes = []
         if p.bytes_on("host") and config.param_tier == "host":
             fixes.append("param_tier='nvme'")
-        if any(r.tier == "host" and r.item.startswith("optimizer:") for r in p.rows) or (
-                config.optimizer_tier == "host" and any(r.item.startswith("optimizer:") for r in p.rows)):
+        if config.optimizer_tier == "host" and any(r.item.startswith("optimizer:") for r in p.rows):
             fixes.append("optimizer_tier='nvme'")
         limit = max(0, p.ram_available - (ram - p.bytes_on("host")))
         if config.param_tier != "host":
@@ -258,14 +257,10 @@ def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
                               "disk, or keep a tier in memory (param_tier or optimizer_tier='host')")
 
 
-def _unique_params(model: nn.Module) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for param in model.parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            out.append(param)
-    return out
+def host_param_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters in host memory now (tied ones once): what wrapping
+    frees as it moves them into the tiers."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
 
 
 def _elements(groups: list) -> int:

@@ -56,16 +56,14 @@ class Tracer:
     def begin(self, name: str, cat: str, args: dict[str, Any] | None = None) -> int:
         """Start an async span (may overlap others); returns its id for :meth:`end`."""
         ident = next(self._ids)
-        event = {"name": name, "cat": cat, "ph": "b", "ts": self._us(time.perf_counter()), "pid": self._pid,
-                 "tid": cat, "id": ident}
-        if args:
-            event["args"] = args
-        with self._lock:
-            self.events.append(event)
+        self._async("b", ident, name, cat, args)
         return ident
 
     def end(self, ident: int, name: str, cat: str, args: dict[str, Any] | None = None) -> None:
-        event = {"name": name, "cat": cat, "ph": "e", "ts": self._us(time.perf_counter()), "pid": self._pid,
+        self._async("e", ident, name, cat, args)
+
+    def _async(self, phase: str, ident: int, name: str, cat: str, args: dict[str, Any] | None) -> None:
+        event = {"name": name, "cat": cat, "ph": phase, "ts": self._us(time.perf_counter()), "pid": self._pid,
                  "tid": cat, "id": ident}
         if args:
             event["args"] = args

@@ -83,6 +83,7 @@ def _spans(events, cat):
 def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
     log_path = tmp_path / "steps.jsonl"
     model = offload.wrap(gpt2(), config(tmp_path, log_path=str(log_path)))
+    loading = offload.stats(model)["write_bytes"]  # wrap wrote the parameters to NVMe
     try:
         losses = train(model)
         totals = offload.stats(model)
@@ -98,6 +99,7 @@ def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
     # deltas: the lines sum to what the model's stats say (the bytes of the last write-backs
     # land after the last line, hence <=)
     assert sum(r["read_bytes"] for r in lines) <= totals["read_bytes"]
+    assert 0 < sum(r["write_bytes"] for r in lines) <= totals["write_bytes"] - loading  # steps only
     assert sum(r["read_bytes"] for r in lines) > 0 and all(r["optimizer_seconds"] > 0 for r in lines)
     assert totals["optimizer_seconds"] == pytest.approx(sum(r["optimizer_seconds"] for r in lines), abs=1e-5)
     assert totals["io_busy_seconds"] > 0

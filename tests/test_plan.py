@@ -98,6 +98,17 @@ def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch,
     offload.unwrap(offload.wrap(model, cfg))  # the same model wraps once memory is there
 
 
+def test_plan_fixes_name_only_settings_that_would_help(tmp_path, monkeypatch):
+    model = gpt2()
+    monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))
+    on_disk = offload.plan(model, config(tmp_path, host_budget="256MiB"), optimizer="adamw")
+    assert not on_disk.fits
+    problem = on_disk.problems[0]
+    assert "host_budget<=" in problem and "optimizer_tier='nvme'" not in problem  # it is nvme already
+    in_ram = offload.plan(model, config(tmp_path, optimizer_tier="host", host_budget="256MiB"), optimizer="adamw")
+    assert "optimizer_tier='nvme'" in in_ram.problems[0]
+
+
 def test_wrap_refuses_before_creating_files_when_the_disk_is_short(tmp_path, monkeypatch, no_leaks):
     model = gpt2()
     cfg = config(tmp_path)

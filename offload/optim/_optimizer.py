@@ -191,7 +191,7 @@ class OffloadOptimizer(Optimizer):
             self._grow_scale()
         self.stats["steps"] += 1
         self.stats["step_seconds"] += time.perf_counter() - started
-        for manager in {s.segments[0].owner[0] for s in work if s.wrapped}:
+        for manager in _managers_of(work):
             manager.coordinator.resume_prefetch()
         self._end_step(started, skipped=False)
         return loss
@@ -200,7 +200,7 @@ class OffloadOptimizer(Optimizer):
         """Tell the wrapped models this optimizer serves: their optimizer time, and the line
         of their step log (OffloadConfig.log_path)."""
         seconds = time.perf_counter() - started
-        for manager in {s.segments[0].owner[0] for s in self._shards if s.wrapped}:
+        for manager in _managers_of(self._shards):
             manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped)
 
     def _consume_offloaded_grads(self) -> None:
@@ -837,6 +837,11 @@ def _write_back_staging(owner) -> int:
     if manager.home is not Tier.NVME:
         return 0
     return max((g.nbytes for g in manager.groups if not g.resident), default=0)
+
+
+def _managers_of(shards: list[_Shard]) -> set:
+    """The ParamManagers of the wrapped models whose parameters ``shards`` hold."""
+    return {s.segments[0].owner[0] for s in shards if s.wrapped}
 
 
 def _owner_of(p: torch.Tensor):

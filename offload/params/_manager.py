@@ -52,6 +52,9 @@ class ParamManager:
         self.note(lr=lr, skipped_step=skipped)
         self.log_step()
 
+    def start_step_log(self) -> None:
+        self._last, self._last_time = stats(self.model), time.time()
+
     def note(self, **fields: Any) -> None:
         self._noted.update(fields)
 
@@ -60,7 +63,7 @@ class ParamManager:
         noted since then and ``fields``; appended to ``config.log_path`` when set."""
         now = time.time()
         current = stats(self.model)
-        previous = self._last or {k: 0 for k in _DELTA_KEYS}
+        previous = self._last
         record: dict[str, Any] = {"step": self.steps, "time": round(now, 3),
                                   "step_seconds": round(now - self._last_time, 6)}
         for key in _DELTA_KEYS:
@@ -156,10 +159,9 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
         for group in groups:
             group.resident = True
     _check_budgets(groups, config)
-    from .._plan import plan_groups
+    from .._plan import host_param_bytes, plan_groups
 
-    on_host = {id(p): p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu"}
-    memory_plan = plan_groups(groups, config, optimizer=None, ram_credit=sum(on_host.values()))
+    memory_plan = plan_groups(groups, config, optimizer=None, ram_credit=host_param_bytes(model))
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
     store = _make_store(config)
@@ -178,7 +180,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     except BaseException:
         store.close()
         raise
-    _managers[model] = ParamManager(model, config, store, groups, coordinator, hooks)
+    _managers[model] = manager = ParamManager(model, config, store, groups, coordinator, hooks)
+    manager.start_step_log()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
     log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s",
              len(groups), format_size(total), config.param_tier, format_size(config.device_budget),

@@ -23,7 +23,6 @@ import os
 import secrets
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 from .._os import pid_alive
 from ..io import FileEngine, HostBuffer, logical_block_size
@@ -173,18 +172,6 @@ class DiskProbe:
         if op == "write" and not setting.direct:
             self._drop_cached_pages()
         return result
-
-    def sweep(self, settings: Iterable[DiskSetting], ops: tuple[str, ...] = ("write", "read"),
-              on_result: Callable[[DiskResult], None] | None = None) -> list[DiskResult]:
-        """Each setting, each op in turn (interleaved, so drift hits every setting alike)."""
-        out = []
-        for setting in settings:
-            for op in ops:
-                result = self.measure(op, setting)
-                out.append(result)
-                if on_result is not None:
-                    on_result(result)
-        return out
 
     # -- internals --------------------------------------------------------------------------
     def _measure(self, op: str, setting: DiskSetting, nbytes: int) -> DiskResult:

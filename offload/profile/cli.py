@@ -142,12 +142,9 @@ class _Bar:
 def _progress_bar(args: argparse.Namespace) -> _Bar | None:
     if args.no_progress:
         return None
-    try:
-        from ._run import planned_steps
+    from ._run import planned_steps
 
-        return _Bar(planned_steps(args.mode, args.device.startswith("cuda"), args.fio))
-    except ImportError:  # tqdm missing: a log line per step instead
-        return None
+    return _Bar(planned_steps(args.mode, args.device.startswith("cuda"), args.fio))
 
 
 # ---------------------------------------------------------------------------------------
