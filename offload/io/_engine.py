@@ -361,7 +361,17 @@ class FileEngine:
                 detail = ("end of file: the file is shorter than expected; was it truncated?"
                           if block.op == "read" else "the OS wrote nothing")
                 return self._error(block, done, errno.ENOSPC if block.op == "write" else None, detail)
-            done += n
+            moved = done + n
+            if direct and moved % file.align:
+                # a short direct transfer that ended inside a block: the rest would be
+                # unaligned, so redo that block (same bytes) directly, or, when not one
+                # whole block moved, finish through the page cache
+                aligned = moved - moved % file.align
+                if aligned > done:
+                    moved = aligned
+                else:
+                    direct = False
+            done = moved
         return None
 
     def _error(self, block: _Block, done: int, err: int | None, detail: str) -> OffloadIOError:

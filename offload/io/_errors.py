@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno as _errno
 import os
 
@@ -28,6 +29,14 @@ class OffloadIOError(OSError):
     def __str__(self) -> str:
         return self.args[1]
 
+    def with_context(self, context: str, fix: str = "") -> "OffloadIOError":
+        """The same error (same class and fields) with ``context`` before its message and
+        ``fix`` after it; raise it ``from`` the original."""
+        new = copy.copy(self)
+        new.__dict__.update(self.__dict__)
+        new.args = (self.args[0], f"{context}: {self.args[1]}" + (f". {fix}" if fix else ""))
+        return new
+
     def __reduce__(self):
         return (type(self), (self.op, self.path, self.offset, self.length, self.errno))
 
@@ -46,6 +55,9 @@ class DiskFullError(OffloadIOError):
                 f"needed {needed} bytes, {free} free on the file system: free space or "
                 "point nvme_path at a larger disk"
             )
+        else:
+            detail = (detail + "; " if detail else "") + (
+                "the file system is full: free space there or point nvme_path at a larger disk")
         super().__init__(op, path, offset, length, err, detail)
 
 

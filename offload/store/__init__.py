@@ -11,12 +11,12 @@ import torch
 from .._units import parse_size
 from ..io import BudgetError, BufferPool, FileBackend, FileEngine
 from ._nvme import DirectoryLockedError, Extent, SwapFiles
-from ._state import Residency, StoreError, Tier
+from ._state import Residency, StoreError, Tier, TransferInterrupted
 from ._store import StoredTensor, TensorStore
 from ._tiers import CudaTier, Done, FakeTier, HostMemoryTier, NvmeTier, TierBackend
 
 __all__ = [
-    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "BudgetError",
+    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted", "BudgetError",
     "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier", "Done",
     "SwapFiles", "Extent", "DirectoryLockedError",
 ]

@@ -96,6 +96,7 @@ class SwapFiles:
         self._files: list[tuple[EngineFile, _FreeList]] = []
         self._mutex = threading.Lock()
         self._closed = False
+        self._deleted: set[str] = set()
         self._remove_stale_files()
         self.align = logical_block_size(self.path)
         self.file_size = round_up(file_size, self.align)
@@ -126,6 +127,32 @@ class SwapFiles:
         """Bytes claimed on disk by the swap files."""
         with self._mutex:
             return sum(free.size for _, free in self._files)
+
+    def check_deleted(self) -> list[str]:
+        """Warn (once per file) about swap files or the lock that someone deleted while they
+        are open (a /tmp cleaner, an ``rm`` in the wrong directory). Nothing is lost: the
+        open descriptors keep the data, and the space is freed when the store closes. A
+        deleted lock no longer keeps another process out of the directory. Returns the
+        newly found paths."""
+        with self._mutex:
+            files = [(file.path, file.buffered_fd) for file, _ in self._files]
+        files.append((os.path.join(self.path, _LOCK_NAME), self._lock_fd))
+        found = []
+        for path, fd in files:
+            try:
+                gone = os.fstat(fd).st_nlink == 0
+            except OSError:
+                continue
+            if gone and path not in self._deleted:
+                self._deleted.add(path)
+                found.append(path)
+        if found:
+            log.warning("offload: %s in nvme_path %r %s deleted while in use: the data is safe "
+                        "(the files stay open) and the space is freed when the run closes, but "
+                        "keep nvme_path out of directories that are cleaned up (e.g. /tmp)",
+                        ", ".join(os.path.basename(p) for p in found), self.path,
+                        "was" if len(found) == 1 else "were")
+        return found
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

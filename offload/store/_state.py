@@ -39,6 +39,11 @@ class StoreError(RuntimeError):
     """An operation that the current state of a stored tensor does not allow."""
 
 
+class TransferInterrupted(StoreError):
+    """A transfer whose start was cut short by a KeyboardInterrupt (or another
+    BaseException): the copy it was filling is dropped; a put's bytes are lost."""
+
+
 _ALLOWED = {
     Residency.ABSENT: {Residency.QUEUED, Residency.LOADING, Residency.RESIDENT},
     Residency.QUEUED: {Residency.LOADING, Residency.ABSENT},

@@ -25,12 +25,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from ..io import BudgetError, BufferPool, HostBuffer
-from ._state import Residency, StoreError, Tier, check_transition
+from ..io import BudgetError, BufferPool, HostBuffer, OffloadIOError
+from ._state import Residency, StoreError, Tier, TransferInterrupted, check_transition
 from ._tiers import Done, Pending, TierBackend
 
 __all__ = ["TensorStore", "StoredTensor"]
@@ -129,27 +129,34 @@ class TensorStore:
                 self._move(record, copy, Residency.RESIDENT)
                 copy.valid = True
                 return record
-            copy.slot = self._reserve_blocking(record, backend, stage=False)
             direct = backend.addressable or home is Tier.DEVICE
-            if not direct:
-                copy.stage = self._reserve_blocking(record, None, stage=True)
+            try:
+                copy.slot = self._reserve_blocking(record, backend, stage=False)
+                if not direct:
+                    copy.stage = self._reserve_blocking(record, None, stage=True)
+            except BaseException as err:  # no room, or interrupted while waiting for it
+                self._release(record, copy)
+                record.lost = err if isinstance(err, Exception) else \
+                    TransferInterrupted(f"the put of {key!r} was interrupted ({type(err).__name__})")
+                raise
             self._move(record, copy, Residency.LOADING)
             self._in_flight += 1
         # Note: the copy runs outside the store's lock, so that I/O workers finishing other
         # transfers are not held up in their completion callbacks while it runs.
-        try:
+        def start() -> Any:
             if direct:
                 backend.consume(copy.slot)
                 backend.tensor(copy.slot)[: record.nbytes].copy_(source)
                 backend.fence(copy.slot)
-                completion = Done()
-            else:
-                copy.stage.bytes[: record.nbytes].copy_(source)
-                completion = backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
-        except Exception as err:
-            completion = Done(err)
+                return Done()
+            copy.stage.bytes[: record.nbytes].copy_(source)
+            return backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
+
+        completion, interrupt = _start(start, f"put of {key!r}")
         self._trace(completion, "put", record, None, copy.tier)
         completion.add_done_callback(lambda c, r=record, cp=copy: self._loaded(r, cp, None, c))
+        if interrupt is not None:
+            raise interrupt
         return record
 
     def fetch(self, key: str, tier: Tier | str, *, priority: int = 1) -> None:
@@ -278,7 +285,7 @@ class TensorStore:
         with self._cond:
             record = self._record(key)
             if record.lost is not None:
-                raise StoreError(f"tensor {key!r} was lost: {record.lost}") from record.lost
+                raise _lost_error(record) from record.lost
             if dest.numel() < record.nbytes:
                 raise ValueError(f"read_into({key!r}): destination holds {dest.numel()} bytes, "
                                  f"the tensor {record.nbytes}")
@@ -294,10 +301,8 @@ class TensorStore:
             source.readers += 1
             self._in_flight += 1
             backend = self.tiers[source.tier]
-        try:
-            completion = backend.read_into(source.slot, dest, record.nbytes, priority=priority)
-        except Exception as err:
-            completion = Done(err)
+        completion, interrupt = _start(lambda: backend.read_into(source.slot, dest, record.nbytes, priority=priority),
+                                       f"read_into of {key!r}")
         done = Pending()
 
         def finished(c: Any) -> None:
@@ -309,6 +314,8 @@ class TensorStore:
             done._finish(c.exception())
 
         completion.add_done_callback(finished)
+        if interrupt is not None:
+            raise interrupt
         return done
 
     def borrow_host(self, key: str) -> tuple[torch.Tensor, Any] | None:
@@ -414,6 +421,12 @@ class TensorStore:
                 backend.peak_bytes = backend.used_bytes
             self.staging.reset_peak()
 
+    def check_files(self) -> None:
+        """Warn once about NVMe swap files deleted underneath the store (see SwapFiles)."""
+        nvme = self.tiers.get(Tier.NVME)
+        if nvme is not None:
+            nvme.files.check_deleted()
+
     def close(self) -> None:
         """Finish transfers in flight, drop every tensor, release files, threads and buffers."""
         with self._cond:
@@ -449,7 +462,7 @@ class TensorStore:
         self._backend(tier)  # raises for a tier this store does not have
         self.fetches += 1
         if record.lost is not None:
-            raise StoreError(f"tensor {record.key!r} is lost: {record.lost}") from record.lost
+            raise _lost_error(record) from record.lost
         copy = record.copy(tier)
         if copy.state is Residency.STORING:  # being dropped: keep it instead
             copy.drop_when_idle = False
@@ -461,6 +474,7 @@ class TensorStore:
             return
         self._check_fits(record, tier)
         copy.priority = priority
+        copy.error = None  # a new fetch: the error of an earlier one nobody waited for is stale
         if record.nbytes == 0:
             self._move(record, copy, Residency.RESIDENT)
             copy.valid = True
@@ -510,9 +524,12 @@ class TensorStore:
         self._move(record, copy, Residency.LOADING)
         self._in_flight += 1
         source.readers += 1
-        completion = self._transfer(record, source, copy, copy.priority)
+        completion, interrupt = _start(lambda: self._transfer(record, source, copy, copy.priority),
+                                       f"load of {record.key!r}")
         self._trace(completion, "load", record, source.tier, copy.tier)
         completion.add_done_callback(lambda c: self._loaded(record, copy, source, c))
+        if interrupt is not None:
+            raise interrupt
 
     def _write_home(self, record: StoredTensor, copy: _Copy) -> None:
         home = record.copies[record.home]
@@ -523,21 +540,21 @@ class TensorStore:
         self._in_flight += 1
         copy.readers += 1
         version = record.version
-        completion = self._transfer(record, copy, home, priority=1)
+        completion, interrupt = _start(lambda: self._transfer(record, copy, home, priority=1),
+                                       f"write-back of {record.key!r}")
         self._trace(completion, "store", record, copy.tier, home.tier)
         completion.add_done_callback(lambda c: self._stored(record, copy, home, version, c))
+        if interrupt is not None:
+            raise interrupt
 
     def _transfer(self, record: StoredTensor, source: _Copy, dest: _Copy, priority: int) -> Any:
         src, dst, n = self.tiers[source.tier], self.tiers[dest.tier], record.nbytes
-        try:
-            if dst.addressable:
-                return src.read_into(source.slot, dst.tensor(dest.slot), n, priority=priority)
-            if src.addressable:
-                return dst.write_from(dest.slot, src.tensor(source.slot), n, priority=priority)
-            first = src.read_into(source.slot, dest.stage.bytes, n, priority=priority)
-            return _Chained(first, lambda: dst.write_from(dest.slot, dest.stage.bytes, n, priority=priority))
-        except Exception as err:  # a transfer that could not even start fails like one that did
-            return Done(err)
+        if dst.addressable:
+            return src.read_into(source.slot, dst.tensor(dest.slot), n, priority=priority)
+        if src.addressable:
+            return dst.write_from(dest.slot, src.tensor(source.slot), n, priority=priority)
+        first = src.read_into(source.slot, dest.stage.bytes, n, priority=priority)
+        return _Chained(first, lambda: dst.write_from(dest.slot, dest.stage.bytes, n, priority=priority))
 
     def _trace(self, completion: Any, kind: str, record: StoredTensor, source: Tier | None, dest: Tier) -> None:
         """With a tracer: the transfer as an async span from now to its completion."""
@@ -571,9 +588,10 @@ class TensorStore:
             else:
                 self._move(record, copy, Residency.ABSENT)
                 self._release(record, copy)
-                copy.error = error
                 if source is None:  # a put: its bytes existed nowhere else
                     record.lost = error
+                if source is None or not isinstance(error, TransferInterrupted):
+                    copy.error = error  # (an interrupted fetch is simply fetched again)
             self._pump_all()
 
     def _stored(self, record: StoredTensor, copy: _Copy, home: _Copy, version: int, completion: Any) -> None:
@@ -583,7 +601,8 @@ class TensorStore:
             self._release_stage(home)
             copy.readers -= 1
             if error is not None:
-                copy.error = error  # the bytes are still here; raised at the next wait()
+                if not isinstance(error, TransferInterrupted):
+                    copy.error = error  # the bytes are still here; raised at the next wait()
                 if copy.state is Residency.STORING:
                     self._move(record, copy, Residency.RESIDENT)
             elif version == record.version:  # else the copy changed again meanwhile: still dirty
@@ -732,6 +751,28 @@ class _Chained(Pending):
             self._finish(err)
             return
         second.add_done_callback(lambda c: self._finish(c.exception()))
+
+
+def _lost_error(record: StoredTensor) -> Exception:
+    """What to raise for a tensor whose bytes no copy holds: an I/O error keeps its class
+    (a DiskFullError stays one), anything else becomes a StoreError."""
+    context = f"tensor {record.key!r} is lost"
+    fix = "Its bytes were never stored: put it again (a wrapped model: load a checkpoint)"
+    if isinstance(record.lost, OffloadIOError):
+        return record.lost.with_context(context, fix)
+    return StoreError(f"{context}: {record.lost}. {fix}")
+
+
+def _start(start: Callable[[], Any], what: str) -> tuple[Any, BaseException | None]:
+    """Start a transfer; returns its completion and, when a KeyboardInterrupt (or another
+    BaseException) cut the start short, that exception for the caller to raise once the
+    completion's callback is attached, so that the store's books stay balanced."""
+    try:
+        return start(), None
+    except Exception as err:  # a transfer that could not even start fails like one that did
+        return Done(err), None
+    except BaseException as err:
+        return Done(TransferInterrupted(f"the {what} was interrupted ({type(err).__name__})")), err
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

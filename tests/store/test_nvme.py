@@ -220,7 +220,7 @@ def test_write_error_on_put_is_reported_and_the_tensor_is_lost(disk_dir, faulty,
         store.put("a", torch.ones(1000), Tier.NVME)
         with pytest.raises(DiskFullError, match="offload-swap-0.bin"):
             store.wait("a", Tier.NVME, timeout=30)
-        with pytest.raises(StoreError, match="lost"):
+        with pytest.raises(DiskFullError, match="'a' is lost: write .*offload-swap-0.bin.*ENOSPC.*put it again"):
             store.wait("a", Tier.DEVICE, timeout=30)
 
 
