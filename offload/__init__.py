@@ -21,11 +21,11 @@ from .checkpoint import (CheckpointError, export, load_checkpoint, load_state_di
 from .config import OffloadConfig
 from .optim import SGD, Adam, AdamW
 from ._plan import MemoryPlan, MemoryPlanError, plan
-from .params import init_empty_weights, log_step, note_step, reset_peak_stats, stats, unwrap, wrap, write_trace
+from .params import close, init_empty_weights, log_step, note_step, reset_peak_stats, stats, unwrap, wrap, write_trace
 
 __version__ = "0.1.0"
 
-__all__ = ["OffloadConfig", "wrap", "unwrap", "stats", "reset_peak_stats", "init_empty_weights",
+__all__ = ["OffloadConfig", "wrap", "unwrap", "close", "stats", "reset_peak_stats", "init_empty_weights",
            "log_step", "note_step", "write_trace",
            "AdamW", "Adam", "SGD", "plan", "MemoryPlan", "MemoryPlanError", "save_checkpoint",
            "load_checkpoint", "load_state_dict_from", "state_dict", "export", "rng_state", "set_rng_state", "CheckpointError", "parse_size",

@@ -270,6 +270,7 @@ def _offload_optimizer_items(opt: OffloadOptimizer, plan: dict) -> list[ReadItem
 
 
 def _finish_offload_optimizer(opt: OffloadOptimizer, plan: dict) -> None:
+    opt._interrupted = None  # a step stopped half way is undone by the load
     for shard in opt._shards:
         shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
         for seg in shard.segments:

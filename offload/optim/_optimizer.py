@@ -47,7 +47,8 @@ from torch.optim import Optimizer
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
-from ..store import Tier, TensorStore, create_store
+from ..params._hooks import graph_task
+from ..store import Residency, Tier, TensorStore, create_store
 
 __all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]
 
@@ -138,6 +139,8 @@ class OffloadOptimizer(Optimizer):
         self._drains: list[Future] = []
         self._d2h_streams: dict[torch.device, Any] = {}
         self._clip_coef = 1.0
+        self._backward_task: int | None = None
+        self._interrupted: str | None = None  # how far a step() stopped by an exception got
         self._closed = False
         # read_bytes / write_bytes: what the optimizer asked its tier for; a read of a state
         # still being written back is served from memory, so the disk may move fewer bytes
@@ -176,6 +179,12 @@ class OffloadOptimizer(Optimizer):
                 loss = closure()
         started = time.perf_counter()
         self._sync_drains()
+        if self._interrupted is not None:
+            raise RuntimeError(
+                f"the previous step() stopped after updating {self._interrupted}: the model's weights "
+                "and the optimizer states are partly from that step. Load a checkpoint "
+                "(offload.load_checkpoint(path, model, optimizer)) or the optimizer's and the model's "
+                "state dicts to go on, or close() the optimizer")
         self._ensure_layout()
         if self._scaler_enabled and self._found_inf():
             self._skip_step()
@@ -325,6 +334,7 @@ class OffloadOptimizer(Optimizer):
                         continue
                     rows[r, seg.offset: seg.offset + seg.length].copy_(source)
             self._write_state(shard, rows)
+        self._interrupted = None
 
     def close(self) -> None:
         """Release the optimizer's stored states, hooks and threads."""
@@ -543,8 +553,10 @@ class OffloadOptimizer(Optimizer):
             return
         p.grad = None
         self._ensure_layout()
+        self._recover_interrupted_backward()
         if not self._callback_queued:
             self._callback_queued = True
+            self._backward_task = graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if grad.is_cuda:
             self._drain_cuda(p, grad)
@@ -593,6 +605,15 @@ class OffloadOptimizer(Optimizer):
         drains, self._drains = self._drains, []
         for f in drains:
             f.result()
+        self._recover_interrupted_backward()
+
+    def _recover_interrupted_backward(self) -> None:
+        """A backward stopped by an exception (Ctrl-C) never runs the end-of-backward
+        callback it queued: close the accumulators it left open, keeping their partial sums
+        as torch keeps ``p.grad`` after an interrupted backward (``zero_grad`` drops them)."""
+        if self._callback_queued and graph_task() != self._backward_task:
+            self._callback_queued = False
+            self._flush_all()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -678,6 +699,33 @@ class OffloadOptimizer(Optimizer):
 
     def _run_pipeline(self, work: list[_Shard], grad_scale: float) -> None:
         issued: set = set()
+        progress = [0]  # shards whose update has begun
+        try:
+            self._pipeline(work, grad_scale, issued, progress)
+        except BaseException:
+            self._abandon_pipeline(work[max(progress[0] - 1, 0):], issued)
+            if progress[0]:
+                self._interrupted = f"{progress[0]} of {len(work)} shards"
+            raise
+
+    def _abandon_pipeline(self, rest: list[_Shard], issued: set) -> None:
+        """After an exception in the step: drop the host copies of the shard being updated
+        and of those read ahead (they would hold the host budget); their home keeps the
+        states from before the step."""
+        for shard in rest:
+            if id(shard) not in issued or shard.home is Tier.HOST:
+                continue
+            for key, used in ((shard.state_key, shard.rows), (shard.grad_key, shard.wrapped)):
+                if not used:
+                    continue
+                try:
+                    shard.store.wait(key, Tier.HOST, timeout=60)
+                except BaseException:  # a failed read has freed its copy already
+                    continue
+                if shard.store.state(key, Tier.HOST) is Residency.RESIDENT:
+                    shard.store.evict(key, Tier.HOST)
+
+    def _pipeline(self, work: list[_Shard], grad_scale: float, issued: set, progress: list[int]) -> None:
         pending = self._group_writes(work)
         ahead = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
         for i, shard in enumerate(work):
@@ -687,6 +735,7 @@ class OffloadOptimizer(Optimizer):
             rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
             grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
             self.stats["wait_seconds"] += time.perf_counter() - waited
+            progress[0] = i + 1
             self._log("update_start", shard)
             self._update_shard(shard, rows, grads, grad_scale)
             self._log("update_end", shard)

@@ -73,6 +73,7 @@ class Coordinator:
     # -- passes ------------------------------------------------------------------------------
     def begin_pass(self, key: str) -> None:
         """A new pass (the root module's forward) of kind ``key`` starts."""
+        self.store.check_files()
         if self.current is not None and self.current.key == key and not self.current.actual:
             return  # end_pass() already opened it and prefetched its start
         self._finish_pass()
@@ -168,6 +169,18 @@ class Coordinator:
             while live.backward_refs:
                 self.release(group, "backward")
 
+    def abandon_forward(self) -> None:
+        """A forward was interrupted before its modules released their groups: release
+        every acquisition that is not held for a backward, and forget its partial order."""
+        for group, live in self.live.items():
+            while live.refs > live.backward_refs:
+                self.release(group, "forward")
+        self.abandon_pass()
+
+    def abandon_pass(self) -> None:
+        """Drop the current pass without recording its (partial) order."""
+        self.current = None
+
     def release_all(self) -> None:
         for group, live in self.live.items():
             if live.refs:
@@ -219,11 +232,13 @@ class Coordinator:
 
     def _materialize(self, group: ParamGroup) -> None:
         live = self.live[group]
+        ahead = False
         if self.cached.get(group):
             self.prefetch_hits += 1
         elif group in self.ahead:
             del self.ahead[group]
             self.prefetch_hits += 1
+            ahead = True
         else:
             self.prefetch_misses += 1
             if self.store.state(group.key, Tier.DEVICE) is Residency.ABSENT:
@@ -231,7 +246,17 @@ class Coordinator:
                 self._log("fetch", group, "demand")
                 self.store.fetch(group.key, Tier.DEVICE, priority=0)
         started = time.perf_counter()
-        flat = self.store.wait(group.key, Tier.DEVICE)
+        try:
+            flat = self.store.wait(group.key, Tier.DEVICE)
+        except OSError as err:
+            if not ahead:
+                raise
+            # a read ahead failed (maybe during an outage that has ended): read it again
+            # now; a lasting fault fails this read too, and that error is raised
+            log.info("prefetch of %s failed (%s); reading it again on demand", group.key, err)
+            self._make_room(group)
+            self.store.fetch(group.key, Tier.DEVICE, priority=0)
+            flat = self.store.wait(group.key, Tier.DEVICE)
         ended = time.perf_counter()
         self.stall_seconds += ended - started
         if self.tracer is not None and ended - started > 1e-5:

@@ -14,10 +14,18 @@ a device buffer that has since been released and reused for another group. While
 managed forward runs, ``saved_tensors_hooks`` replace any saved tensor that lives in a
 materialized group buffer by a reference (group, offset, shape, strides) and rebuild the
 view from the group's buffer of the moment when backward unpacks it.
+
+Note: interrupted passes. A KeyboardInterrupt (any BaseException) skips torch's
+``always_call`` hooks, so a forward stopped by Ctrl-C never releases what it acquired, and a
+backward stopped by it never runs its end-of-backward callback. The next root forward
+notices and drops what they held: a forward still open at the same or a deeper call depth
+cannot be enclosing this one (a nested call is always deeper), and an end-of-backward
+queued by a graph task that is not running any more will never run.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from ._coordinator import Coordinator
 from ._groups import ParamGroup
 
-__all__ = ["ModuleHooks"]
+__all__ = ["ModuleHooks", "graph_task"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,9 @@ class ModuleHooks:
         self.model, self.needs, self.coordinator = model, needs, coordinator
         self._handles: list[Any] = []
         self._saved_hooks: list[Any] = []
+        self._open_forwards: list[tuple[int, bool]] = []  # (call depth, pushed saved hooks)
         self._backward_queued = False
+        self._backward_task: int | None = None
 
     # -- attach / remove -----------------------------------------------------------------------
     def attach(self) -> None:
@@ -83,21 +93,42 @@ class ModuleHooks:
         self._handles.clear()
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        self._open_forwards.clear()
 
     # -- root: pass boundaries and saved tensors -------------------------------------------------
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        depth = _call_depth()
+        self._drop_interrupted(depth)
         grad = torch.is_grad_enabled()
         self.coordinator.begin_pass("grad" if grad else "nograd")
         if grad:
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._saved_hooks.append(ctx)
+        self._open_forwards.append((depth, grad))
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._saved_hooks:
-            self._saved_hooks.pop().__exit__(None, None, None)
+        if self._open_forwards:
+            _, pushed = self._open_forwards.pop()
+            if pushed and self._saved_hooks:
+                self._saved_hooks.pop().__exit__(None, None, None)
         if not torch.is_grad_enabled():
             self.coordinator.end_pass()
+
+    def _drop_interrupted(self, depth: int) -> None:
+        """Release what a forward or backward stopped by a BaseException still holds."""
+        dropped = False
+        while self._open_forwards and self._open_forwards[-1][0] >= depth:
+            _, pushed = self._open_forwards.pop()
+            if pushed and self._saved_hooks:
+                self._saved_hooks.pop().__exit__(None, None, None)
+            dropped = True
+        if dropped and not self._open_forwards:
+            self.coordinator.abandon_forward()
+        if self._backward_queued and graph_task() != self._backward_task:
+            self._backward_queued = False
+            self.coordinator.release_backward()
+            self.coordinator.abandon_pass()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
@@ -142,8 +173,12 @@ class ModuleHooks:
             self.coordinator.acquire(group, "backward")
 
     def _queue_end_of_backward(self) -> None:
+        if self._backward_queued and graph_task() != self._backward_task:
+            self._backward_queued = False  # queued by a backward that was interrupted
+            self.coordinator.release_backward()
         if not self._backward_queued:
             self._backward_queued = True
+            self._backward_task = graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
@@ -166,6 +201,21 @@ class ModuleHooks:
             else:
                 new_kwargs[i] = value
         return tuple(new_args), new_kwargs
+
+
+def _call_depth() -> int:
+    """Frames on the calling thread's stack (cheap: a walk of a linked list)."""
+    frame, depth = sys._getframe(1), 0
+    while frame is not None:
+        depth += 1
+        frame = frame.f_back
+    return depth
+
+
+def graph_task() -> int | None:
+    """The running backward's graph task (-1 outside backward); None where torch has no such call."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else None
 
 
 def _needs_grad(value: Any) -> bool:

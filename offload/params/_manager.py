@@ -190,23 +190,60 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Parameters back as ordinary tensors on the config's device; files and threads released."""
+    """Parameters back as ordinary tensors on the config's device; files and threads released.
+
+    Every parameter is copied into memory of its own, so the model must fit there; use
+    :func:`close` to release a model that does not. If restoring fails (an I/O error), the
+    files and threads are still released and the error is raised.
+    """
     manager = manager_of(model)
-    manager.hooks.remove()
-    manager.coordinator.release_all()
-    for group in manager.groups:
-        flat = manager.store.wait(group.key, Tier.DEVICE)
-        for slot in group.slots:
-            data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            slot.param.data = data.clone()  # own memory, not a store buffer
-        if not group.resident:
-            manager.store.evict(group.key, Tier.DEVICE)
-    manager.store.close()
-    del _managers[model]
-    if manager.tracer is not None:
-        log.info("offload: timeline written to %s (open in ui.perfetto.dev or chrome://tracing)",
-                 manager.write_trace())
+    try:
+        manager.hooks.remove()
+        manager.coordinator.release_all()
+        for group in manager.groups:
+            flat = manager.store.wait(group.key, Tier.DEVICE)
+            for slot in group.slots:
+                data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+                slot.param.data = data.clone()  # own memory, not a store buffer
+            if not group.resident:
+                manager.store.evict(group.key, Tier.DEVICE)
+    except BaseException:
+        _release(model, manager)
+        raise
+    _release(model, manager)
     return model
+
+
+def close(model: nn.Module) -> None:
+    """Release a wrapped model's files, threads and buffers without restoring its parameters.
+
+    What to call after an error or an interrupt, or at the end of a run whose model does not
+    fit in memory (save or export it first). Afterwards the model's parameters are empty
+    tensors; ``offload.wrap`` may be called again on a new model with the same config and
+    ``nvme_path``. Closing a model that is not wrapped (or already closed) does nothing.
+    """
+    manager = _managers.get(model)
+    if manager is None:
+        return
+    try:
+        manager.hooks.remove()
+        for group in manager.groups:
+            for slot in group.slots:
+                slot.param.grad = None
+                slot.param.data = torch.empty(0, dtype=slot.dtype, device=slot.param.device)
+    finally:
+        _release(model, manager)
+
+
+def _release(model: nn.Module, manager: ParamManager) -> None:
+    """The store's files, threads and buffers released; the model no longer managed."""
+    _managers.pop(model, None)
+    try:
+        manager.store.close()
+    finally:
+        if manager.tracer is not None:
+            log.info("offload: timeline written to %s (open in ui.perfetto.dev or chrome://tracing)",
+                     manager.write_trace())
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
