@@ -1,0 +1,147 @@
+"""Ctrl-C (KeyboardInterrupt) in the middle of a training step: in forward, in backward, in
+the optimizer's pipelined update, and from a real SIGINT at arbitrary moments.
+
+Afterwards the user either goes on (a notebook: the interrupted step is dropped and the
+next ones match the reference run that never saw it) or closes: every file, descriptor
+and thread is released, the checkpoint saved before is intact, and a second ``wrap`` in
+the same process on the same ``nvme_path`` works.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import offload
+
+from fault_harness import (LR, WD, assert_released, assert_weights, batches, close_all, offload_run,
+                           resume_matches, save_after, step, tiny_gpt2)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def reference_skipping(steps: int, skipped: int) -> tuple[list[float], dict]:
+    """The in-memory run over ``batches(steps)`` with batch ``skipped`` never applied."""
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = [step(model, opt, ids) for i, ids in enumerate(batches(steps)) if i != skipped]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ctrl_c(*_):
+    raise KeyboardInterrupt
+
+
+def interrupt_forward(model, opt):
+    """In the second block's forward, after its parameters were fetched."""
+    return model.transformer.h[1].register_forward_pre_hook(_ctrl_c)
+
+
+def interrupt_backward(model, opt):
+    """When backward reaches the first block (the later ones are done)."""
+    return model.transformer.h[0].register_full_backward_pre_hook(_ctrl_c)
+
+
+class _Handle:
+    def __init__(self, undo):
+        self.remove = undo
+
+
+def interrupt_update(model, opt):
+    """The second shard's update is interrupted: the first is already written back."""
+    class Events(list):
+        def append(self, event):
+            super().append(event)
+            if event == ("update_start", 1):
+                raise KeyboardInterrupt
+    opt.events = Events()
+
+    def undo():
+        opt.events = None
+    return _Handle(undo)
+
+
+WHERE = {"forward": interrupt_forward, "backward": interrupt_backward, "update": interrupt_update}
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_interrupted_step_is_dropped_and_training_goes_on(tmp_path, where, no_leaks):
+    losses, weights = reference_skipping(4, skipped=1)
+    model, opt = offload_run(tmp_path)
+    try:
+        ids = batches(4)
+        got = [step(model, opt, ids[0])]
+        handle = WHERE[where](model, opt)
+        with pytest.raises(KeyboardInterrupt):
+            step(model, opt, ids[1])
+        handle.remove()
+        opt.zero_grad()  # what a user does before the next step: drop the partial gradients
+        got += [step(model, opt, x) for x in ids[2:]]
+        torch.testing.assert_close(got, losses)
+        assert_weights(model, weights)
+    finally:
+        close_all(model, opt)
+    assert_released(tmp_path / "nvme")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "update"])
+def test_interrupt_then_close_releases_everything_and_wrap_works_again(tmp_path, where, no_leaks):
+    model, opt, path = save_after(tmp_path)
+    WHERE[where](model, opt)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, opt, batches(3)[2])
+    close_all(model, opt)
+    assert_released(tmp_path / "nvme")
+    assert not [t for t in threading.enumerate() if t.name.startswith("offload")]
+    # the same directory, the same process: a new run from the checkpoint saved before
+    model, opt = offload_run(tmp_path)
+    try:
+        offload.load_checkpoint(path, model, opt)
+    finally:
+        close_all(model, opt)
+    assert_released(tmp_path / "nvme")
+    resume_matches(tmp_path, path, done=2, total=4)
+
+
+def test_real_sigint_at_arbitrary_moments(tmp_path, no_leaks):
+    """SIGINT delivered by the kernel while the main thread computes, waits for a read or
+    runs the optimizer: each time the step raises KeyboardInterrupt, the next step works or
+    raises a clear error, and close() releases everything. The delays sweep a step."""
+    model, opt = offload_run(tmp_path)
+    ids = batches(1)[0]
+    started = time.perf_counter()
+    step(model, opt, ids)
+    duration = time.perf_counter() - started
+    close_all(model, opt)
+    interrupted = 0
+    for i in range(8):
+        model, opt = offload_run(tmp_path)
+        step(model, opt, ids)  # the recorded order exists: prefetch is active
+        delay = duration * (i + 0.5) / 8
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            for _ in range(200):  # far longer than the delay: the signal lands in a step
+                step(model, opt, ids)
+        except KeyboardInterrupt:
+            interrupted += 1
+            timer.join()
+            # going on either works or says why it cannot: an update stopped half way, or
+            # a parameter group whose write was cut short
+            opt.zero_grad()
+            try:
+                step(model, opt, ids)
+            except RuntimeError as err:
+                assert re.search(r"previous step\(\) stopped after updating \d+ of \d+ shards.*load_checkpoint"
+                                 r"|is lost.*interrupted", str(err)), err
+        finally:
+            timer.join()
+            close_all(model, opt)
+        assert_released(tmp_path / "nvme")
+    assert interrupted == 8
