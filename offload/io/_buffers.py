@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from .._signals import DEFER, wait as _wait
 from ._errors import BudgetError
 
 __all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE"]
@@ -141,7 +142,7 @@ class BufferPool:
         return self._held - self._cached
 
     def reset_peak(self) -> None:
-        with self._cond:
+        with DEFER, self._cond:
             self.peak_bytes = self._held
 
     # -- acquire / release ------------------------------------------------------------
@@ -149,7 +150,7 @@ class BufferPool:
         """A buffer of at least ``nbytes`` now, or ``None`` if the budget is full."""
         size = round_up(max(nbytes, 1), PAGE_SIZE)
         self._check_fits(size)
-        with self._cond:
+        with DEFER, self._cond:
             return self._take(size)
 
     def acquire(self, nbytes: int, *, timeout: float | None = None) -> HostBuffer:
@@ -157,7 +158,7 @@ class BufferPool:
         size = round_up(max(nbytes, 1), PAGE_SIZE)
         self._check_fits(size)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with DEFER, self._cond:
             while True:
                 buf = self._take(size)
                 if buf is not None:
@@ -169,10 +170,10 @@ class BufferPool:
                         f"({self.in_use_bytes} of {self.budget} bytes in use); release buffers "
                         f"or raise the {self.name} budget"
                     )
-                self._cond.wait(remaining)
+                _wait(self._cond, remaining)
 
     def release(self, buf: HostBuffer) -> None:
-        with self._cond:
+        with DEFER, self._cond:
             if self._closed:
                 self._held -= buf.nbytes
                 buf.close()
@@ -183,11 +184,11 @@ class BufferPool:
 
     def trim(self) -> None:
         """Unmap every cached buffer."""
-        with self._cond:
+        with DEFER, self._cond:
             self._drop_cached(self._held)
 
     def close(self) -> None:
-        with self._cond:
+        with DEFER, self._cond:
             self._closed = True
             self._drop_cached(self._held)
             self._cond.notify_all()

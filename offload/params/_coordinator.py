@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._signals import DEFER
 from ..store import Residency, TensorStore, Tier
 from ._groups import ParamGroup
 
@@ -135,6 +136,10 @@ class Coordinator:
         """Make ``group`` materialized for compute; called before the module runs."""
         if group.resident:
             return
+        with DEFER:  # Ctrl-C lands before or after this bookkeeping (or in a wait), not inside
+            self._acquire(group, phase)
+
+    def _acquire(self, group: ParamGroup, phase: str) -> None:
         self._record(group, phase)
         live = self.live[group]
         live.refs += 1
@@ -150,6 +155,10 @@ class Coordinator:
     def release(self, group: ParamGroup, phase: str) -> None:
         if group.resident:
             return
+        with DEFER:
+            self._release(group, phase)
+
+    def _release(self, group: ParamGroup, phase: str) -> None:
         live = self.live[group]
         if live.refs == 0 or (phase == "backward" and live.backward_refs == 0):
             return
@@ -272,12 +281,15 @@ class Coordinator:
 
     def _dematerialize(self, group: ParamGroup) -> None:
         live = self.live[group]
-        if live.flat is None:
+        if live.flat is not None:
+            self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
+            live.flat = None
+            for slot in group.slots:
+                slot.param.data = self.placeholder(slot.dtype, slot.shape)
+        elif group in self.ahead or self.store.state(group.key, Tier.DEVICE) is Residency.ABSENT:
             return
-        self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
-        live.flat = None
-        for slot in group.slots:
-            slot.param.data = self.placeholder(slot.dtype, slot.shape)
+        # (else: an acquisition interrupted between its fetch and its wait left a device
+        # copy that nothing points at; it is dropped or kept below like any other)
         if group in self.cached:
             return  # stays resident on the device across passes
         if self._needed_soon(group):

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .._signals import DEFER, wait as _wait
 from ..io import BudgetError, BufferPool, HostBuffer, OffloadIOError
 from ._state import Residency, StoreError, Tier, TransferInterrupted, check_transition
 from ._tiers import Done, Pending, TierBackend
@@ -118,7 +119,7 @@ class TensorStore:
         backend = self._backend(home)
         source = _as_bytes(tensor)
         record = StoredTensor(key, tensor.dtype, tuple(tensor.shape), source.numel(), home)
-        with self._cond:
+        with DEFER, self._cond:
             self._check_open()
             if key in self._tensors:
                 self._delete(self._tensors[key])
@@ -165,7 +166,7 @@ class TensorStore:
         ``priority`` 0 is for a fetch that compute is already waiting on; prefetches use 1.
         """
         tier = Tier.parse(tier)
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             self._fetch(record, tier, priority)
 
@@ -178,7 +179,7 @@ class TensorStore:
         tier = Tier.parse(tier)
         started = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             copy = record.copies.get(tier)
             if copy is not None:
@@ -198,7 +199,7 @@ class TensorStore:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"tensor {key!r} not resident in {tier.value} after {timeout}s")
-                self._cond.wait(remaining)
+                _wait(self._cond, remaining)
             self.wait_seconds += time.perf_counter() - started
             self._raise_error(record, copy)
             if copy.state is Residency.ABSENT:
@@ -212,7 +213,7 @@ class TensorStore:
         when that write completes. A copy still loading is dropped when it arrives.
         """
         tier = Tier.parse(tier)
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             copy = record.copies.get(tier)
             if tier is record.home:
@@ -241,7 +242,7 @@ class TensorStore:
         right away if ``tier`` is the home tier).
         """
         tier = Tier.parse(tier)
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             copy = record.copies.get(tier)
             if copy is None or copy.state is not Residency.RESIDENT:
@@ -259,7 +260,7 @@ class TensorStore:
 
     def delete(self, key: str) -> None:
         """Drop every copy of ``key``, after the transfers in flight for it finish."""
-        with self._cond:
+        with DEFER, self._cond:
             record = self._tensors.get(key)
             if record is not None:
                 self._delete(record)
@@ -267,7 +268,7 @@ class TensorStore:
     def read_copy(self, key: str) -> torch.Tensor:
         """A copy of ``key``'s current bytes in ordinary host memory. A tensor resting in a
         slower tier is fetched into the HOST tier for this, and that copy dropped again."""
-        with self._cond:
+        with DEFER, self._cond:
             home = self._record(key).home
         if home is not Tier.NVME:
             return self.wait(key, home).to("cpu", copy=True)
@@ -282,7 +283,7 @@ class TensorStore:
         (``wait()`` raises the transfer's error). The bytes come from the fastest copy that
         holds the newest version, read in place: no copy is made in any tier, so this needs
         no budget, and that copy cannot be dropped until the transfer ends."""
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             if record.lost is not None:
                 raise _lost_error(record) from record.lost
@@ -295,7 +296,7 @@ class TensorStore:
                     break
                 if not any(c.state is Residency.LOADING for c in record.copies.values()):
                     raise StoreError(f"tensor {key!r} has no copy holding its newest bytes")
-                self._cond.wait()
+                _wait(self._cond)
             if record.nbytes == 0:
                 return Done()
             source.readers += 1
@@ -306,7 +307,7 @@ class TensorStore:
         done = Pending()
 
         def finished(c: Any) -> None:
-            with self._cond:
+            with DEFER, self._cond:
                 self._in_flight -= 1
                 self._reader_done(record, source)
                 self._pump_all()
@@ -323,7 +324,7 @@ class TensorStore:
         memory (a HOST slot, or a DEVICE slot on a CPU device), else None. The copy is held
         (not dropped, its slot not reused) until ``release()`` is called; the caller must
         not change it. Lets a writer send resting bytes to a file without copying them."""
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             source = self._source(record, exclude=None)
             if source is None or record.nbytes == 0 or not self.tiers[source.tier].addressable:
@@ -332,7 +333,7 @@ class TensorStore:
             view = self.tiers[source.tier].tensor(source.slot)[: record.nbytes]
 
         def release() -> None:
-            with self._cond:
+            with DEFER, self._cond:
                 self._reader_done(record, source)
                 self._pump_all()
                 self._cond.notify_all()
@@ -345,14 +346,14 @@ class TensorStore:
         transfers touching the home copy waited for; the caller writes the new bytes into
         ``view`` and calls ``done()``. Lets a reader fill resting bytes from a file
         without a second copy."""
-        with self._cond:
+        with DEFER, self._cond:
             record = self._record(key)
             home = record.copies.get(record.home)
             if not self.tiers[record.home].addressable or record.nbytes == 0 or home is None:
                 return None
             busy = (Residency.LOADING, Residency.STORING)
             while any(c.state in busy for c in record.copies.values()) or home.readers:
-                self._cond.wait()
+                _wait(self._cond)
             if home.state is not Residency.RESIDENT:
                 return None
             for other in list(record.copies.values()):
@@ -368,7 +369,7 @@ class TensorStore:
             view = self.tiers[record.home].tensor(home.slot)[: record.nbytes]
 
         def done() -> None:
-            with self._cond:
+            with DEFER, self._cond:
                 home.valid, home.dirty = True, False
                 self._reader_done(record, home)
                 self._pump_all()
@@ -379,12 +380,12 @@ class TensorStore:
     def drain(self, timeout: float | None = None) -> None:
         """Block until no transfer is in flight (e.g. the write-backs of an optimizer step)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with DEFER, self._cond:
             while self._in_flight:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{self._in_flight} transfers still in flight after {timeout}s")
-                self._cond.wait(remaining)
+                _wait(self._cond, remaining)
 
     def __contains__(self, key: str) -> bool:
         return key in self._tensors
@@ -400,7 +401,7 @@ class TensorStore:
 
     def stats(self) -> dict[str, Any]:
         """Bytes resident per tier now and at peak, bytes moved, seconds spent waiting."""
-        with self._cond:
+        with DEFER, self._cond:
             out: dict[str, Any] = {"wait_seconds": self.wait_seconds, "fetches": self.fetches,
                                    "fetch_hits": self.fetch_hits, "in_flight": self._in_flight,
                                    "tensors": len(self._tensors)}
@@ -416,7 +417,7 @@ class TensorStore:
             return out
 
     def reset_peaks(self) -> None:
-        with self._cond:
+        with DEFER, self._cond:
             for backend in self.tiers.values():
                 backend.peak_bytes = backend.used_bytes
             self.staging.reset_peak()
@@ -429,7 +430,7 @@ class TensorStore:
 
     def close(self) -> None:
         """Finish transfers in flight, drop every tensor, release files, threads and buffers."""
-        with self._cond:
+        with DEFER, self._cond:
             if self._closed:
                 return
             for record in list(self._tensors.values()):
@@ -518,7 +519,7 @@ class TensorStore:
                 return got
             if self._in_flight == 0:
                 raise self._stuck_error(record, Tier.HOST if stage else backend.tier, staging=stage)
-            self._cond.wait()
+            _wait(self._cond)
 
     def _start_load(self, record: StoredTensor, copy: _Copy, source: _Copy) -> None:
         self._move(record, copy, Residency.LOADING)
@@ -574,7 +575,7 @@ class TensorStore:
     # -- completions (engine worker threads, CUDA event thread, or inline) ----------------
     def _loaded(self, record: StoredTensor, copy: _Copy, source: _Copy | None, completion: Any) -> None:
         error = completion.exception()
-        with self._cond:
+        with DEFER, self._cond:
             self._in_flight -= 1
             self._release_stage(copy)
             if source is not None:
@@ -596,7 +597,7 @@ class TensorStore:
 
     def _stored(self, record: StoredTensor, copy: _Copy, home: _Copy, version: int, completion: Any) -> None:
         error = completion.exception()
-        with self._cond:
+        with DEFER, self._cond:
             self._in_flight -= 1
             self._release_stage(home)
             copy.readers -= 1
@@ -661,7 +662,7 @@ class TensorStore:
                                      "offload, please report it with this message")
             else:
                 idle_since = None
-            self._cond.wait(timeout=5)
+            _wait(self._cond, 5)
         for copy in record.copies.values():
             if copy.state is Residency.QUEUED:
                 self._queues[copy.tier].remove((record, copy))
