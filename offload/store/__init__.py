@@ -10,6 +10,7 @@ import torch
 
 from .._units import parse_size
 from ..io import BudgetError, BufferPool, FileBackend, FileEngine
+from ._mmap import MmapTier
 from ._nvme import DirectoryLockedError, Extent, SwapFiles
 from ._state import Residency, StoreError, Tier, TransferInterrupted
 from ._store import StoredTensor, TensorStore
@@ -18,7 +19,7 @@ from ._tiers import CudaTier, Done, FakeTier, HostMemoryTier, NvmeTier, TierBack
 __all__ = [
     "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted", "BudgetError",
     "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier", "Done",
-    "SwapFiles", "Extent", "DirectoryLockedError",
+    "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier",
 ]
 
 
@@ -26,7 +27,8 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
                  host_budget: int | str = "8GiB", nvme_path: str | None = None,
                  nvme_budget: int | str | None = None, file_size: int | str = "1GiB",
                  block_size: int | str = "8MiB", threads: int = 32, queue_depth: int = 32,
-                 direct: bool = True, file_backend: FileBackend | None = None) -> TensorStore:
+                 direct: bool = True, file_backend: FileBackend | None = None,
+                 io_backend: str = "direct") -> TensorStore:
     """A store with a DEVICE tier, a HOST tier and, when ``nvme_path`` is given, an NVME tier.
 
     ``device`` is the compute device ("cpu", "cuda", "cuda:N"). On a CPU device the DEVICE
@@ -34,6 +36,10 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
     uses. Host buffers are pinned when CUDA is in use. The I/O settings (``block_size``,
     ``threads``, ``queue_depth``, ``direct``) configure the file engine of the NVME tier;
     ``file_backend`` replaces its system calls (fault-injection tests pass a faulty one).
+    ``io_backend``: ``"direct"`` moves NVMe bytes with the file engine (O_DIRECT where the
+    file system allows); ``"mmap"`` through shared mappings of the same files
+    (``MmapTier``: the page cache serves repeated reads; pages held on purpose stay within
+    the host budget).
     The defaults keep 256 MiB in the kernel at once (8 MiB x 32), as fio's best
     configuration on the reference disk does (docs/benchmarks.md); workers blocked in
     system calls cost no CPU.
@@ -51,14 +57,22 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
         tiers[Tier.DEVICE] = CudaTier(device, device_bytes)
     else:
         tiers[Tier.DEVICE] = HostMemoryTier(Tier.DEVICE, BufferPool(device_bytes, name="device"))
+    if io_backend not in ("direct", "mmap"):
+        raise ValueError(f"io_backend={io_backend!r}: use 'direct' or 'mmap'")
     if nvme_path is not None:
-        engine = FileEngine(block_size=parse_size(block_size, name="block_size"), threads=threads,
-                            queue_depth=queue_depth, direct=direct, backend=file_backend)
+        mapped = io_backend == "mmap"
+        engine = FileEngine(block_size=parse_size(block_size, name="block_size"), threads=1 if mapped else threads,
+                            queue_depth=1 if mapped else queue_depth, direct=direct and not mapped,
+                            backend=file_backend)
         try:
             files = SwapFiles(nvme_path, engine, file_size=parse_size(file_size, name="file_size"))
         except BaseException:
             engine.close()
             raise
         budget = parse_size(nvme_budget, name="nvme_budget") if nvme_budget is not None else None
-        tiers[Tier.NVME] = NvmeTier(files, engine, budget)
+        if mapped:
+            tiers[Tier.NVME] = MmapTier(files, engine, threads=min(threads, 4), budget=budget,
+                                        cache_limit=host_pool.budget)
+        else:
+            tiers[Tier.NVME] = NvmeTier(files, engine, budget)
     return TensorStore(tiers, staging=host_pool, device=device)

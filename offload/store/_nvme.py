@@ -122,6 +122,28 @@ class SwapFiles:
                     free.give(extent.offset, extent.length)
                     return
 
+    def file_size_of(self, file: EngineFile) -> int:
+        """The size claimed for one of this directory's swap files."""
+        with self._mutex:
+            for f, free in self._files:
+                if f is file:
+                    return free.size
+        raise KeyError(file.path)
+
+    def cached_bytes(self) -> int:
+        """Bytes of the swap files in the page cache now (``mincore`` on a mapping)."""
+        from ._mmap import file_cached_bytes
+
+        with self._mutex:
+            fds = [file.buffered_fd for file, _ in self._files]
+        total = 0
+        for fd in fds:
+            try:
+                total += file_cached_bytes(fd)
+            except (OSError, ValueError):
+                pass
+        return total
+
     @property
     def file_bytes(self) -> int:
         """Bytes claimed on disk by the swap files."""

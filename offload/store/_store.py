@@ -340,6 +340,41 @@ class TensorStore:
 
         return view, release
 
+    def map_view(self, key: str) -> tuple[torch.Tensor, Any] | None:
+        """``(view, release)``: ``key``'s bytes seen in place through the NVMe tier's file
+        mapping (``io_backend="mmap"``), when that copy holds the newest bytes and no other
+        copy does; else None. No copy is made: pages come from the page cache (or the disk,
+        on first touch). The copy is held (not rewritten, not freed) until ``release()``;
+        the caller must not write the view. A CPU device computes on such views directly."""
+        with DEFER, self._cond:
+            record = self._record(key)
+            nvme = record.copies.get(Tier.NVME)
+            backend = self.tiers.get(Tier.NVME)
+            if nvme is None or not hasattr(backend, "view") or record.nbytes == 0 \
+                    or self._source(record, exclude=None) is not nvme or nvme.state is not Residency.RESIDENT:
+                return None
+            view = backend.view(nvme.slot, record.nbytes)
+            nvme.readers += 1
+
+        def release() -> None:
+            with DEFER, self._cond:
+                self._reader_done(record, nvme)
+                self._pump_all()
+                self._cond.notify_all()
+
+        return view, release
+
+    def advise(self, key: str) -> None:
+        """Ask the NVMe tier to start reading ``key`` into the page cache (``io_backend="mmap"``;
+        a no-op otherwise): the prefetch of :meth:`map_view`."""
+        with DEFER, self._cond:
+            record = self._record(key)
+            nvme = record.copies.get(Tier.NVME)
+            backend = self.tiers.get(Tier.NVME)
+            if nvme is None or not hasattr(backend, "advise") or nvme.state is not Residency.RESIDENT:
+                return
+            backend.advise(nvme.slot, record.nbytes)
+
     def overwrite_in_place(self, key: str) -> tuple[torch.Tensor, Any] | None:
         """``(view, done)`` of ``key``'s home copy when it rests in host memory (a HOST
         slot, or a DEVICE slot on a CPU device), else None. Other copies are dropped and
@@ -411,10 +446,12 @@ class TensorStore:
                                    "write_bytes": backend.write_bytes}
             out["host_pool"] = {"bytes": self.staging.held_bytes, "peak_bytes": self.staging.peak_bytes,
                                 "budget": self.staging.budget}
-            engine = getattr(self.tiers.get(Tier.NVME), "engine", None)
-            if engine is not None:  # seconds the file engine's workers spent inside system calls
-                out["nvme"]["busy_seconds"] = engine.stats.busy_seconds
-            return out
+            nvme = self.tiers.get(Tier.NVME)
+            if nvme is not None and hasattr(nvme, "busy_seconds"):  # workers' seconds moving bytes
+                out["nvme"]["busy_seconds"] = nvme.busy_seconds
+        if nvme is not None and hasattr(nvme, "cached_bytes") and not self._closed:
+            out["nvme"]["page_cache_bytes"] = nvme.cached_bytes()  # mincore: outside the lock
+        return out
 
     def reset_peaks(self) -> None:
         with DEFER, self._cond:

@@ -357,6 +357,15 @@ class NvmeTier(TierBackend):
         # room (pool buffers do), so the whole transfer can go O_DIRECT with no tail.
         return slot.length if buffer.numel() >= slot.length else nbytes
 
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the file engine's workers spent inside system calls."""
+        return self.engine.stats.busy_seconds
+
+    def cached_bytes(self) -> int:
+        """Bytes of the swap files in the page cache (direct I/O leaves few there)."""
+        return self.files.cached_bytes()
+
     def close(self) -> None:
         self.files.close()
         self.engine.close()

@@ -10,10 +10,10 @@ from offload.io import HostBuffer
 from offload.store import Residency, Tier, create_store
 
 
-@pytest.fixture
-def store(disk_dir):
+@pytest.fixture(params=["direct", "mmap"])
+def store(disk_dir, request):
     s = create_store(device="cpu", device_budget="8MiB", host_budget="8MiB", nvme_path=disk_dir,
-                     file_size="16MiB")
+                     file_size="16MiB", io_backend=request.param)
     yield s
     s.close()
 

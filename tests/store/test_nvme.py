@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from offload.io import DiskFullError, OffloadIOError
-from offload.store import DirectoryLockedError, StoreError, Tier, create_store
+from offload.store import DirectoryLockedError, Tier, create_store
 
 MiB = 1 << 20
 
 
 def swap_files(path):
     return sorted(f for f in os.listdir(path) if f.startswith("offload-swap"))
+
+
+BACKENDS = pytest.mark.parametrize("io_backend", ["direct", "mmap"])
 
 
 def small_store(path, **kw):
@@ -28,8 +31,9 @@ def small_store(path, **kw):
     return create_store(**args)
 
 
-def test_a_few_large_files_with_freed_space_reused(disk_dir, no_leaks):
-    with small_store(disk_dir) as store:
+@BACKENDS
+def test_a_few_large_files_with_freed_space_reused(io_backend, disk_dir, no_leaks):
+    with small_store(io_backend=io_backend, path=disk_dir) as store:
         for i in range(30):
             store.put(f"t{i}", torch.randn(25_000), Tier.NVME)  # 100 KB each
         for i in range(30):
@@ -49,8 +53,9 @@ def test_a_few_large_files_with_freed_space_reused(disk_dir, no_leaks):
         assert torch.equal(store.wait("huge", Tier.DEVICE), torch.zeros(2 * MiB))
 
 
-def test_close_removes_files_and_lock(disk_dir, no_leaks):
-    store = small_store(disk_dir)
+@BACKENDS
+def test_close_removes_files_and_lock(io_backend, disk_dir, no_leaks):
+    store = small_store(io_backend=io_backend, path=disk_dir)
     store.put("a", torch.ones(10), Tier.NVME)
     store.close()
     assert os.listdir(disk_dir) == []
@@ -70,29 +75,32 @@ def test_exit_without_close_removes_files(tmp_path):
     assert not nvme.exists() or os.listdir(nvme) == []
 
 
-def test_second_user_of_a_directory_is_refused_naming_the_holder(disk_dir, no_leaks):
-    with small_store(disk_dir):
+@BACKENDS
+def test_second_user_of_a_directory_is_refused_naming_the_holder(io_backend, disk_dir, no_leaks):
+    with small_store(io_backend=io_backend, path=disk_dir):
         with pytest.raises(DirectoryLockedError, match=rf"in use by process {os.getpid()}.*own nvme_path"):
-            small_store(disk_dir)
+            small_store(io_backend=io_backend, path=disk_dir)
         code = f"from offload.store import create_store; create_store(nvme_path={disk_dir!r})"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode != 0
         assert f"in use by process {os.getpid()}" in out.stderr
-    with small_store(disk_dir):  # free again once closed
+    with small_store(io_backend=io_backend, path=disk_dir):  # free again once closed
         pass
 
 
-def test_stale_files_of_a_killed_process_are_removed(disk_dir, no_leaks):
+@BACKENDS
+def test_stale_files_of_a_killed_process_are_removed(io_backend, disk_dir, no_leaks):
     with open(os.path.join(disk_dir, "offload-swap-0.bin"), "wb") as fh:
         fh.write(b"x" * 4096)
-    with small_store(disk_dir) as store:
+    with small_store(io_backend=io_backend, path=disk_dir) as store:
         assert swap_files(disk_dir) == []
         store.put("a", torch.ones(4), Tier.NVME)
         assert torch.equal(store.wait("a", Tier.HOST), torch.ones(4))
 
 
 @pytest.mark.parametrize("problem", ["file", "no_parent"])
-def test_bad_nvme_path_is_refused_with_the_fix(tmp_path, problem, no_leaks):
+@BACKENDS
+def test_bad_nvme_path_is_refused_with_the_fix(io_backend, tmp_path, problem, no_leaks):
     if problem == "file":
         path = tmp_path / "a_file"
         path.write_text("")
@@ -101,7 +109,7 @@ def test_bad_nvme_path_is_refused_with_the_fix(tmp_path, problem, no_leaks):
         path = tmp_path / "missing" / "deeper"
         match = "does not exist"
     with pytest.raises(OSError, match=match):
-        small_store(path)
+        small_store(io_backend=io_backend, path=path)
 
 
 def test_unwritable_nvme_path_is_refused(tmp_path):
@@ -143,9 +151,10 @@ def test_disk_space_is_checked_before_it_is_claimed(disk_dir, faulty, no_leaks):
 
 
 @pytest.mark.root
-def test_real_small_disk_fills_up_cleanly(loop_fs, no_leaks):
+@BACKENDS
+def test_real_small_disk_fills_up_cleanly(io_backend, loop_fs, no_leaks):
     mount = loop_fs(sector=4096, size="32M")
-    with small_store(mount, file_size="8MiB") as store:
+    with small_store(io_backend=io_backend, path=mount, file_size="8MiB") as store:
         store.put("a", torch.ones(MiB), Tier.NVME)  # 4 MiB into the first file
         with pytest.raises(DiskFullError, match="needed") as info:
             for i in range(10):
@@ -155,9 +164,10 @@ def test_real_small_disk_fills_up_cleanly(loop_fs, no_leaks):
 
 
 @pytest.mark.root
-def test_store_on_4k_sector_disk(loop_fs, no_leaks):
+@BACKENDS
+def test_store_on_4k_sector_disk(io_backend, loop_fs, no_leaks):
     mount = loop_fs(sector=4096)
-    with small_store(mount) as store:
+    with small_store(io_backend=io_backend, path=mount) as store:
         assert store.tiers[Tier.NVME].files.align == 4096
         values = {f"t{i}": torch.randn(i * 333 + 1) for i in range(20)}
         for k, v in values.items():
@@ -166,11 +176,12 @@ def test_store_on_4k_sector_disk(loop_fs, no_leaks):
             assert torch.equal(store.wait(k, Tier.DEVICE), v)
 
 
-def test_store_on_tmpfs(no_leaks):
+@BACKENDS
+def test_store_on_tmpfs(io_backend, no_leaks):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
     path = f"/dev/shm/offload-test-store-{os.getpid()}"
-    with small_store(path) as store:
+    with small_store(io_backend=io_backend, path=path) as store:
         t = torch.randn(123_457)
         store.put("a", t, Tier.NVME)
         assert torch.equal(store.wait("a", Tier.DEVICE), t)
@@ -224,8 +235,9 @@ def test_write_error_on_put_is_reported_and_the_tensor_is_lost(disk_dir, faulty,
             store.wait("a", Tier.DEVICE, timeout=30)
 
 
-def test_swap_file_truncated_underneath_raises_clearly(disk_dir, no_leaks):
-    with small_store(disk_dir) as store:
+@BACKENDS
+def test_swap_file_truncated_underneath_raises_clearly(io_backend, disk_dir, no_leaks):
+    with small_store(io_backend=io_backend, path=disk_dir) as store:
         store.put("a", torch.ones(MiB), Tier.NVME)
         store.wait("a", Tier.NVME)
         os.truncate(os.path.join(disk_dir, "offload-swap-0.bin"), 4096)
@@ -233,18 +245,20 @@ def test_swap_file_truncated_underneath_raises_clearly(disk_dir, no_leaks):
             store.wait("a", Tier.DEVICE, timeout=30)
 
 
-def test_device_budget_smaller_than_a_tensor_raises_with_numbers(disk_dir, no_leaks):
-    with small_store(disk_dir, device_budget="1MiB") as store:
+@BACKENDS
+def test_device_budget_smaller_than_a_tensor_raises_with_numbers(io_backend, disk_dir, no_leaks):
+    with small_store(io_backend=io_backend, path=disk_dir, device_budget="1MiB") as store:
         store.put("a", torch.ones(MiB), Tier.NVME)
         with pytest.raises(Exception, match=r"'a' needs 4194304 bytes in the device tier.*1048576"):
             store.fetch("a", Tier.DEVICE)
 
 
 @pytest.mark.cuda
-def test_cuda_round_trip_through_pinned_staging(disk_dir, no_leaks):
+@BACKENDS
+def test_cuda_round_trip_through_pinned_staging(io_backend, disk_dir, no_leaks):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    with small_store(disk_dir, device="cuda") as store:
+    with small_store(io_backend=io_backend, path=disk_dir, device="cuda") as store:
         t = torch.randn(MiB)
         store.put("a", t, Tier.NVME)
         got = store.wait("a", Tier.DEVICE)

@@ -40,10 +40,10 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
+@pytest.fixture(scope="module", params=["direct", "mmap"])
+def store(tmp_path_factory, request):
     s = create_store(device="cpu", device_budget="64MiB", host_budget="64MiB",
-                     nvme_path=str(tmp_path_factory.mktemp("nvme")), file_size="8MiB")
+                     nvme_path=str(tmp_path_factory.mktemp("nvme")), file_size="8MiB", io_backend=request.param)
     yield s
     s.close()
 

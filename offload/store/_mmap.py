@@ -1,0 +1,301 @@
+"""The NVMe tier on memory-mapped files: the page cache as a free host cache.
+
+``MmapTier`` keeps the same swap files as ``NvmeTier`` (``SwapFiles``: lock, preallocated
+files, extents) but moves bytes through a shared mapping of each file instead of O_DIRECT
+system calls:
+
+- a read asks the kernel to start reading the extent (``MADV_WILLNEED``) when it is
+  issued, then a worker thread copies it from the mapping into the destination (pages
+  already cached are copied at memory speed: a model that fits in RAM is read from disk
+  once);
+- a write goes into the page cache with ``pwrite`` on a worker thread (the same pages the
+  mapping shows); the kernel writes the dirty pages back in the background;
+- pages it holds on purpose are bounded: extents touched recently are counted (least
+  recently used first) and, past ``cache_limit`` bytes (the host budget), the oldest are
+  written back (``msync``) and dropped from the page cache (``posix_fadvise DONTNEED``
+  and ``MADV_DONTNEED``);
+- a file truncated underneath would make a copy from its mapping raise SIGBUS and kill
+  the process, so every transfer checks the file's size first and fails with an
+  ``OffloadIOError`` naming the file instead.
+
+``cached_bytes`` reports the tier's pages in the page cache (``mincore``), which
+``offload.stats`` shows as ``page_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..io import FileEngine, OffloadIOError
+from ._nvme import Extent, SwapFiles
+from ._state import Tier
+from ._tiers import Pending, TierBackend
+
+__all__ = ["MmapTier", "file_cached_bytes"]
+
+log = logging.getLogger(__name__)
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+
+
+def _mincore(address: int, length: int) -> int:
+    """Bytes of [address, address + length) (page aligned) resident in memory."""
+    pages = (length + _PAGE - 1) // _PAGE
+    if pages == 0:
+        return 0
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE
+
+
+def file_cached_bytes(fd: int) -> int:
+    """Bytes of the file open (read-write) as ``fd`` that sit in the page cache: a mapping
+    and ``mincore``; nothing is read or written."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 0
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+        return _mincore(_address(mm), size)
+
+
+def _address(mm: mmap.mmap) -> int:
+    """The start address of a read-write mapping (the ctypes view is let go at once, so
+    the mapping can still be closed)."""
+    buf = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(buf)
+    del buf
+    return address
+
+
+class _Mapped:
+    """One swap file's shared mapping and a uint8 tensor over it."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:  # no fault-around readahead: the tier says what it will read (MADV_WILLNEED)
+            self.mm.madvise(mmap.MADV_RANDOM)
+        except (OSError, ValueError):
+            pass
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.address = _address(self.mm)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view handed out is still alive: the mapping goes with it
+            pass
+
+
+class MmapTier(TierBackend):
+    """Slots are extents of the swap files, moved by copies through shared mappings."""
+
+    def __init__(self, files: SwapFiles, engine: FileEngine, *, threads: int = 4, cache_limit: int = 1 << 62,
+                 budget: int | None = None):
+        super().__init__(Tier.NVME, budget if budget is not None else 1 << 62)
+        self.files, self.engine = files, engine  # the engine only opens and closes the files
+        self.cache_limit = cache_limit
+        self._maps: dict[str, _Mapped] = {}
+        self._maps_lock = threading.Lock()
+        self._recent: OrderedDict[tuple[str, int], list] = OrderedDict()  # -> [extent, dirty]
+        self._recent_bytes = 0
+        self._workers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="offload-mmap")
+        self.dropped_bytes = 0
+        self.busy_seconds = 0.0  # worker time spent copying
+
+    # -- slots ------------------------------------------------------------------------------
+    def slot_size(self, nbytes: int) -> int:
+        return self.files.extent_size(nbytes)
+
+    def allocate(self, nbytes: int) -> Extent | None:
+        size = self.slot_size(nbytes)
+        if not self._claim(size):
+            return None
+        try:
+            return self.files.allocate(size)
+        except BaseException:
+            self._unclaim(size)
+            raise
+
+    def free(self, slot: Extent) -> None:
+        with self._maps_lock:
+            entry = self._recent.pop((slot.file.path, slot.offset), None)
+            if entry is not None:
+                self._recent_bytes -= slot.length
+        self.files.free(slot)
+        self._unclaim(slot.length)
+
+    # -- transfers --------------------------------------------------------------------------
+    def read_into(self, slot: Extent, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
+        mapped = self._mapped(slot)
+        self.advise(slot, nbytes)
+        self._count(read=nbytes)
+
+        def copy() -> None:
+            self._check_size(slot, mapped, "read", nbytes)
+            dest[:nbytes].copy_(mapped.tensor[slot.offset: slot.offset + nbytes])
+            self._touched(slot, dirty=False)
+
+        return self._submit(copy)
+
+    def write_from(self, slot: Extent, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
+        mapped = self._mapped(slot)
+        self._count(write=nbytes)
+
+        def copy() -> None:
+            # Note: pwrite into the page cache, not a store through the mapping: a store
+            # into a page that is not cached faults and reads the old page from disk first
+            # (4 KiB at a time: 0.15 GB/s measured here), while a write of whole pages does
+            # not. The mapping sees the same pages.
+            self._check_size(slot, mapped, "write", nbytes)
+            data = memoryview(src[:nbytes].numpy()).cast("B")
+            done = 0
+            while done < nbytes:
+                n = os.pwrite(mapped.fd, data[done:], slot.offset + done)
+                if n <= 0:
+                    raise OffloadIOError("write", slot.file.path, slot.offset + done, nbytes - done, None,
+                                         "the OS wrote nothing")
+                done += n
+            self._touched(slot, dirty=True)
+
+        return self._submit(copy)
+
+    def view(self, slot: Extent, nbytes: int) -> torch.Tensor:
+        """The extent's bytes in place, as a uint8 tensor over the mapping with a storage of
+        its own (so views of different extents never share a storage). Read-only use."""
+        mapped = self._mapped(slot)
+        self._check_size(slot, mapped, "read", nbytes)
+        self._touched(slot, dirty=False)
+        self._count(read=nbytes)  # served to compute, from the page cache or the disk
+        return torch.frombuffer(mapped.mm, dtype=torch.uint8, count=nbytes, offset=slot.offset)
+
+    def advise(self, slot: Extent, nbytes: int) -> None:
+        """Start reading the extent into the page cache (``MADV_WILLNEED``); returns at once."""
+        mapped = self._mapped(slot)
+        start, end = _pages(slot.offset, slot.offset + nbytes)
+        try:
+            mapped.mm.madvise(mmap.MADV_WILLNEED, start, min(end, mapped.size) - start)
+        except (OSError, ValueError):
+            pass
+
+    def cached_bytes(self) -> int:
+        """Bytes of this tier's files in the page cache now."""
+        with self._maps_lock:
+            maps = list(self._maps.values())
+        total = 0
+        for mapped in maps:
+            try:
+                total += _mincore(mapped.address, mapped.size)
+            except OSError:
+                pass
+        return total
+
+    def sync(self) -> None:
+        """Write every dirty page back to the files (``msync``)."""
+        with self._maps_lock:
+            maps = list(self._maps.values())
+        for mapped in maps:
+            mapped.mm.flush()
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=True)
+        with self._maps_lock:
+            maps, self._maps = list(self._maps.values()), {}
+            self._recent.clear()
+        for mapped in maps:
+            mapped.close()
+        self.files.close()
+        self.engine.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _submit(self, fn) -> Pending:
+        done = Pending()
+
+        def run() -> None:
+            started = time.perf_counter()
+            try:
+                fn()
+            except BaseException as err:  # never leave a completion pending
+                done._finish(err)
+                return
+            finally:
+                with self._lock:
+                    self.busy_seconds += time.perf_counter() - started
+            done._finish(None)
+
+        self._workers.submit(run)
+        return done
+
+    def _mapped(self, slot: Extent) -> _Mapped:
+        path = slot.file.path
+        with self._maps_lock:
+            mapped = self._maps.get(path)
+            if mapped is None:
+                size = self.files.file_size_of(slot.file)
+                self._check_size(slot, None, "map", slot.length, fd=slot.file.buffered_fd, expected=size)
+                mapped = self._maps[path] = _Mapped(slot.file.buffered_fd, size)
+            return mapped
+
+    @staticmethod
+    def _check_size(slot: Extent, mapped: _Mapped | None, op: str, nbytes: int, *, fd: int | None = None,
+                    expected: int | None = None) -> None:
+        """Refuse to touch bytes past the file's end: through a mapping that is SIGBUS."""
+        fd = fd if fd is not None else mapped.fd
+        need = expected if expected is not None else slot.offset + nbytes
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise OffloadIOError("read" if op != "write" else "write", slot.file.path, slot.offset, nbytes, None,
+                                 f"the file is {size} bytes, {need} expected: was it truncated? (checked "
+                                 "before touching its mapping)")
+
+    def _touched(self, slot: Extent, *, dirty: bool) -> None:
+        """Count the extent as held in the page cache; drop the least recently used past
+        ``cache_limit``."""
+        drop = []
+        with self._maps_lock:
+            key = (slot.file.path, slot.offset)
+            entry = self._recent.pop(key, None)
+            if entry is None:
+                entry = [slot, False]
+                self._recent_bytes += slot.length
+            entry[1] = entry[1] or dirty
+            self._recent[key] = entry
+            while self._recent_bytes > self.cache_limit and len(self._recent) > 1:
+                _, (old, old_dirty) = self._recent.popitem(last=False)
+                self._recent_bytes -= old.length
+                mapped = self._maps.get(old.file.path)
+                if mapped is not None:
+                    drop.append((mapped, old, old_dirty))
+        for mapped, old, old_dirty in drop:
+            self._drop(mapped, old, old_dirty)
+
+    def _drop(self, mapped: _Mapped, extent: Extent, dirty: bool) -> None:
+        start, end = _pages(extent.offset, extent.offset + extent.length)
+        end = min(end, mapped.size)
+        try:
+            if dirty:
+                mapped.mm.flush(start, end - start)  # fadvise only drops clean pages
+            mapped.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            os.posix_fadvise(mapped.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            self.dropped_bytes += end - start
+        except (OSError, ValueError) as err:
+            log.debug("could not drop pages of %s: %s", extent.file.path, err)
+
+
+def _pages(start: int, end: int) -> tuple[int, int]:
+    return start - start % _PAGE, -(-end // _PAGE) * _PAGE
