@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 
-from ._units import parse_size
+from ._units import format_size, parse_size
 
 __all__ = ["OffloadConfig"]
 
@@ -21,6 +22,7 @@ _AUTO_WINDOW_MIN, _AUTO_WINDOW_MAX = 64 << 20, 256 << 20
 _TIERS_PARAM = ("device", "host", "nvme")
 _TIERS_OPTIM = ("host", "nvme")
 _IO_MODES = ("auto", "manual")
+_IO_BACKENDS = ("auto", "direct", "mmap")
 _ENGINE_DEFAULTS = {"block_size": 8 << 20, "io_threads": 32, "queue_depth": 32}
 _logged_profiles: set[str] = set()
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -58,6 +60,14 @@ class OffloadConfig:
             a parent of it on the same file system) and falls back to the built-in
             settings when there is none; ``"manual"`` always uses the built-in settings.
             Values given explicitly are always kept. ``io_source`` says which it was.
+        io_backend: how NVMe bytes move: ``"direct"`` (the file engine, O_DIRECT: honest
+            memory, fastest cold), ``"mmap"`` (shared mappings of the same swap files: the
+            page cache serves repeated reads at memory speed; the pages the tier keeps on
+            purpose stay within ``host_budget``), or ``"auto"`` (default): mmap where the
+            file system refuses O_DIRECT, or where the NVMe data fits in ``host_budget`` and
+            in the RAM left free after the budgets and the cached profile measured warm
+            mmap reads faster than direct ones; direct otherwise. The choice and the reason
+            are logged once at wrap (``choose_io_backend``).
         log_path: append one JSON line per step here (what moved and waited; see
             ``offload.log_step``); ``tools/plot_log.py`` plots it. ``None``: no log.
         trace_path: record the timeline of transfers, compute, stalls and optimizer updates
@@ -80,6 +90,7 @@ class OffloadConfig:
     group_bytes: int | str = 0
     cache_bytes: int | str = "auto"
     io: str = "auto"
+    io_backend: str = "auto"
     block_size: int | str | None = None
     io_threads: int | None = None
     queue_depth: int | None = None
@@ -129,6 +140,7 @@ class OffloadConfig:
                     raise ValueError(f"{name}={value!r} is a directory: give a file name")
                 set_(name, path)
         set_("io", _check_choice("io", self.io, _IO_MODES, what="an I/O mode"))
+        set_("io_backend", _check_choice("io_backend", self.io_backend, _IO_BACKENDS, what="an I/O backend"))
         self._resolve_engine_settings(uses_nvme)
 
     def _resolve_engine_settings(self, uses_nvme: bool) -> None:
@@ -167,6 +179,39 @@ class OffloadConfig:
         """Where the engine settings came from: ``"given"`` (all set explicitly), the path of
         the cached profile they were read from, or ``"built-in"``."""
         return self._io_source
+
+    def choose_io_backend(self, nvme_bytes: int) -> tuple[str, str]:
+        """``("direct" | "mmap", reason)`` for a store that will hold ``nvme_bytes`` on NVMe
+        (what ``io_backend="auto"`` decides; a given backend is returned as is)."""
+        if self.io_backend != "auto":
+            return self.io_backend, "io_backend set in the config"
+        from ._os import direct_io_supported
+
+        if not direct_io_supported(self.nvme_path):
+            return "mmap", f"the file system of {self.nvme_path!r} refuses O_DIRECT"
+        found = None
+        if self.io == "auto":
+            from .profile import find_profile
+
+            found = find_profile(self.nvme_path)
+        mm = (found[1].get("disk_mmap") or {}) if found else {}
+        if not mm.get("warm_read_gbps"):
+            return "direct", ("no offload-profile measurement of mmap for this disk (run offload-profile "
+                              f"--path {os.path.dirname(self.nvme_path)!r} to let auto choose by measurement)")
+        direct_read = float(found[1]["disk_read_gbps"])
+        room = psutil.virtual_memory().available - self.host_budget
+        if self.torch_device.type == "cpu":
+            room -= self.device_budget
+        need = f"the NVMe data ({format_size(nvme_bytes)})"
+        if nvme_bytes > self.host_budget:
+            return "direct", f"{need} is larger than host_budget ({format_size(self.host_budget)}): it would not stay cached"
+        if nvme_bytes > room:
+            return "direct", f"{need} is larger than the RAM left free after the budgets ({format_size(max(room, 0))})"
+        if mm["warm_read_gbps"] <= direct_read:
+            return "direct", (f"warm mmap reads measured {mm['warm_read_gbps']:.2f} GB/s, not faster than "
+                              f"O_DIRECT's {direct_read:.2f} GB/s ({found[0]})")
+        return "mmap", (f"{need} fits in host_budget and free RAM, and warm mmap reads measured "
+                        f"{mm['warm_read_gbps']:.2f} GB/s against {direct_read:.2f} GB/s O_DIRECT ({found[0]})")
 
     # -- derived ---------------------------------------------------------------------------
     @property

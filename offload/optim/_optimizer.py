@@ -452,10 +452,16 @@ class OffloadOptimizer(Optimizer):
                 self._own_home = Tier.HOST
             else:
                 nvme = cfg.nvme_path if cfg.optimizer_tier == "nvme" else None
+                backend = "direct"
+                if nvme is not None:
+                    states = 4 * (len(self._state_rows) + 1) * sum(
+                        p.numel() for g in self.param_groups for p in g["params"] if _owner_of(p) is None)
+                    backend, reason = cfg.choose_io_backend(states)
+                    log.info("offload: optimizer states on %s through io_backend %s (%s)", nvme, backend, reason)
                 self._own_store = create_store(device="cpu", device_budget=1, host_budget=cfg.host_budget,
                                                nvme_path=nvme, file_size=cfg.file_size,
                                                block_size=cfg.block_size, threads=cfg.io_threads,
-                                               queue_depth=cfg.queue_depth)
+                                               queue_depth=cfg.queue_depth, io_backend=backend)
                 self._own_home = Tier.parse(cfg.optimizer_tier)
         return self._own_store, self._own_home
 

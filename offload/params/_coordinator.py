@@ -38,6 +38,7 @@ class _Live:
     refs: int = 0  # acquisitions not yet released
     flat: torch.Tensor | None = None  # uint8 device view while materialized
     backward_refs: int = 0  # of refs, those taken for backward
+    release: Any = None  # with zero_copy: gives back the mapped view ``flat`` is
     started: list = field(default_factory=list)  # with a tracer: (phase, time) per acquisition
 
 
@@ -52,8 +53,11 @@ class _Pass:
 class Coordinator:
     def __init__(self, store: TensorStore, groups: list[ParamGroup], *, device: torch.device,
                  prefetch_limit: int, device_budget: int, cache_bytes: int | str = 0,
-                 events: list | None = None):
+                 events: list | None = None, zero_copy: bool = False):
         self.store, self.device = store, device
+        # a CPU device over io_backend="mmap": parameters are views of the mapped swap files
+        # (no copy, no device budget); prefetching is a read-ahead advice to the kernel
+        self.zero_copy = zero_copy
         self.groups = [g for g in groups if not g.resident]
         self.prefetch_limit, self.device_budget = prefetch_limit, device_budget
         self.cache_bytes = cache_bytes
@@ -101,7 +105,7 @@ class Coordinator:
                 log.info("the %s pass used %d groups where the recorded order had %d; "
                          "re-recorded", done.key, len(done.actual), len(trace))
             self.traces[done.key] = done.actual
-            if not self.cached:
+            if not self.cached and not self.zero_copy:
                 self._choose_cached(done.actual)
 
     def _choose_cached(self, trace: list[ParamGroup]) -> None:
@@ -241,6 +245,8 @@ class Coordinator:
 
     def _materialize(self, group: ParamGroup) -> None:
         live = self.live[group]
+        if self.zero_copy and self._map(group, live):
+            return
         ahead = False
         if self.cached.get(group):
             self.prefetch_hits += 1
@@ -279,8 +285,32 @@ class Coordinator:
             slot.param.data = view
         self.by_storage[flat.untyped_storage().data_ptr()] = group
 
+    def _map(self, group: ParamGroup, live: _Live) -> bool:
+        """Point the group's parameters at a view of its bytes in the mapped swap file."""
+        got = self.store.map_view(group.key)
+        if got is None:  # newest bytes elsewhere (being written, or in another tier): copy
+            return False
+        if self.ahead.pop(group, False) is None:
+            self.prefetch_hits += 1  # its read-ahead was advised
+        else:
+            self.prefetch_misses += 1
+        flat, live.release = got
+        live.flat = flat
+        for slot in group.slots:
+            slot.param.data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        self.by_storage[flat.untyped_storage().data_ptr()] = group
+        return True
+
     def _dematerialize(self, group: ParamGroup) -> None:
         live = self.live[group]
+        if live.release is not None:  # a mapped view: give it back, nothing to evict
+            release, live.release = live.release, None
+            self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
+            live.flat = None
+            for slot in group.slots:
+                slot.param.data = self.placeholder(slot.dtype, slot.shape)
+            release()
+            return
         if live.flat is not None:
             self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
             live.flat = None
@@ -305,7 +335,7 @@ class Coordinator:
 
     def _drop_ahead(self, group: ParamGroup) -> None:
         self.ahead.pop(group, None)
-        if self.live[group].flat is None:
+        if self.live[group].flat is None and not self.zero_copy:
             self.store.evict(group.key, Tier.DEVICE)
 
     def _upcoming(self):
@@ -337,6 +367,13 @@ class Coordinator:
         # Groups fetched ahead stay until used even when the window moves past them (they
         # are in trace order, so they are needed soon); dropping and refetching them would
         # read the same bytes twice.
+        if self.zero_copy:  # read-ahead advice for the window; no device copies
+            for group in self._window():
+                if group not in self.ahead:
+                    self._log("fetch", group, "prefetch")
+                    self.store.advise(group.key)
+                    self.ahead[group] = None
+            return
         device = self.store.tiers[Tier.DEVICE]
         ahead_bytes = sum(g.nbytes for g in self.ahead)
         for group in self._window():

@@ -15,7 +15,7 @@ from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
-from ..store import Tier, TensorStore, create_store
+from ..store import MmapTier, Tier, TensorStore, create_store
 from ._coordinator import Coordinator
 from ._groups import ParamGroup, ParamSlot, build_groups
 from ._hooks import ModuleHooks
@@ -164,14 +164,21 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     memory_plan = plan_groups(groups, config, optimizer=None, ram_credit=host_param_bytes(model))
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
-    store = _make_store(config)
+    nvme_bytes = _nvme_bytes(groups, config)
+    store = _make_store(config, nvme_bytes)
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
         largest, median = (streamed[-1], streamed[len(streamed) // 2]) if streamed else (0, 0)
+        # views of the mapped files instead of copies: only where the tier's data stays in
+        # the page cache (a view of an uncached page faults it in 4 KiB at a time: 0.08
+        # tok/s cold against 1.8 for direct I/O, docs/benchmarks.md); else mmap copies
+        nvme_tier = store.tiers.get(Tier.NVME)
+        zero_copy = device.type == "cpu" and config.param_tier == "nvme" and \
+            isinstance(nvme_tier, MmapTier) and sum(streamed) <= nvme_tier.cache_limit
         coordinator = Coordinator(store, groups, device=device,
                                   prefetch_limit=config.prefetch_limit(largest, median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes,
-                                  events=events)
+                                  events=events, zero_copy=zero_copy)
         _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader)
         _move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon
@@ -247,7 +254,12 @@ def _release(model: nn.Module, manager: ParamManager) -> None:
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
-    """Bytes per tier now and at peak, bytes moved, stall seconds, prefetch hits and misses."""
+    """Bytes per tier now and at peak, bytes moved, stall seconds, prefetch hits and misses.
+
+    ``host_bytes`` counts the runtime's host buffers; ``page_cache_bytes`` the NVMe tier's
+    file pages in the kernel's page cache (``io_backend="mmap"`` keeps the recently used
+    ones there, within the host budget; direct I/O leaves few), which the kernel may
+    reclaim and which do not count in ``host_bytes``."""
     manager = manager_of(model)
     s = manager.store.stats()
     c = manager.coordinator
@@ -260,6 +272,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "stall_seconds": c.stall_seconds, "prefetch_hits": c.prefetch_hits,
         "prefetch_misses": c.prefetch_misses, "groups": len(manager.groups),
         "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
+        "page_cache_bytes": s["nvme"].get("page_cache_bytes", 0) if "nvme" in s else 0,
         "optimizer_seconds": manager.optimizer_seconds,
     }
 
@@ -320,12 +333,25 @@ def _check_budgets(groups: list[ParamGroup], config: OffloadConfig) -> None:
                               "or set param_tier='nvme'")
 
 
-def _make_store(config: OffloadConfig) -> TensorStore:
+def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
+    """What the run will keep on NVMe: the planned parameters, and AdamW's states when the
+    optimizer tier is NVMe (the largest kind an offloaded optimizer stores)."""
+    from .._plan import plan_groups
+
+    kind = "adamw" if config.optimizer_tier == "nvme" else None
+    return sum(r.nbytes for r in plan_groups(groups, config, optimizer=kind).rows if r.tier == "nvme")
+
+
+def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:
     nvme = config.nvme_path if "nvme" in (config.param_tier, config.optimizer_tier) else None
+    backend = "direct"
+    if nvme is not None:
+        backend, reason = config.choose_io_backend(nvme_bytes)
+        log.info("offload: io_backend %s for %s (%s)", backend, nvme, reason)
     return create_store(device=config.device, device_budget=config.device_budget,
                         host_budget=config.host_budget, nvme_path=nvme, file_size=config.file_size,
                         block_size=config.block_size, threads=config.io_threads,
-                        queue_depth=config.queue_depth)
+                        queue_depth=config.queue_depth, io_backend=backend)
 
 
 def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
