@@ -20,9 +20,13 @@ import dataclasses
 import glob
 import logging
 import os
+import mmap
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+
+import torch
 
 from .._os import pid_alive
 from ..io import FileEngine, HostBuffer, logical_block_size
@@ -120,6 +124,7 @@ class DiskProbe:
                                  f".offload-profile-{os.getpid()}-{secrets.token_hex(4)}.tmp")
         self.results: list[DiskResult] = []
         self.direct_supported: bool | None = None
+        self.mmap_results: dict[str, float] = {}  # "cold_read", "warm_read", "write" -> GB/s
         self._buffer: HostBuffer | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -172,6 +177,66 @@ class DiskProbe:
         if op == "write" and not setting.direct:
             self._drop_cached_pages()
         return result
+
+    def measure_mmap(self, op: str, *, warm: bool = False, threads: int = 4, chunk: int = 8 << 20) -> float:
+        """GB/s of ``io_backend="mmap"``'s transfers on the test file: copies between a shared
+        mapping and the buffer, ``chunk`` bytes at a time on ``threads`` workers, each read
+        range advised ``MADV_WILLNEED`` when issued (what ``MmapTier`` does). A cold read
+        drops the file's pages first; a warm read follows a read of the same bytes (they are
+        in the page cache); a write (``pwrite`` into the page cache, as the tier writes) is
+        timed to the end of its ``fsync``."""
+        buf = self._buffer
+        if buf is None:
+            raise RuntimeError("DiskProbe used outside its 'with' block")
+        nbytes = self.measure_bytes
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED) as mm:
+                mm.madvise(mmap.MADV_RANDOM)
+                view = torch.frombuffer(mm, dtype=torch.uint8)
+                try:
+                    if op == "read" and not warm:
+                        self._drop_cached_pages()
+                    if op == "read" and warm:
+                        self._copy_mapped(view, mm, buf, nbytes, "read", threads, chunk, fd)  # bring them in
+                    started = time.perf_counter()
+                    self._copy_mapped(view, mm, buf, nbytes, op, threads, chunk, fd)
+                    if op == "write":
+                        os.fsync(fd)
+                    seconds = time.perf_counter() - started
+                finally:
+                    del view
+        finally:
+            os.close(fd)
+        if op == "write" or warm:
+            self._drop_cached_pages()  # leave the page cache as the other measurements expect it
+        gbps = nbytes / seconds / 1e9
+        self.mmap_results[f"{'warm' if warm else 'cold'}_{op}" if op == "read" else op] = gbps
+        return gbps
+
+    @staticmethod
+    def _copy_mapped(view, mm, buf, nbytes: int, op: str, threads: int, chunk: int, fd: int) -> None:
+        room = buf.nbytes // chunk * chunk or buf.nbytes
+
+        def one(offset: int) -> None:
+            n = min(chunk, nbytes - offset)
+            at = offset % room
+            if op == "read":
+                buf.bytes[at: at + n].copy_(view[offset: offset + n])
+            else:  # as MmapTier writes: pwrite of whole pages into the page cache
+                data = memoryview(buf.bytes[at: at + n].numpy()).cast("B")
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, data[done:], offset + done)
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="offload-profile-mmap") as pool:
+            futures = []
+            for offset in range(0, nbytes, chunk):
+                if op == "read":
+                    mm.madvise(mmap.MADV_WILLNEED, offset, min(chunk, nbytes - offset))
+                futures.append(pool.submit(one, offset))
+            for f in futures:
+                f.result()
 
     # -- internals --------------------------------------------------------------------------
     def _measure(self, op: str, setting: DiskSetting, nbytes: int) -> DiskResult:

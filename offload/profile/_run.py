@@ -110,6 +110,9 @@ def run_profile(path: str, size: int, *, device: str = "cpu", mode: str = "quick
                 note(f"disk {op}: buffered")
                 probe.measure(op, DiskSetting(best_read.setting.block_size, best_read.setting.queue_depth,
                                               best_read.setting.threads, direct=False))
+        for op, warm in (("read", False), ("read", True), ("write", False)):
+            note(f"disk {op}: mmap{' (warm page cache)' if warm else ''}")
+            probe.measure_mmap(op, warm=warm)
         if dev.type == "cuda":
             from ._links import cuda_links
 
@@ -121,6 +124,7 @@ def run_profile(path: str, size: int, *, device: str = "cpu", mode: str = "quick
         report["disk_direct_supported"] = bool(probe.direct_supported)
         report["disk_bytes_per_measurement"] = probe.measure_bytes
         report.update(_disk_report(probe.results, first))
+        report["disk_mmap"] = {f"{k}_gbps": round(v, 4) for k, v in probe.mmap_results.items()}
     if fio:
         note("fio: the best settings again")
     report["fio"] = _fio_check(path, report) if fio else None
@@ -147,7 +151,7 @@ def run_profile(path: str, size: int, *, device: str = "cpu", mode: str = "quick
 
 def planned_steps(mode: str, cuda: bool, fio: bool) -> int:
     """How many progress notes :func:`run_profile` makes (for a progress bar's total)."""
-    return 1 + 2 * len(sweep_grid(mode)) + 2 * 3 * (_RETRIES - 1) + 2 + int(cuda) + int(fio) + 2
+    return 1 + 2 * len(sweep_grid(mode)) + 2 * 3 * (_RETRIES - 1) + 2 + 3 + int(cuda) + int(fio) + 2
 
 
 def save_report(report: dict[str, Any], target: str) -> None:

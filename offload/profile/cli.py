@@ -178,6 +178,13 @@ def format_table(report: dict[str, Any]) -> str:
         rows.append(("disk write (buffered, + fsync)", _gbps(report["disk_buffered_write_gbps"]),
                      _setting(best_read), f"{report['disk_buffered_write_gbps'] / report['disk_write_gbps']:.2f}"
                      " of O_DIRECT"))
+    mm = report.get("disk_mmap") or {}
+    for key, name, against, ref in (("cold_read_gbps", "disk read (mmap, cold cache)", "disk_read_gbps", "read"),
+                                    ("warm_read_gbps", "disk read (mmap, warm cache)", "disk_read_gbps", "read"),
+                                    ("write_gbps", "disk write (mmap tier, + fsync)", "disk_write_gbps", "write")):
+        if mm.get(key) is not None:
+            rows.append((name, _gbps(mm[key]), "8 MiB copies, 4 threads",
+                         f"{mm[key] / report[against]:.2f} of O_DIRECT {ref}"))
     copy = report["host_copy"]
     rows.append(("host memory copy", _gbps(report["host_copy_gbps"]),
                  f"{format_size(copy['bytes'])}, {copy['threads']} threads", ""))
