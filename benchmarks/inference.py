@@ -1,6 +1,8 @@
 """Inference of a model whose weights stay on disk: offload against Accelerate, and memory.
 
     python benchmarks/inference.py --json inference.json
+    python benchmarks/inference.py --warm --rounds 3 --json inference_warm.json
+    python benchmarks/inference.py --backend direct,mmap,auto --rounds 3 --json inference_cold.json
 
 Builds a GPT-2-style model of about 350M parameters from a config (random weights, saved
 once as safetensors under --work), then measures, each in its own process:
@@ -10,6 +12,17 @@ once as safetensors under --work), then measures, each in its own process:
               checkpoint=...)``: weights stream from swap files with O_DIRECT;
   accelerate  ``accelerate.disk_offload`` with an offload folder (numpy memmaps, read
               through the page cache).
+
+``--backend direct,mmap,auto`` runs offload once per io_backend in the cold case (the
+first is the "offload" row and the lower-bound figures; JSON ``ours_<backend>_tok_s`` and
+what auto chose, ``ours_auto_chose``).
+
+``--warm`` measures the other case: a model that fits in RAM, no balloon, each mode timed
+on its second pass (one untimed pass first): memory, offload with io_backend mmap and
+direct (host_budget 2GiB, so the page cache may keep the model; on this CPU device the
+mmap run computes on views of the mapped swap files), and Accelerate's disk offload. JSON
+``ours_mmap_warm_tok_s``, ``ours_direct_warm_tok_s``, ``accelerate_warm_tok_s``,
+``memory_tok_s`` and the ratios.
 
 Each does a forward of 1x128 tokens and greedy generation of 16 new tokens. The two disk
 modes run while a balloon process holds all but --reserve of the available RAM (locked;
@@ -110,6 +123,9 @@ def worker_memory(path: str, args) -> dict:
 
 
 def worker_offload(path: str, args) -> dict:
+    """offload with ``--backend``: cold (under the balloon, page cache dropped) or, with
+    ``--warm``, with RAM to spare and a host budget that holds the model: one untimed pass
+    first, then the timed ones (second and later passes)."""
     import torch
     import transformers
 
@@ -119,24 +135,37 @@ def worker_offload(path: str, args) -> dict:
         model = transformers.GPT2LMHeadModel(model_config()).eval()
     cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme",
                                 nvme_path=os.path.join(args.work, "swap"),
-                                device_budget=args.device_budget, host_budget="256MiB",
-                                group_bytes=args.group_bytes)
+                                device_budget=args.device_budget,
+                                host_budget="2GiB" if args.warm else "256MiB",
+                                group_bytes=args.group_bytes, io_backend=args.backend)
     offload.wrap(model, cfg, checkpoint=path)
-    with _balloon(args.reserve):
-        _drop_caches()
-        swap_before = extents_read_gbps(model)
-        offload.reset_peak_stats(model)
+    store = offload.params.manager_of(model).store
+    chosen = type(store.tiers[offload.store.Tier.NVME]).__name__
+    backend = "mmap" if chosen == "MmapTier" else "direct"
+    note = {"direct": "O_DIRECT from swap files", "mmap": "mmap of swap files"}[backend]
+    if args.warm:
+        _timed_run(model, "untimed first pass")  # brings the weights into the page cache (mmap)
+        swap_before = None
         before = offload.stats(model)
-        result = _timed_run(model, "O_DIRECT from swap files")
+        result = _timed_run(model, note + ", warm")
         after = offload.stats(model)
-        result["swap_read_gbps_before"] = swap_before
-        result["swap_read_gbps"] = extents_read_gbps(model)
+    else:
+        with _balloon(args.reserve):
+            _drop_caches()
+            swap_before = extents_read_gbps(model)
+            offload.reset_peak_stats(model)
+            before = offload.stats(model)
+            result = _timed_run(model, note)
+            after = offload.stats(model)
+            result["swap_read_gbps"] = extents_read_gbps(model)
+    result["swap_read_gbps_before"] = swap_before
     passes = 2 + NEW_TOKENS - 1  # the forward, then generation: the prompt, then one per new token
     result.update(read_bytes=after["read_bytes"] - before["read_bytes"],
                   stall_seconds=after["stall_seconds"] - before["stall_seconds"],
                   bytes_per_pass=(after["read_bytes"] - before["read_bytes"]) / passes,
                   prefetch_hits=after["prefetch_hits"], prefetch_misses=after["prefetch_misses"],
-                  device_peak_bytes=after["device_peak_bytes"])
+                  device_peak_bytes=after["device_peak_bytes"], page_cache_bytes=after["page_cache_bytes"],
+                  backend=backend, backend_asked=args.backend)
     offload.unwrap(model)
     return result
 
@@ -151,6 +180,12 @@ def worker_accelerate(path: str, args) -> dict:
     import gc
 
     gc.collect()
+    if args.warm:
+        _timed_run(model, "untimed first pass")  # its memmaps now sit in the page cache
+        io_before = _proc_read_bytes()
+        result = _timed_run(model, "numpy memmap through the page cache, warm")
+        result["read_bytes"] = _proc_read_bytes() - io_before
+        return result
     with _balloon(args.reserve):
         _drop_caches()
         io_before = _proc_read_bytes()
@@ -277,16 +312,21 @@ def _proc_read_bytes() -> int:
     return 0
 
 
-def run_worker(name: str, path: str, args) -> dict:
+def run_worker(mode: str, path: str, args) -> dict:
+    """Run ``mode`` in its own process: "memory", "bandwidth", "offload[_BACKEND][_warm]",
+    "accelerate[_warm]"."""
+    name, _, rest = mode.partition("_")
+    warm = rest.endswith("warm")
+    backend = rest.removesuffix("warm").strip("_") or "direct"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--model", path,
            "--work", args.work, "--reserve", str(args.reserve), "--device-budget", str(args.device_budget),
-           "--group-bytes", str(args.group_bytes)]
+           "--group-bytes", str(args.group_bytes), "--backend", backend] + (["--warm"] if warm else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"{name} worker failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"{mode} worker failed:\n{out.stderr[-4000:]}")
     for line in out.stderr.splitlines():
         if "balloon:" in line:
-            log.info("  %s %s", name, line.strip())
+            log.info("  %s %s", mode, line.strip())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -303,6 +343,11 @@ def main() -> None:
     parser.add_argument("--group-bytes", default="0", help="offload's group_bytes: consecutive "
                         "modules merged into one transfer up to this size (default 0: one per module)")
     parser.add_argument("--skip-accelerate", action="store_true", help="do not run Accelerate")
+    parser.add_argument("--backend", default="direct", help="offload's io_backend for the cold runs: "
+                        "direct, mmap, auto, or several comma-separated (each its own mode; default direct)")
+    parser.add_argument("--warm", action="store_true", help="the warm case instead: no balloon, a model "
+                        "that fits in RAM, timed from the second pass on; runs memory, offload with "
+                        "io_backend mmap and direct (host_budget 2GiB) and Accelerate")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -312,6 +357,10 @@ def main() -> None:
     args.reserve = parse_size(args.reserve, name="--reserve")
     args.device_budget = parse_size(args.device_budget, name="--device-budget")
     args.group_bytes = parse_size(args.group_bytes, name="--group-bytes", allow_zero=True)
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ("direct", "mmap", "auto")]
+    if bad or not backends:
+        parser.error(f"--backend {args.backend!r}: use direct, mmap, auto or a comma-separated list of them")
     if args.worker:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
         fn = {"memory": worker_memory, "offload": worker_offload, "accelerate": worker_accelerate,
@@ -323,22 +372,35 @@ def main() -> None:
     path = prepare(args.work)
     model_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     log.info("model: %s (%.2f GB of weights)", path, model_bytes / 1e9)
-    modes = ["memory", "offload"] + ([] if args.skip_accelerate else ["accelerate"])
+    if args.warm:
+        modes = ["memory", "offload_mmap_warm", "offload_direct_warm"] + \
+            ([] if args.skip_accelerate else ["accelerate_warm"])
+    else:
+        # "offload" is the first backend asked for (direct by default); the others follow
+        modes = ["memory", "offload"] + [f"offload_{b}" for b in backends[1:]] + \
+            ([] if args.skip_accelerate else ["accelerate"])
+    first_backend = backends[0]
     rounds = []
     for r in range(args.rounds):
         row = {"bandwidth": run_worker("bandwidth", path, args)}
         for mode in modes:
-            row[mode] = run_worker(mode, path, args)
-            log.info("round %d %-10s forward %.2f s, %.2f tok/s, peak RSS %.0f MiB", r, mode,
-                     row[mode]["forward_s"], row[mode]["tok_s"], row[mode]["peak_rss_bytes"] / 2**20)
+            run_as = f"offload_{first_backend}" if mode == "offload" else mode
+            row[mode] = run_worker(run_as, path, args)
+            log.info("round %d %-20s forward %.2f s, %.2f tok/s, peak RSS %.0f MiB%s", r, mode,
+                     row[mode]["forward_s"], row[mode]["tok_s"], row[mode]["peak_rss_bytes"] / 2**20,
+                     f", backend {row[mode]['backend']}" if "backend" in row[mode] else "")
         row["bandwidth_after"] = run_worker("bandwidth", path, args)
         rounds.append(row)
-        log.info("round %d disk %.2f / %.2f / %.2f / %.2f GB/s (checkpoint before, swap extents before "
-                 "and after offload's run, checkpoint after)", r, row["bandwidth"]["read_gbps"],
-                 row["offload"]["swap_read_gbps_before"], row["offload"]["swap_read_gbps"],
-                 row["bandwidth_after"]["read_gbps"])
-    report = summarize(rounds, model_bytes, modes)
-    print_report(report)
+        if not args.warm:
+            log.info("round %d disk %.2f / %.2f / %.2f / %.2f GB/s (checkpoint before, swap extents before "
+                     "and after offload's run, checkpoint after)", r, row["bandwidth"]["read_gbps"],
+                     row["offload"]["swap_read_gbps_before"], row["offload"]["swap_read_gbps"],
+                     row["bandwidth_after"]["read_gbps"])
+    report = summarize_warm(rounds, model_bytes, modes) if args.warm else summarize(rounds, model_bytes, modes)
+    if args.warm:
+        print_warm(report)
+    else:
+        print_report(report)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
@@ -382,10 +444,54 @@ def summarize(rounds, model_bytes, modes) -> dict:
         "accelerate_forward_s": med(r["accelerate"]["forward_s"] for r in rounds) if has_acc else None,
         "ours_stall_seconds": med(o["stall_seconds"] for o in ours),
         "accelerate_read_bytes_per_token": med(r["accelerate"]["read_bytes"] / (1 + NEW_TOKENS) for r in rounds) if has_acc else None,
-        "same_tokens_as_memory": all(r["offload"]["tokens"] == r["memory"]["tokens"] for r in rounds),
+        "same_tokens_as_memory": all(r[m]["tokens"] == r["memory"]["tokens"] for r in rounds
+                                     for m in modes if m.startswith("offload")),
         "per_round": rounds,
     }
+    # one figure per backend: "offload" ran the first --backend, "offload_B" the others
+    for mode in (m for m in modes if m.startswith("offload")):
+        asked = rounds[0][mode]["backend_asked"]
+        rep[f"ours_{asked}_tok_s"] = med(r[mode]["tok_s"] for r in rounds)
+        rep[f"ours_{asked}_chose"] = sorted({r[mode]["backend"] for r in rounds})
     return rep
+
+
+def summarize_warm(rounds, model_bytes, modes) -> dict:
+    """Second-pass figures: the model fits in RAM and each mode ran one untimed pass first."""
+    med = statistics.median
+    rep = {"rounds": len(rounds), "model_bytes": model_bytes, "warm": True,
+           "memory_tok_s": med(r["memory"]["tok_s"] for r in rounds),
+           "ours_mmap_warm_tok_s": med(r["offload_mmap_warm"]["tok_s"] for r in rounds),
+           "ours_direct_warm_tok_s": med(r["offload_direct_warm"]["tok_s"] for r in rounds),
+           "ours_mmap_warm_read_bytes_per_token": med(r["offload_mmap_warm"]["bytes_per_pass"] for r in rounds),
+           "ours_mmap_warm_peak_rss_bytes": max(r["offload_mmap_warm"]["peak_rss_bytes"] for r in rounds),
+           "ours_mmap_warm_page_cache_bytes": max(r["offload_mmap_warm"]["page_cache_bytes"] for r in rounds),
+           "memory_peak_rss_bytes": max(r["memory"]["peak_rss_bytes"] for r in rounds),
+           "same_tokens_as_memory": all(r[m]["tokens"] == r["memory"]["tokens"] for r in rounds
+                                        for m in modes if m != "memory"),
+           "per_round": rounds}
+    if "accelerate_warm" in modes:
+        rep["accelerate_warm_tok_s"] = med(r["accelerate_warm"]["tok_s"] for r in rounds)
+        rep["accelerate_warm_peak_rss_bytes"] = max(r["accelerate_warm"]["peak_rss_bytes"] for r in rounds)
+        rep["ours_mmap_warm_vs_accelerate_warm"] = med(
+            r["offload_mmap_warm"]["tok_s"] / r["accelerate_warm"]["tok_s"] for r in rounds)
+    rep["ours_mmap_warm_vs_memory"] = med(r["offload_mmap_warm"]["tok_s"] / r["memory"]["tok_s"] for r in rounds)
+    return rep
+
+
+def print_warm(rep: dict) -> None:
+    log.info("")
+    log.info("warm: GPT-2 medium (%.2f GB) fits in RAM; second-pass figures, 1x%d prompt, %d new tokens",
+             rep["model_bytes"] / 1e9, PROMPT, NEW_TOKENS)
+    for key, name in (("memory_tok_s", "memory"), ("ours_mmap_warm_tok_s", "ours mmap"),
+                      ("ours_direct_warm_tok_s", "ours direct"), ("accelerate_warm_tok_s", "accelerate")):
+        if rep.get(key) is not None:
+            log.info("%-12s %8.3f tok/s", name, rep[key])
+    log.info("ours mmap / memory: %.2fx   ours mmap / accelerate warm: %s   page cache held %.2f GB, served "
+             "%.2f GB per token through the tier   same tokens as memory: %s", rep["ours_mmap_warm_vs_memory"],
+             f"{rep['ours_mmap_warm_vs_accelerate_warm']:.2f}x" if rep.get("ours_mmap_warm_vs_accelerate_warm")
+             else "n/a", rep["ours_mmap_warm_page_cache_bytes"] / 1e9,
+             rep["ours_mmap_warm_read_bytes_per_token"] / 1e9, rep["same_tokens_as_memory"])
 
 
 def print_report(rep: dict) -> None:

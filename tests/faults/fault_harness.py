@@ -35,7 +35,7 @@ def tiny_gpt2() -> torch.nn.Module:
 def make_config(tmp_path, **kw) -> offload.OffloadConfig:
     args = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "nvme"),
                 device_budget="160KiB", host_budget="64MiB", resident_bytes="4KiB", file_size="16MiB",
-                cache_bytes=0, io="manual")  # each pass reads most of its parameters from NVMe
+                cache_bytes=0, io="manual", io_backend="direct")  # each pass reads most of its parameters from NVMe
     args.update(kw)
     return offload.OffloadConfig(**args)
 
@@ -87,9 +87,9 @@ def assert_released(nvme_dir) -> None:
     assert not left, f"files left behind: {left}"
 
 
-def save_after(tmp_path, steps: int = 2):
+def save_after(tmp_path, steps: int = 2, **cfg):
     """Train ``steps`` offloaded steps and save a checkpoint; returns (model, opt, path)."""
-    model, opt = offload_run(tmp_path)
+    model, opt = offload_run(tmp_path, **cfg)
     for ids in batches(steps):
         step(model, opt, ids)
     path = str(tmp_path / "ckpt")

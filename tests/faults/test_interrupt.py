@@ -109,12 +109,13 @@ def test_interrupt_then_close_releases_everything_and_wrap_works_again(tmp_path,
     resume_matches(tmp_path, path, done=2, total=4)
 
 
-def test_real_sigint_at_arbitrary_moments(tmp_path, no_leaks):
+@pytest.mark.parametrize("io_backend", ["direct", "mmap"])
+def test_real_sigint_at_arbitrary_moments(tmp_path, io_backend, no_leaks):
     """SIGINT delivered by the kernel while the main thread computes, waits for a read or
     runs the optimizer: each time the step raises KeyboardInterrupt, the next step works or
     raises a clear error, and close() releases everything. The delays sweep a step in 16
     places (each run of the suite lands on other instructions: the test is a net)."""
-    model, opt = offload_run(tmp_path)
+    model, opt = offload_run(tmp_path, io_backend=io_backend)
     ids = batches(1)[0]
     started = time.perf_counter()
     step(model, opt, ids)
@@ -122,7 +123,7 @@ def test_real_sigint_at_arbitrary_moments(tmp_path, no_leaks):
     close_all(model, opt)
     interrupted = 0
     for i in range(16):
-        model, opt = offload_run(tmp_path)
+        model, opt = offload_run(tmp_path, io_backend=io_backend)
         step(model, opt, ids)  # the recorded order exists: prefetch is active
         delay = duration * (i + 0.5) / 16
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
@@ -151,7 +152,7 @@ def test_real_sigint_at_arbitrary_moments(tmp_path, no_leaks):
 def test_ctrl_c_inside_bookkeeping_is_held_back_until_it_is_consistent():
     """offload._signals: a SIGINT during a DEFER section is raised when the section ends;
     one during an ALLOW'd wait inside it is raised at once."""
-    from offload._signals import ALLOW, DEFER, wait
+    from offload._signals import DEFER, wait
 
     done = []
     with pytest.raises(KeyboardInterrupt):
