@@ -140,6 +140,8 @@ def worker_offload(path: str, args) -> dict:
                                 group_bytes=args.group_bytes, io_backend=args.backend)
     offload.wrap(model, cfg, checkpoint=path)
     store = offload.params.manager_of(model).store
+    streamed = sum(g.nbytes for g in offload.params.manager_of(model).groups if not g.resident)
+    auto = cfg.replace(io_backend="auto").choose_io_backend(streamed)  # what auto would take here
     chosen = type(store.tiers[offload.store.Tier.NVME]).__name__
     backend = "mmap" if chosen == "MmapTier" else "direct"
     note = {"direct": "O_DIRECT from swap files", "mmap": "mmap of swap files"}[backend]
@@ -165,7 +167,7 @@ def worker_offload(path: str, args) -> dict:
                   bytes_per_pass=(after["read_bytes"] - before["read_bytes"]) / passes,
                   prefetch_hits=after["prefetch_hits"], prefetch_misses=after["prefetch_misses"],
                   device_peak_bytes=after["device_peak_bytes"], page_cache_bytes=after["page_cache_bytes"],
-                  backend=backend, backend_asked=args.backend)
+                  backend=backend, backend_asked=args.backend, auto_would_choose=list(auto))
     offload.unwrap(model)
     return result
 
@@ -467,6 +469,7 @@ def summarize_warm(rounds, model_bytes, modes) -> dict:
            "ours_mmap_warm_peak_rss_bytes": max(r["offload_mmap_warm"]["peak_rss_bytes"] for r in rounds),
            "ours_mmap_warm_page_cache_bytes": max(r["offload_mmap_warm"]["page_cache_bytes"] for r in rounds),
            "memory_peak_rss_bytes": max(r["memory"]["peak_rss_bytes"] for r in rounds),
+           "auto_would_choose": rounds[0]["offload_mmap_warm"]["auto_would_choose"],
            "same_tokens_as_memory": all(r[m]["tokens"] == r["memory"]["tokens"] for r in rounds
                                         for m in modes if m != "memory"),
            "per_round": rounds}
@@ -487,6 +490,7 @@ def print_warm(rep: dict) -> None:
                       ("ours_direct_warm_tok_s", "ours direct"), ("accelerate_warm_tok_s", "accelerate")):
         if rep.get(key) is not None:
             log.info("%-12s %8.3f tok/s", name, rep[key])
+    log.info("io_backend='auto' would take %s here: %s", *rep["auto_would_choose"])
     log.info("ours mmap / memory: %.2fx   ours mmap / accelerate warm: %s   page cache held %.2f GB, served "
              "%.2f GB per token through the tier   same tokens as memory: %s", rep["ours_mmap_warm_vs_memory"],
              f"{rep['ours_mmap_warm_vs_accelerate_warm']:.2f}x" if rep.get("ours_mmap_warm_vs_accelerate_warm")

@@ -512,6 +512,15 @@ class OffloadOptimizer(Optimizer):
         for path, need in by_path.items():
             check_disk(path, need, "the optimizer states on NVMe",
                        "free space there, point nvme_path at a larger disk, or set optimizer_tier='host'")
+        for store in {id(s.store): s.store for s in shards if s.home is Tier.NVME}.values():
+            tier = store.tiers[Tier.NVME]
+            limit = getattr(tier, "cache_limit", None)
+            total = tier.used_bytes + sum(s.bytes_in_flight for s in shards if s.store is store)
+            if limit is not None and total > limit:
+                log.warning("offload: the optimizer states take the mmap NVMe tier at %s to %s, beyond its "
+                            "page-cache limit (host_budget %s): they will be read back through the page "
+                            "cache at cold-read speed each step; OffloadConfig(io_backend='direct') reads "
+                            "them with O_DIRECT", tier.files.path, format_size(total), format_size(limit))
 
     def _row_names(self, shard: _Shard) -> list[str]:
         names = list(self._rows_for(self.param_groups[shard.segments[0].group_index]))

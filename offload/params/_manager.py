@@ -334,12 +334,12 @@ def _check_budgets(groups: list[ParamGroup], config: OffloadConfig) -> None:
 
 
 def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
-    """What the run will keep on NVMe: the planned parameters, and AdamW's states when the
-    optimizer tier is NVMe (the largest kind an offloaded optimizer stores)."""
+    """The parameters the store will keep on NVMe (what io_backend="auto" weighs: whether
+    an optimizer will add states is not known yet; one that does warns when they make an
+    mmap store outgrow its page-cache limit)."""
     from .._plan import plan_groups
 
-    kind = "adamw" if config.optimizer_tier == "nvme" else None
-    return sum(r.nbytes for r in plan_groups(groups, config, optimizer=kind).rows if r.tier == "nvme")
+    return sum(r.nbytes for r in plan_groups(groups, config, optimizer=None).rows if r.tier == "nvme")
 
 
 def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:

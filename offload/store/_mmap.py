@@ -40,7 +40,7 @@ import torch
 from ..io import FileEngine, OffloadIOError
 from ._nvme import Extent, SwapFiles
 from ._state import Tier
-from ._tiers import Pending, TierBackend
+from ._tiers import Pending, SwapFileSlots
 
 __all__ = ["MmapTier", "file_cached_bytes"]
 
@@ -102,7 +102,7 @@ class _Mapped:
             pass
 
 
-class MmapTier(TierBackend):
+class MmapTier(SwapFileSlots):
     """Slots are extents of the swap files, moved by copies through shared mappings."""
 
     def __init__(self, files: SwapFiles, engine: FileEngine, *, threads: int = 4, cache_limit: int = 1 << 62,
@@ -119,26 +119,12 @@ class MmapTier(TierBackend):
         self.busy_seconds = 0.0  # worker time spent copying
 
     # -- slots ------------------------------------------------------------------------------
-    def slot_size(self, nbytes: int) -> int:
-        return self.files.extent_size(nbytes)
-
-    def allocate(self, nbytes: int) -> Extent | None:
-        size = self.slot_size(nbytes)
-        if not self._claim(size):
-            return None
-        try:
-            return self.files.allocate(size)
-        except BaseException:
-            self._unclaim(size)
-            raise
-
     def free(self, slot: Extent) -> None:
         with self._maps_lock:
             entry = self._recent.pop((slot.file.path, slot.offset), None)
             if entry is not None:
                 self._recent_bytes -= slot.length
-        self.files.free(slot)
-        self._unclaim(slot.length)
+        super().free(slot)
 
     # -- transfers --------------------------------------------------------------------------
     def read_into(self, slot: Extent, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:

@@ -22,7 +22,8 @@ from ..io import BufferPool, FileEngine, HostBuffer, round_up
 from ._nvme import Extent, SwapFiles
 from ._state import Tier
 
-__all__ = ["Completion", "Done", "Pending", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier"]
+__all__ = ["Completion", "Done", "Pending", "TierBackend", "HostMemoryTier", "CudaTier", "SwapFileSlots", "NvmeTier",
+           "FakeTier"]
 
 
 class Completion(Protocol):
@@ -315,12 +316,10 @@ class CudaTier(TierBackend):
 
 
 # ---------------------------------------------------------------------------------------
-class NvmeTier(TierBackend):
-    """Slots are extents of a few large preallocated files, moved by the file engine."""
+class SwapFileSlots(TierBackend):
+    """Slots are extents of ``self.files`` (a SwapFiles): what both NVMe backends share."""
 
-    def __init__(self, files: SwapFiles, engine: FileEngine, budget: int | None = None):
-        super().__init__(Tier.NVME, budget if budget is not None else 1 << 62)
-        self.files, self.engine = files, engine
+    files: SwapFiles
 
     def slot_size(self, nbytes: int) -> int:
         return self.files.extent_size(nbytes)
@@ -338,6 +337,14 @@ class NvmeTier(TierBackend):
     def free(self, slot: Extent) -> None:
         self.files.free(slot)
         self._unclaim(slot.length)
+
+
+class NvmeTier(SwapFileSlots):
+    """Slots are extents of a few large preallocated files, moved by the file engine."""
+
+    def __init__(self, files: SwapFiles, engine: FileEngine, budget: int | None = None):
+        super().__init__(Tier.NVME, budget if budget is not None else 1 << 62)
+        self.files, self.engine = files, engine
 
     def read_into(self, slot: Extent, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
         handle = self.engine.read(slot.file, slot.offset, dest, self._io_length(dest, nbytes, slot),

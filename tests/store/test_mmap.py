@@ -146,3 +146,17 @@ def test_wrapped_training_through_mmap_matches_memory(tmp_path, backend, caplog,
         offload.unwrap(model)
     nvme = tmp_path / "nvme"
     assert not [f for f in (os.listdir(nvme) if nvme.exists() else []) if f.startswith("offload-")]
+
+
+def test_optimizer_states_that_outgrow_an_mmap_store_warn(tmp_path, caplog, no_leaks):
+    model = offload.wrap(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)),
+                         _cfg(tmp_path, optimizer_tier="nvme", host_budget="4MiB", device_budget="2MiB",
+                              resident_bytes=0, io_backend="mmap"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            opt = offload.AdamW(model.parameters(), lr=1e-3)
+        opt.close()
+    finally:
+        offload.close(model)
+    assert any("beyond its page-cache limit" in r.getMessage() and "io_backend='direct'" in r.getMessage()
+               for r in caplog.records)
