@@ -69,7 +69,7 @@ class ParamManager:
         for key in _DELTA_KEYS:
             delta = current[key] - previous[key]
             record[key] = round(delta, 6) if isinstance(delta, float) else delta
-        for key in ("device_peak_bytes", "host_peak_bytes"):
+        for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes"):
             record[key] = current[key]
         record.update(self._noted)
         record.update(fields)
@@ -285,8 +285,9 @@ def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:
     """End a step of ``model``: returns (and, with ``OffloadConfig(log_path=...)``, appends
     as one JSON line) what moved and waited since the previous step: ``read_bytes``,
     ``write_bytes``, ``stall_seconds``, ``io_busy_seconds``, ``optimizer_seconds``,
-    ``prefetch_hits``, ``prefetch_misses``, the peaks, ``step_seconds`` (wall time since the
-    previous line), the fields given to :func:`note_step` and ``fields``.
+    ``prefetch_hits``, ``prefetch_misses``, the peaks, ``page_cache_bytes`` (now),
+    ``step_seconds`` (wall time since the previous line), the fields given to
+    :func:`note_step` and ``fields``.
 
     An offloaded optimizer serving the model calls this after each ``step()``; call it
     yourself per pass for inference, or in loops with no offloaded optimizer.
