@@ -648,6 +648,12 @@ class TensorStore:
                 if copy.state is Residency.STORING:
                     self._move(record, copy, Residency.RESIDENT)
                     self._drop(record, copy)
+            if error is None and not copy.dirty and copy.readers == 0 and copy.drop_when_idle \
+                    and copy.state is Residency.RESIDENT:
+                # revived by a fetch while it was written, then evicted: the eviction waited
+                # for this write (a reader); its bytes are home now, so it goes
+                copy.drop_when_idle = False
+                self._drop(record, copy)
             self._pump_all()
 
     def _reader_done(self, record: StoredTensor, source: _Copy) -> None:

@@ -130,6 +130,29 @@ def test_dirty_eviction_writes_home_and_a_refetch_revives_it():
     assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 42.0))
 
 
+def test_a_copy_revived_then_evicted_during_its_write_back_goes_when_the_write_ends():
+    """The eviction waits for the write (it reads the copy); once the bytes are home the
+    copy is dropped and its budget given back, not left resident for ever."""
+    store, fake, log = make_store()
+    put_all(store, fake, 1)
+    store.fetch("t0", Tier.DEVICE)
+    fake.complete()
+    store.wait("t0", Tier.DEVICE).fill_(7)
+    store.mark_dirty("t0", Tier.DEVICE)
+    store.evict("t0", Tier.DEVICE)  # write home starts
+    store.fetch("t0", Tier.DEVICE)  # revived while the write runs
+    held = store.tiers[Tier.DEVICE].used_bytes
+    assert held > 0
+    store.evict("t0", Tier.DEVICE)  # wanted gone again, the first write still running
+    fake.complete()  # both writes end
+    assert fake.in_flight == 0
+    assert store.state("t0", Tier.DEVICE) is Residency.ABSENT
+    assert store.tiers[Tier.DEVICE].used_bytes == 0
+    store.fetch("t0", Tier.DEVICE)
+    fake.complete()
+    assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 7.0))
+
+
 def test_a_write_back_of_an_older_version_does_not_clean_a_newer_one():
     store, fake, log = make_store()
     put_all(store, fake, 1)
