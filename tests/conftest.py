@@ -147,3 +147,33 @@ def loop_fs(tmp_path):
     for dev, mountpoint in reversed(mounted):
         subprocess.run(["umount", mountpoint])
         subprocess.run(["losetup", "-d", dev])
+
+
+@pytest.fixture
+def as_nobody():
+    """``as_nobody(body)``: see :func:`run_as_nobody_in_read_only_dir`."""
+    return run_as_nobody_in_read_only_dir
+
+
+def run_as_nobody_in_read_only_dir(body: str):
+    """Root may write anywhere, so an unwritable directory is checked as uid 65534: a
+    read-only directory ``ro`` under one that user can reach (pytest's tmp_path parents
+    are private to root), and ``body`` (Python using ``ro``) run in a child process that
+    imports offload as root and then drops privileges. Returns the CompletedProcess."""
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+
+    reachable = tempfile.mkdtemp(prefix="offload-test-")
+    os.chmod(reachable, 0o755)
+    ro = os.path.join(reachable, "ro")
+    os.mkdir(ro, 0o555)
+    code = f"import os, offload, torch\nfrom offload.store import create_store\nro = {ro!r}\n" \
+        "os.setgid(65534); os.setuid(65534)\n" + textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        os.rmdir(ro)
+        os.rmdir(reachable)

@@ -60,7 +60,7 @@ def test_host_budget_too_small_for_an_optimizer_shard_is_refused(tmp_path, no_le
 
 # -- nvme_path -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("problem", ["missing", "file", "unwritable"])
-def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, no_leaks):
+def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, as_nobody, no_leaks):
     if problem == "missing":
         path, error, match = tmp_path / "no" / "such" / "dir", FileNotFoundError, "does not exist"
     elif problem == "file":
@@ -68,7 +68,7 @@ def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, no_le
         path.write_text("")
     else:
         if os.geteuid() == 0:
-            _unwritable_as_nobody()
+            _unwritable_as_nobody(as_nobody)
             return
         path, error, match = tmp_path / "ro", PermissionError, "not writable"
         path.mkdir(mode=0o500)
@@ -78,25 +78,12 @@ def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, no_le
     model(input_ids=batches(1)[0])  # untouched
 
 
-def _unwritable_as_nobody() -> None:
+def _unwritable_as_nobody(as_nobody) -> None:
     """As root everything is writable: check as an unprivileged user in a child process."""
-    import tempfile
-    reachable = tempfile.mkdtemp(prefix="offload-fault-")
-    os.chmod(reachable, 0o755)
-    ro = os.path.join(reachable, "ro")
-    os.mkdir(ro, 0o555)
-    code = textwrap.dedent(f"""
-        import os, offload, torch
-        os.setgid(65534); os.setuid(65534)
-        cfg = offload.OffloadConfig(device="cpu", nvme_path={ro!r}, io="manual")
+    out = as_nobody("""
+        cfg = offload.OffloadConfig(device="cpu", nvme_path=ro, io="manual")
         offload.wrap(torch.nn.Linear(512, 512), cfg)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    finally:
-        os.rmdir(ro)
-        os.rmdir(reachable)
     assert out.returncode != 0, out.stderr[-2000:]
     assert "PermissionError" in out.stderr and "not writable" in out.stderr, out.stderr[-2000:]
 
