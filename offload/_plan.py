@@ -170,10 +170,18 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
         p.rows.append(PlanRow(f"optimizer: {', '.join(state_rows)}", tier, 4 * len(state_rows) * elements,
                               "fp32, 4 bytes per parameter each"))
         p.rows.append(PlanRow("optimizer: master weights", tier, 4 * elements, "fp32 copy of the parameters"))
-        p.rows.append(PlanRow("optimizer: gradient accumulators", tier, 4 * elements,
-                              "fp32, summed over backward passes"))
+        grads_tier, why = tier, "fp32, summed over backward passes"
         if tier == "nvme":
-            per_element = 4 * (len(state_rows) + 2)
+            # the optimizer's grad_tier="auto": in host memory when half of what host_budget
+            # leaves after the parameter staging holds them
+            staging = 0
+            if streamed and config.param_tier == "nvme":
+                staging = min(config.host_budget, window + largest) + largest
+            if 4 * elements <= (config.host_budget - staging) // 2:
+                grads_tier, why = "host", "fp32, summed over backward passes; kept in host memory (grad_tier='auto')"
+        p.rows.append(PlanRow("optimizer: gradient accumulators", grads_tier, 4 * elements, why))
+        if tier == "nvme":
+            per_element = 4 * (len(state_rows) + (1 if grads_tier == "host" else 2))
             in_flight = min(config.host_budget, 4 * _SHARD_ELEMENTS * per_element, elements * per_element)
             p.rows.append(PlanRow("optimizer: shards in flight", "host", in_flight,
                                   "read ahead, update, write back; within host_budget"))

@@ -33,6 +33,7 @@ tier, a parameter group at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -55,6 +56,7 @@ __all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
+_READ_AHEAD = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
 
 
 @dataclass(eq=False)
@@ -80,6 +82,7 @@ class _Shard:
     master: bool
     wrapped: bool
     segments: list[_Segment] = field(default_factory=list)
+    grad_home: Tier | None = None  # where the fp32 gradient rests (wrapped only): host when the budget allows
     expected: int = 0  # distinct parameters that report a gradient per backward
     grad_valid: bool = False  # the stored grad holds this cycle's accumulation
     acc: torch.Tensor | None = None  # open fp32 accumulator during backward
@@ -102,8 +105,37 @@ class _Shard:
         return self.rows * self.numel * 4
 
     @property
+    def grad_bytes(self) -> int:
+        return self.numel * 4 if self.wrapped else 0
+
+    @property
     def bytes_in_flight(self) -> int:
-        return self.state_bytes + (self.numel * 4 if self.wrapped else 0)
+        """Host bytes the step holds for this shard while it is read, updated and written."""
+        if self.home is Tier.HOST:
+            return 0
+        return self.state_bytes + (self.grad_bytes if self.grad_home is not Tier.HOST else 0)
+
+    @property
+    def host_resting_bytes(self) -> int:
+        """Host bytes this shard keeps between steps (states in the host tier, a gradient
+        kept in host memory)."""
+        states = self.state_bytes if self.home is Tier.HOST else 0
+        return states + (self.grad_bytes if self.grad_home is Tier.HOST else 0)
+
+    @property
+    def nvme_bytes(self) -> int:
+        states = self.state_bytes if self.home is Tier.NVME else 0
+        return states + (self.grad_bytes if self.grad_home is Tier.NVME else 0)
+
+
+@dataclass(eq=False)
+class _GroupWrite:
+    """A wrapped parameter group's new bytes, assembled from the shards that cover it."""
+    manager: Any
+    group: Any
+    remaining: int = 0  # shards of this step still to update it
+    data: torch.Tensor | None = None
+    written: list = field(default_factory=list)  # (byte offset, bytes) assembled so far
 
 
 class OffloadOptimizer(Optimizer):
@@ -114,6 +146,12 @@ class OffloadOptimizer(Optimizer):
             (``config.optimizer_tier``, ``nvme_path``, ``host_budget``); default: host
             memory without a budget. Wrapped parameters use their model's config.
         shard_size: elements per shard (default: 16M, fewer when the host budget is small).
+        grad_tier: where the fp32 gradient accumulators of wrapped parameters rest when their
+            states are on NVMe: ``"auto"`` (default) keeps them in host memory as far as half
+            of the host budget left after the parameter and write-back staging allows
+            (no gradient bytes written and read back each step), the rest on NVMe;
+            ``"host"`` requires all of them in host memory (BudgetError if the budget cannot
+            hold them); ``"nvme"`` writes them all to NVMe (least host memory).
         loss_scale: ``"dynamic"`` (default when a parameter is fp16), a fixed float, or None.
         events: a list that receives ``(event, shard_index)`` tuples ("read", "update_start",
             "update_end", "write") for tests and tracing.
@@ -123,7 +161,11 @@ class OffloadOptimizer(Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
                  shard_size: int | None = None, loss_scale: str | float | None = "auto",
-                 events: list | None = None):
+                 events: list | None = None, grad_tier: str = "auto"):
+        if grad_tier not in ("auto", "host", "nvme"):
+            raise ValueError(f"grad_tier={grad_tier!r}: use 'auto', 'host' or 'nvme'")
+        self._grad_tier = grad_tier
+        self._grad_room: dict[int, int] = {}  # id(store) -> gradient bytes new shards may keep on host
         self._config = config
         self._shard_size = int(shard_size) if shard_size is not None else None
         if self._shard_size is not None and self._shard_size < 1:
@@ -141,6 +183,14 @@ class OffloadOptimizer(Optimizer):
         self._clip_coef = 1.0
         self._backward_task: int | None = None
         self._interrupted: str | None = None  # how far a step() stopped by an exception got
+        # update_during_backward(): this cycle's shards are updated as their gradients become
+        # final, in the order they do; step() finishes what is left
+        self._early = False  # the current cycle updates during backward
+        self._early_queue: list[_Shard] = []  # final, not updated yet (reads issued ahead)
+        self._early_issued: set = set()
+        self._early_done: set[int] = set()  # ids of shards updated during this backward
+        self._early_pending: dict = {}  # group writes waiting for more shards
+        self._early_busy: list = []  # group writes waiting for a pass to release the group
         self._closed = False
         # read_bytes / write_bytes: what the optimizer asked its tier for; a read of a state
         # still being written back is served from memory, so the disk may move fewer bytes
@@ -180,11 +230,7 @@ class OffloadOptimizer(Optimizer):
         started = time.perf_counter()
         self._sync_drains()
         if self._interrupted is not None:
-            raise RuntimeError(
-                f"the previous step() stopped after updating {self._interrupted}: the model's weights "
-                "and the optimizer states are partly from that step. Load a checkpoint "
-                "(offload.load_checkpoint(path, model, optimizer)) or the optimizer's and the model's "
-                "state dicts to go on, or close() the optimizer")
+            self._refuse_interrupted()
         self._ensure_layout()
         if self._scaler_enabled and self._found_inf():
             self._skip_step()
@@ -193,8 +239,11 @@ class OffloadOptimizer(Optimizer):
             return loss
         grad_scale = (self.loss_scale if self._scaler_enabled else 1.0) / self._clip_coef
         self._clip_coef = 1.0
-        work = [s for s in self._shards if self._has_grads(s)]
-        self._run_pipeline(work, grad_scale)
+        if self._early:
+            work = self._finish_early()
+        else:
+            work = [s for s in self._shards if self._has_grads(s)]
+            self._run_pipeline(work, grad_scale)
         self._consume_offloaded_grads()
         if self._scaler_enabled:
             self._grow_scale()
@@ -205,12 +254,139 @@ class OffloadOptimizer(Optimizer):
         self._end_step(started, skipped=False)
         return loss
 
+    def _refuse_interrupted(self) -> None:
+        raise RuntimeError(
+            f"the previous step() stopped after updating {self._interrupted}: the model's weights "
+            "and the optimizer states are partly from that step. Load a checkpoint "
+            "(offload.load_checkpoint(path, model, optimizer)) or the optimizer's and the model's "
+            "state dicts to go on, or close() the optimizer")
+
     def _end_step(self, started: float, *, skipped: bool) -> None:
         """Tell the wrapped models this optimizer serves: their optimizer time, and the line
         of their step log (OffloadConfig.log_path)."""
         seconds = time.perf_counter() - started
         for manager in _managers_of(self._shards):
             manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped)
+
+    @contextlib.contextmanager
+    def update_during_backward(self):
+        """Within this block, a ``backward()`` updates each shard of a wrapped model's
+        parameters as soon as their gradients are final, overlapping the optimizer's reads,
+        update and write-backs with the rest of the backward pass; ``step()`` afterwards
+        updates what is left (plain parameters, parameters that got no gradient in that
+        pass) and ends the step::
+
+            with opt.update_during_backward():
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        The result equals ``backward(); step()`` exactly, under these rules (each checked):
+
+        * the backward inside the block is the last of its step: earlier micro-batches of a
+          gradient accumulation run outside it, and no other backward may come before
+          ``step()``;
+        * no gradient clipping (``clip_grad_norm_`` needs every gradient before the first
+          update; it raises after this block) and no fp16 loss scaling (an overflow would
+          have to skip the whole step);
+        * each parameter receives its gradient once in that pass (true of a parameter used
+          several times in one graph, and of activation checkpointing; a reentrant backward
+          that reports a parameter twice raises, and the optimizer then refuses to step
+          until a checkpoint or state dict is loaded).
+        """
+        if self._scaler_enabled:
+            raise ValueError("update_during_backward() cannot be used with fp16 loss scaling: an overflow "
+                             "must skip the whole step, so every gradient has to be seen first. Use bf16 or "
+                             "fp32, or call step() after backward()")
+        if self._clip_coef != 1.0:
+            raise ValueError("clip_grad_norm_() was called before update_during_backward(): the clip "
+                             "factor must come from this step's gradients; clip without "
+                             "update_during_backward() (backward(), clip_grad_norm_(), step())")
+        self._sync_drains()
+        if self._interrupted is not None:
+            self._refuse_interrupted()
+        if self._early:
+            raise RuntimeError("update_during_backward() was already used in this step: call step() "
+                               "before the next one")
+        self._ensure_layout()
+        self._early = True
+        self._early_queue, self._early_issued, self._early_done = [], set(), set()
+        self._early_pending, self._early_busy = {}, []
+        for shard in self._shards:
+            if shard.wrapped:  # every shard that will be updated counts toward its groups
+                for manager, g, _ in {id(x.owner[1]): x.owner for x in shard.segments}.values():
+                    self._early_pending.setdefault(id(g), _GroupWrite(manager, g)).remaining += 1
+        try:
+            yield self
+        except BaseException:
+            # the backward failed or was interrupted: nothing of it may be applied later
+            self._abandon_pipeline(self._early_queue, self._early_issued)
+            if self._early_done:
+                self._interrupted = self._interrupted or f"{len(self._early_done)} shards during backward"
+            self._early = False
+            self._early_queue, self._early_pending, self._early_busy = [], {}, []
+            self._early_done, self._early_issued = set(), set()
+            raise
+
+    def _enqueue_early(self, shard: _Shard) -> None:
+        """A shard's gradient is final in an update_during_backward() pass: read its states
+        and update it as soon as they are in memory, without holding backward up."""
+        self._early_queue.append(shard)
+        self._advance_early(block=False)
+
+    def _advance_early(self, *, block: bool) -> None:
+        queue = self._early_queue
+        while queue:
+            for shard in queue[: 1 + _READ_AHEAD]:
+                self._issue_read(shard, self._early_issued)
+            head = queue[0]
+            if not block and not self._states_in_memory(head):
+                break
+            queue.pop(0)
+            try:
+                self._process(head, 1.0, self._early_pending, busy=self._early_busy)
+            except BaseException:
+                self._abandon_pipeline(queue, self._early_issued)
+                if self._early_done:
+                    self._interrupted = f"{len(self._early_done)} shards during backward"
+                raise
+            self._early_done.add(id(head))
+        busy, self._early_busy = self._early_busy, []
+        for entry in busy:
+            if block or not entry.manager.coordinator.live[entry.group].refs:
+                entry.manager.write_group(entry.group, entry.data)
+            else:
+                self._early_busy.append(entry)
+
+    def _states_in_memory(self, shard: _Shard) -> bool:
+        if shard.home is Tier.HOST:
+            return True
+        keys = ([shard.state_key] if shard.rows else []) + \
+            ([shard.grad_key] if shard.wrapped and shard.grad_home is not Tier.HOST else [])
+        return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in keys)
+
+    def _finish_early(self) -> list[_Shard]:
+        """step() after update_during_backward(): update the shards still queued and those
+        with gradients that did not become final in that pass, then write every parameter
+        group (merging what was not updated from its current bytes)."""
+        try:
+            self._advance_early(block=True)
+            rest = [s for s in self._shards if id(s) not in self._early_done and self._has_grads(s)]
+            pending = self._early_pending  # every wrapped group, counting all of its shards
+            self._run_pipeline(rest, 1.0, pending)
+            for entry in list(pending.values()):  # groups some of whose shards got no gradient
+                if not entry.written:
+                    continue
+                current = entry.manager.group_bytes(entry.group)
+                for offset, n in entry.written:
+                    current[offset: offset + n] = entry.data[offset: offset + n]
+                entry.manager.write_group(entry.group, current)
+            done = [s for s in self._shards if id(s) in self._early_done] + rest
+        finally:
+            self._early = False
+            self._early_queue, self._early_pending, self._early_busy = [], {}, []
+            self._early_done, self._early_issued = set(), set()
+        return done
 
     def _consume_offloaded_grads(self) -> None:
         # Note: a step consumes the offloaded gradients. Loops that reset gradients with
@@ -247,6 +423,10 @@ class OffloadOptimizer(Optimizer):
         were written, and the scaling is applied inside the next ``step()``.
         """
         norm_type = float(norm_type)
+        if self._early:
+            raise RuntimeError("clip_grad_norm_() after update_during_backward(): the shards were updated "
+                               "during backward, before the total norm was known. To clip, run "
+                               "backward(), clip_grad_norm_(), step() without update_during_backward()")
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type={norm_type}: offload optimizers clip by the 2-norm or the "
                              "inf-norm")
@@ -401,6 +581,7 @@ class OffloadOptimizer(Optimizer):
             manager, pgroup, slot = t[2]
             order[id(t[1])] = (id(manager), manager.groups.index(pgroup), pgroup.slots.index(slot))
         wrapped.sort(key=lambda t: order[id(t[1])])
+        self._plan_grad_room(wrapped)
         new: list[_Shard] = []
         new += self._cut(wrapped, wrapped=True)
         new += self._cut(plain, wrapped=False)
@@ -411,6 +592,30 @@ class OffloadOptimizer(Optimizer):
         self._shards.extend(new)
         for _, p, _ in todo:
             self._laid_out.add(id(p))
+
+    def _plan_grad_room(self, wrapped: list) -> None:
+        """How many gradient bytes of the parameters being laid out may rest in host memory,
+        per store (see ``grad_tier``)."""
+        self._grad_room = {}
+        for manager in {id(t[2][0]): t[2][0] for t in wrapped}.values():
+            store = manager.store
+            if Tier.parse(manager.config.optimizer_tier) is Tier.HOST or self._grad_tier == "nvme":
+                continue
+            need = 4 * sum(t[1].numel() for t in wrapped if t[2][0] is manager)
+            budget = store.tiers[Tier.HOST].budget
+            kept = sum(s.host_resting_bytes for s in self._shards if s.store is store)
+            free = budget - kept - _write_back_staging((manager,)) - manager.host_staging_bytes()
+            if self._grad_tier == "host":
+                if need > free // 2:
+                    raise BudgetError(
+                        f"grad_tier='host' keeps {format_size(need)} of fp32 gradients in host memory, "
+                        f"more than half of the {format_size(max(free, 0))} that host_budget "
+                        f"({format_size(budget)}) leaves after the parameter staging: raise "
+                        "host_budget or use grad_tier='auto'")
+                room = need
+            else:
+                room = min(need, max(0, free // 2))
+            self._grad_room[id(store)] = room
 
     def _cut(self, items: list, *, wrapped: bool) -> list[_Shard]:
         """Consecutive segments of ``items`` into shards that share a store and a master layout."""
@@ -437,8 +642,14 @@ class OffloadOptimizer(Optimizer):
                 segs.append(seg)
                 start += take
             self._segments_of[id(p)] = segs
+        room = dict(self._grad_room)
         for shard in shards:
             shard.expected = len({id(s.param) for s in shard.segments if s.param.requires_grad})
+            if shard.wrapped:
+                shard.grad_home = shard.home
+                if shard.home is not Tier.HOST and room.get(id(shard.store), 0) >= shard.grad_bytes:
+                    shard.grad_home = Tier.HOST
+                    room[id(shard.store)] -= shard.grad_bytes
         return shards
 
     def _store_for(self, owner) -> tuple[TensorStore, Tier]:
@@ -473,7 +684,7 @@ class OffloadOptimizer(Optimizer):
         # NVMe: four shards in flight (read ahead, update, write back) within the host budget,
         # next to the staging buffer that writes a parameter group's new values to NVMe
         per_element = 4 * (rows + (1 if wrapped else 0))
-        budget = store.tiers[Tier.HOST].budget - _write_back_staging(owner)
+        budget = store.tiers[Tier.HOST].budget - _write_back_staging(owner) - self._grad_room.get(id(store), 0)
         return max(1 << 16, min(_DEFAULT_SHARD, budget // (4 * per_element)))
 
     def _check_host_budget(self, shards: list[_Shard]) -> None:
@@ -483,39 +694,45 @@ class OffloadOptimizer(Optimizer):
         for group in by_store.values():
             store = group[0].store
             budget = store.tiers[Tier.HOST].budget
-            resting = sum(s.bytes_in_flight for s in group if s.home is Tier.HOST)
-            largest = max((s.bytes_in_flight for s in group if s.home is not Tier.HOST), default=0)
+            resting = sum(s.host_resting_bytes for s in group)
+            largest = max((s.bytes_in_flight for s in group), default=0)
             staging = max((_write_back_staging(s.segments[0].owner) for s in group if s.wrapped), default=0)
             if resting + largest + staging > budget:
                 need = resting + largest + staging
+                parts = [(resting, "resting in host memory"), (largest, "for one shard in flight"),
+                         (staging, "to write back a parameter group")]
+                fixes = ["raise host_budget"]
+                if any(s.home is Tier.HOST for s in group):
+                    fixes.append("set optimizer_tier='nvme'")
+                fixes.append("pass a smaller shard_size")
+                if any(s.grad_home is Tier.HOST and s.home is not Tier.HOST for s in group):
+                    fixes.append("set grad_tier='nvme'")
                 raise BudgetError(
-                    f"the optimizer states need {format_size(need)} of host memory "
-                    f"({format_size(resting)} resting in optimizer_tier='host'"
-                    + (f", {format_size(largest)} for one shard in flight" if largest else "")
-                    + (f", {format_size(staging)} to write back a parameter group" if staging else "")
-                    + f") but host_budget is {format_size(budget)}: raise host_budget, set "
-                    "optimizer_tier='nvme', or pass a smaller shard_size")
+                    f"the optimizer states need {format_size(need)} of host memory ("
+                    + ", ".join(f"{format_size(n)} {what}" for n, what in parts if n)
+                    + f") but host_budget is {format_size(budget)}: " + ", ".join(fixes[:-1])
+                    + f" or {fixes[-1]}")
 
     def _check_machine(self, shards: list[_Shard]) -> None:
         """Refuse, before allocating them, states that this machine's free RAM or disk cannot
         hold (offload.plan's checks, for the states of these shards)."""
         from .._plan import check_disk, check_ram
 
-        resting = sum(s.bytes_in_flight for s in shards if s.home is Tier.HOST)
+        resting = sum(s.host_resting_bytes for s in shards)
         if resting:
             check_ram(resting, "the optimizer states in host memory",
                       "set optimizer_tier='nvme' (OffloadConfig) or free memory")
         by_path: dict[str, int] = defaultdict(int)
         for s in shards:
-            if s.home is Tier.NVME:
-                by_path[s.store.tiers[Tier.NVME].files.path] += s.bytes_in_flight
+            if s.nvme_bytes:
+                by_path[s.store.tiers[Tier.NVME].files.path] += s.nvme_bytes
         for path, need in by_path.items():
             check_disk(path, need, "the optimizer states on NVMe",
                        "free space there, point nvme_path at a larger disk, or set optimizer_tier='host'")
         for store in {id(s.store): s.store for s in shards if s.home is Tier.NVME}.values():
             tier = store.tiers[Tier.NVME]
             limit = getattr(tier, "cache_limit", None)
-            total = tier.used_bytes + sum(s.bytes_in_flight for s in shards if s.store is store)
+            total = tier.used_bytes + sum(s.nvme_bytes for s in shards if s.store is store)
             if limit is not None and total > limit:
                 log.warning("offload: the optimizer states take the mmap NVMe tier at %s to %s, beyond its "
                             "page-cache limit (host_budget %s): they will be read back through the page "
@@ -550,7 +767,7 @@ class OffloadOptimizer(Optimizer):
                 rows[0, seg.offset: seg.offset + seg.length].copy_(view[seg.start: seg.start + seg.length])
         self._write_state(shard, rows)
         if shard.wrapped:
-            shard.store.put(shard.grad_key, torch.zeros(shard.numel, dtype=torch.float32), shard.home)
+            shard.store.put(shard.grad_key, torch.zeros(shard.numel, dtype=torch.float32), shard.grad_home)
 
     def _write_state(self, shard: _Shard, rows: torch.Tensor) -> None:
         if shard.rows:
@@ -580,6 +797,8 @@ class OffloadOptimizer(Optimizer):
 
     def _drain(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         flat = grad.reshape(-1)
+        if self._early:
+            self._check_not_final(p)
         for seg in self._segments_of[id(p)]:
             shard = seg.shard
             acc = self._open(shard)
@@ -616,6 +835,21 @@ class OffloadOptimizer(Optimizer):
 
         self._drains.append(self._drain_pool.submit(add))
 
+    def _check_not_final(self, p: torch.Tensor) -> None:
+        """update_during_backward(): a gradient for a shard already final in this step."""
+        for seg in self._segments_of[id(p)]:
+            shard = seg.shard
+            if id(shard) in self._early_done or shard in self._early_queue:
+                if self._early_done:
+                    self._interrupted = f"{len(self._early_done)} shards during backward"
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} received a gradient after its shard was "
+                    "final in an update_during_backward() step (a second backward before step(), or a "
+                    "reentrant backward that reports a parameter twice). "
+                    + ("Shards updated already hold this step's weights: load a checkpoint or state "
+                       "dicts to go on. " if self._early_done else "")
+                    + "Run that backward outside update_during_backward()")
+
     def _sync_drains(self) -> None:
         drains, self._drains = self._drains, []
         for f in drains:
@@ -646,7 +880,7 @@ class OffloadOptimizer(Optimizer):
         if shard.acc is not None:
             return shard.acc
         store = shard.store
-        if shard.home is Tier.HOST:
+        if shard.grad_home is Tier.HOST:
             acc = store.wait(shard.grad_key, Tier.HOST)
             if not shard.grad_valid:
                 acc.zero_()
@@ -668,16 +902,18 @@ class OffloadOptimizer(Optimizer):
         shard.sumsq = float(torch.dot(acc, acc))
         shard.maxabs = float(torch.linalg.vector_norm(acc, math.inf)) if acc.numel() else 0.0
         shard.finite = math.isfinite(shard.sumsq)
-        if shard.home is Tier.HOST:
+        if shard.grad_home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)
         else:
-            shard.store.put(shard.grad_key, acc, shard.home)
+            shard.store.put(shard.grad_key, acc, shard.grad_home)
             shard.store.staging.release(shard.acc_buffer)
             shard.acc_buffer = None
             self.stats["write_bytes"] += shard.numel * 4
         shard.acc = None
         shard.grad_valid = True
         shard.drained.clear()
+        if self._early and shard.wrapped:
+            self._enqueue_early(shard)
 
     # -- the step --------------------------------------------------------------------------
     def _has_grads(self, shard: _Shard) -> bool:
@@ -708,15 +944,17 @@ class OffloadOptimizer(Optimizer):
         if shard.rows:
             shard.store.fetch(shard.state_key, Tier.HOST)
             self.stats["read_bytes"] += shard.state_bytes
-        if shard.wrapped:
+        if shard.wrapped and shard.grad_home is not Tier.HOST:
             shard.store.fetch(shard.grad_key, Tier.HOST)
             self.stats["read_bytes"] += shard.numel * 4
 
-    def _run_pipeline(self, work: list[_Shard], grad_scale: float) -> None:
+    def _run_pipeline(self, work: list[_Shard], grad_scale: float, pending: dict | None = None) -> None:
         issued: set = set()
         progress = [0]  # shards whose update has begun
+        if pending is None:
+            pending = self._group_writes(work)
         try:
-            self._pipeline(work, grad_scale, issued, progress)
+            self._pipeline(work, grad_scale, issued, progress, pending)
         except BaseException:
             self._abandon_pipeline(work[max(progress[0] - 1, 0):], issued)
             if progress[0]:
@@ -730,7 +968,8 @@ class OffloadOptimizer(Optimizer):
         for shard in rest:
             if id(shard) not in issued or shard.home is Tier.HOST:
                 continue
-            for key, used in ((shard.state_key, shard.rows), (shard.grad_key, shard.wrapped)):
+            for key, used in ((shard.state_key, shard.rows),
+                              (shard.grad_key, shard.wrapped and shard.grad_home is not Tier.HOST)):
                 if not used:
                     continue
                 try:
@@ -740,31 +979,36 @@ class OffloadOptimizer(Optimizer):
                 if shard.store.state(key, Tier.HOST) is Residency.RESIDENT:
                     shard.store.evict(key, Tier.HOST)
 
-    def _pipeline(self, work: list[_Shard], grad_scale: float, issued: set, progress: list[int]) -> None:
-        pending = self._group_writes(work)
-        ahead = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
+    def _pipeline(self, work: list[_Shard], grad_scale: float, issued: set, progress: list[int],
+                  pending: dict) -> None:
         for i, shard in enumerate(work):
-            for nxt in work[i: i + 1 + ahead]:
+            for nxt in work[i: i + 1 + _READ_AHEAD]:
                 self._issue_read(shard if nxt is shard else nxt, issued)
-            waited = time.perf_counter()
-            rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
-            grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
-            self.stats["wait_seconds"] += time.perf_counter() - waited
             progress[0] = i + 1
-            self._log("update_start", shard)
-            self._update_shard(shard, rows, grads, grad_scale)
-            self._log("update_end", shard)
-            self._write_back(shard, rows, pending)
-            if shard.home is not Tier.HOST:
-                self._log("write", shard)
-                if shard.rows:
-                    shard.store.mark_dirty(shard.state_key, Tier.HOST)
-                    shard.store.evict(shard.state_key, Tier.HOST)
-                    self.stats["write_bytes"] += shard.state_bytes
-                if shard.wrapped:
-                    shard.store.evict(shard.grad_key, Tier.HOST)
-            elif shard.rows:
+            self._process(shard, grad_scale, pending)
+
+    def _process(self, shard: _Shard, grad_scale: float, pending: dict, *, busy: list | None = None) -> None:
+        """Update ``shard`` (its reads issued) and start writing it back: states to their
+        tier, parameter groups whose shards are all done to the parameter tier (into
+        ``busy`` instead when given and the group is in use by a pass)."""
+        waited = time.perf_counter()
+        rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
+        grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
+        self.stats["wait_seconds"] += time.perf_counter() - waited
+        self._log("update_start", shard)
+        self._update_shard(shard, rows, grads, grad_scale)
+        self._log("update_end", shard)
+        self._write_back(shard, rows, pending, busy)
+        if shard.home is not Tier.HOST:
+            self._log("write", shard)
+            if shard.rows:
                 shard.store.mark_dirty(shard.state_key, Tier.HOST)
+                shard.store.evict(shard.state_key, Tier.HOST)
+                self.stats["write_bytes"] += shard.state_bytes
+            if shard.wrapped and shard.grad_home is not Tier.HOST:
+                shard.store.evict(shard.grad_key, Tier.HOST)
+        elif shard.rows:
+            shard.store.mark_dirty(shard.state_key, Tier.HOST)
 
     def _update_shard(self, shard: _Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
                       grad_scale: float) -> None:
@@ -814,28 +1058,30 @@ class OffloadOptimizer(Optimizer):
         self._update(group, params, gs, state_rows, steps, grad_scale)
         return temp
 
-    def _group_writes(self, work: list[_Shard]) -> dict:
-        """For each wrapped parameter group touched by this step: how many of the step's
-        shards cover it, and whether its current bytes must be read first (some of its
-        parameters are not updated by this step)."""
-        pending: dict[int, list] = {}
+    def _group_writes(self, work: list[_Shard], pending: dict | None = None) -> dict:
+        """For each wrapped parameter group touched by this step and not in ``pending``
+        already: how many of the step's shards cover it, and whether its current bytes must
+        be read first (some of its parameters are not updated by this step)."""
+        pending = {} if pending is None else pending
+        new: dict[int, _GroupWrite] = {}
         covered: dict[int, int] = defaultdict(int)
         for shard in work:
             if not shard.wrapped:
                 continue
-            for pgroup in {id(s.owner[1]): s.owner for s in shard.segments}.values():
-                manager, g, _ = pgroup
-                entry = pending.setdefault(id(g), [manager, g, 0, None])
-                entry[2] += 1
+            for manager, g, _ in {id(s.owner[1]): s.owner for s in shard.segments}.values():
+                if id(g) in pending:
+                    continue
+                new.setdefault(id(g), _GroupWrite(manager, g)).remaining += 1
             for seg in shard.segments:
                 covered[id(seg.owner[1])] += seg.length * seg.owner[2].dtype.itemsize
-        for key, entry in pending.items():
-            manager, g = entry[0], entry[1]
-            if covered[key] < g.nbytes:
-                entry[3] = manager.group_bytes(g)  # keep what this step does not update
+        for key, entry in new.items():
+            if covered[key] < entry.group.nbytes:
+                entry.data = entry.manager.group_bytes(entry.group)  # keep what this step does not update
+        pending.update(new)
         return pending
 
-    def _write_back(self, shard: _Shard, rows: torch.Tensor | None, pending: dict) -> None:
+    def _write_back(self, shard: _Shard, rows: torch.Tensor | None, pending: dict,
+                    busy: list | None = None) -> None:
         if not shard.master:
             return  # plain fp32 CPU parameters were updated in place
         if not shard.wrapped:
@@ -847,20 +1093,24 @@ class OffloadOptimizer(Optimizer):
         done = []
         for seg in shard.segments:
             entry = pending[id(seg.owner[1])]
-            manager, g, _, data = entry
-            if data is None:
-                data = entry[3] = torch.empty(g.nbytes, dtype=torch.uint8)
+            if entry.data is None:
+                entry.data = torch.empty(entry.group.nbytes, dtype=torch.uint8)
             slot = seg.owner[2]
-            view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(-1)
+            view = entry.data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(-1)
             view[seg.start: seg.start + seg.length].copy_(rows[0, seg.offset: seg.offset + seg.length])
+            size = slot.dtype.itemsize
+            entry.written.append((slot.offset + seg.start * size, seg.length * size))
         for key in {id(seg.owner[1]) for seg in shard.segments}:
             entry = pending[key]
-            entry[2] -= 1
-            if entry[2] == 0:
+            entry.remaining -= 1
+            if entry.remaining == 0:
                 done.append(entry)
-        for manager, g, _, data in done:
-            manager.write_group(g, data)
-            del pending[id(g)]
+        for entry in done:
+            del pending[id(entry.group)]
+            if busy is not None and entry.manager.coordinator.live[entry.group].refs:
+                busy.append(entry)  # a pass still computes with the old bytes: write it later
+            else:
+                entry.manager.write_group(entry.group, entry.data)
 
     # -- loss scaling ----------------------------------------------------------------------
     def _init_loss_scale(self, loss_scale) -> None:

@@ -93,6 +93,16 @@ class ParamManager:
         """The tier where parameter groups rest between uses."""
         return _HOME[self.config.param_tier]
 
+    def host_staging_bytes(self) -> int:
+        """Host bytes the parameter reads stage through while a pass streams from NVMe (the
+        prefetch window and the largest group, within host_budget), the room an optimizer
+        must leave free in the shared host pool."""
+        if self.home is not Tier.NVME:
+            return 0
+        streamed = [g.nbytes for g in self.groups if not g.resident]
+        largest = max(streamed, default=0)
+        return min(self.config.host_budget, self.coordinator.prefetch_limit + largest)
+
     def group_bytes(self, group: ParamGroup) -> torch.Tensor:
         """A host copy of ``group``'s current bytes (uint8)."""
         if group.resident:

@@ -1,0 +1,255 @@
+"""Where gradients rest (grad_tier) and updates during backward (update_during_backward),
+each against torch's optimizer on the same model without offload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+from offload.io import BudgetError
+
+from .test_optimizer import (Branchy, assert_losses, assert_same_weights, config, decay_groups, lm_batches,
+                             make_opt, tiny_gpt2, tiny_llama, train)
+
+transformers = pytest.importorskip("transformers")
+
+
+def train_overlapped(model, opt, batches, *, sched=None, events=None):
+    """Like ``train``: every micro-batch but the last backward outside the block, the last
+    inside it. Records how many updates had begun when each step's backward returned."""
+    losses, during = [], []
+    for micro in batches:
+        total = 0.0
+        for i, ids in enumerate(micro):
+            loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            if i == len(micro) - 1:
+                before = len(events) if events is not None else 0
+                with opt.update_during_backward():
+                    loss.backward()
+                if events is not None:
+                    during.append(sum(1 for e, _ in events[before:] if e == "update_start"))
+            else:
+                loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return losses, during
+
+
+@pytest.mark.parametrize("grad_tier", ["auto", "nvme"])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_update_during_backward_matches_torch(tmp_path, build, tier, grad_tier, no_leaks):
+    """5 steps of 2 accumulated micro-batches, LambdaLR, decay groups, small shards (groups
+    span several shards, shards several groups): the same trajectory as torch's AdamW."""
+    ref, model = build(), build()
+    batches = lm_batches(model.config.vocab_size)
+    ref_opt = make_opt("adamw", decay_groups(ref), False)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    ref_losses = train(ref, ref_opt, batches, sched=ref_sched)
+
+    offload.wrap(model, config(tmp_path, optimizer_tier=tier))
+    try:
+        events = []
+        opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, events=events, grad_tier=grad_tier)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        losses, during = train_overlapped(model, opt, batches, sched=sched, events=events)
+        assert_losses(losses, ref_losses, rtol=0, atol=0)
+        assert len(opt._shards) > 4
+        if tier == "host":  # states in memory: every shard is updated inside backward
+            assert during == [len(opt._shards)] * len(batches), during
+        # on NVMe a shard is updated inside backward once its states have been read (the
+        # backward does not wait for them); step() updates the rest: how many is timing
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    assert_same_weights(model, ref, rtol=0, atol=0)
+
+
+def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, no_leaks):
+    """The side layer gets no gradient on odd steps; its shards are not updated, and the
+    parameter groups they share with updated layers keep its current bytes."""
+    ref, model = Branchy(), Branchy()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(4, 32, generator=g) for _ in range(5)]
+
+    def run(m, opt, overlapped):
+        out = []
+        for step, x in enumerate(xs):
+            m.use_side = step % 2 == 0
+            loss = m(x).pow(2).mean()
+            if overlapped:
+                with opt.update_during_backward():
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(float(loss.detach()))
+        return out
+
+    ref_losses = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), False)
+    # one group for the whole model: shards of updated and not-updated layers share it
+    offload.wrap(model, config(tmp_path, resident_bytes=0, group_bytes="1MiB"))
+    try:
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, shard_size=1500)
+        assert_losses(run(model, opt, True), ref_losses, rtol=0, atol=0)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    # the side layer's segments are updated with a step count that lags the others' (as in
+    # torch); the fused kernel then rounds one element in a last bit differently
+    assert_same_weights(model, ref, rtol=1e-6, atol=1e-8)
+
+
+def test_update_during_backward_with_activation_checkpointing(tmp_path, no_leaks):
+    ref, model = tiny_gpt2(), tiny_gpt2()
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    batches = lm_batches(model.config.vocab_size, steps=3, micro=1)
+    ref_losses = train(ref, make_opt("adamw", ref.parameters(), False), batches)
+    offload.wrap(model, config(tmp_path))
+    try:
+        opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
+        losses, _ = train_overlapped(model, opt, batches)
+        assert_losses(losses, ref_losses, rtol=0, atol=0)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    assert_same_weights(model, ref, rtol=0, atol=0)
+
+
+def test_update_during_backward_refuses_what_it_cannot_do_exactly(tmp_path, no_leaks):
+    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+    ids = lm_batches(211, steps=1, micro=1)[0][0]
+    try:
+        opt = offload.AdamW(model.parameters(), lr=1e-3, shard_size=6000)
+        with opt.update_during_backward():
+            model(input_ids=ids, labels=ids).loss.backward()
+        with pytest.raises(RuntimeError, match="before the total norm was known"):
+            opt.clip_grad_norm_(1.0)
+        with pytest.raises(RuntimeError, match="already used in this step"):
+            with opt.update_during_backward():
+                pass
+        # a second backward before step(): refused, and the step cannot complete any more
+        with pytest.raises(RuntimeError, match="received a gradient after its shard was final"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        with pytest.raises(RuntimeError, match="stopped after updating"):
+            opt.step()
+        opt.close()
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.clip_grad_norm_(1.0)
+        with pytest.raises(ValueError, match="clip_grad_norm_.. was called before"):
+            with opt.update_during_backward():
+                pass
+        opt.close()
+    finally:
+        offload.close(model)
+    fp16 = offload.wrap(Branchy(), config(tmp_path / "h", compute_dtype="fp16", resident_bytes=0))
+    try:
+        opt = offload.AdamW(fp16.parameters())
+        with pytest.raises(ValueError, match="fp16 loss scaling"):
+            with opt.update_during_backward():
+                pass
+        opt.close()
+    finally:
+        offload.close(fp16)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_interrupted_backward_with_updates_during_it(tmp_path, tier, no_leaks):
+    """An exception in the middle of an update_during_backward() pass: when no shard was
+    updated yet, going on drops the batch and equals the reference that never saw it; when
+    some were, step() refuses until states are loaded."""
+    batches = lm_batches(211, steps=3, micro=1)
+    ref = tiny_gpt2()
+    ref_opt = make_opt("adamw", ref.parameters(), False)
+    train(ref, ref_opt, [batches[0], batches[2]])
+
+    model = offload.wrap(tiny_gpt2(), config(tmp_path, optimizer_tier=tier))
+    try:
+        opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
+        train_overlapped(model, opt, [batches[0]])
+        (ids,) = batches[1]
+
+        def boom(*_):
+            raise KeyboardInterrupt
+
+        # the last layer's backward hook fires before any gradient reaches the optimizer
+        handle = model.lm_head.register_full_backward_pre_hook(boom)
+        with pytest.raises(KeyboardInterrupt):
+            with opt.update_during_backward():
+                model(input_ids=ids, labels=ids).loss.backward()
+        handle.remove()
+        opt.zero_grad()
+        train_overlapped(model, opt, [batches[2]])
+        got = offload.state_dict(model)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+        if tier == "nvme":  # whether a shard's states were read before the interrupt is timing
+            opt.close()
+            return
+        # now interrupt after some shards were updated: the first block's backward
+        handle = model.transformer.h[0].register_full_backward_pre_hook(boom)
+        with pytest.raises(KeyboardInterrupt):
+            with opt.update_during_backward():
+                model(input_ids=ids, labels=ids).loss.backward()
+        handle.remove()
+        with pytest.raises(RuntimeError, match="shards during backward"):
+            opt.step()
+        opt.close()
+    finally:
+        offload.close(model)
+
+
+@pytest.mark.parametrize("grad_tier", ["auto", "host", "nvme"])
+def test_grad_tier(tmp_path, grad_tier, no_leaks):
+    """Gradients of a model whose states are on NVMe: in host memory under "auto" when the
+    budget holds them (nothing written for them), on NVMe under "nvme"; the trajectory is
+    torch's either way."""
+    ref, model = tiny_gpt2(), tiny_gpt2()
+    batches = lm_batches(model.config.vocab_size, steps=3)
+    ref_losses = train(ref, make_opt("adamw", decay_groups(ref), False), batches, clip=0.5)
+    offload.wrap(model, config(tmp_path))
+    try:
+        opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, grad_tier=grad_tier)
+        homes = {s.grad_home for s in opt._shards}
+        assert homes == ({offload.store.Tier.NVME} if grad_tier == "nvme" else {offload.store.Tier.HOST})
+        assert_losses(train(model, opt, batches, clip=0.5), ref_losses)
+        state = sum(s.state_bytes for s in opt._shards)
+        grads = sum(s.grad_bytes for s in opt._shards)
+        per_step_writes = opt.stats["write_bytes"] / 3
+        # states each step; gradients once per micro-batch (2) only when they rest on NVMe
+        assert per_step_writes == state + (2 * grads if grad_tier == "nvme" else 0)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    assert_same_weights(model, ref)
+
+
+def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, no_leaks):
+    """A host budget that holds some of the gradients: auto keeps the first shards' in host
+    memory and the rest on NVMe (training still equals torch's); "host" is refused with
+    the figures."""
+    ref, model = tiny_gpt2(), tiny_gpt2()
+    batches = lm_batches(model.config.vocab_size, steps=2)
+    ref_losses = train(ref, make_opt("adamw", ref.parameters(), False), batches)
+    offload.wrap(model, config(tmp_path, host_budget="1600KiB", device_budget="1MiB"))
+    try:
+        with pytest.raises(BudgetError, match="grad_tier='host' keeps"):
+            make_opt("adamw", model.parameters(), True, shard_size=6000, grad_tier="host")
+        opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
+        homes = [s.grad_home for s in opt._shards]
+        assert offload.store.Tier.HOST in homes and offload.store.Tier.NVME in homes
+        assert_losses(train(model, opt, batches), ref_losses)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    assert_same_weights(model, ref)
