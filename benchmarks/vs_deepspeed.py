@@ -169,14 +169,24 @@ def worker_torch(path: str, args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=args.weight_decay, fused=True)
 
+    phases = []
+
     def step(ids):
+        t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        log.info("  forward %.2f s, backward %.2f s, step() %.2f s", *phases[-1])
         return float(loss)
 
-    return timed_steps(step, args)
+    out = timed_steps(step, args)
+    timed = phases[args.warmup:]
+    out["phases_s"] = {k: statistics.median(p[i] for p in timed) for i, k in enumerate(("forward", "backward", "step"))}
+    return out
 
 
 def deepspeed_config(args, config, swap: str, variant: str, infer: bool) -> dict:
@@ -271,19 +281,29 @@ def worker_ours(path: str, args) -> dict:
                                 weight_decay=args.weight_decay)
             overlap = args.worker == "ours"
 
+            phases = []
+
             def step(ids):
+                t0 = time.perf_counter()
                 loss = model(input_ids=ids, labels=ids).loss
+                t1 = time.perf_counter()
                 if overlap:
                     with opt.update_during_backward():
                         loss.backward()
                 else:
                     loss.backward()
+                t2 = time.perf_counter()
                 opt.step()
                 opt.zero_grad()
+                phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+                log.info("  forward %.2f s, backward %.2f s, step() %.2f s", *phases[-1])
                 return float(loss)
 
             # a step's write-backs overlap the next forward; the last step waits for them
             out = timed_steps(step, args, finish=opt.synchronize)
+            timed = phases[args.warmup:]
+            out["phases_s"] = {k: statistics.median(p[i] for p in timed)
+                               for i, k in enumerate(("forward", "backward", "step"))}
             out["optimizer_stats"] = dict(opt.stats)
             opt.close()
         stats = offload.stats(model)

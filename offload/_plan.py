@@ -169,7 +169,15 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
         tier = config.optimizer_tier
         p.rows.append(PlanRow(f"optimizer: {', '.join(state_rows)}", tier, 4 * len(state_rows) * elements,
                               "fp32, 4 bytes per parameter each"))
-        p.rows.append(PlanRow("optimizer: master weights", tier, 4 * elements, "fp32 copy of the parameters"))
+        # fp32 parameters resting on NVMe (or resident on a CPU device) are their own master
+        # weights: the optimizer updates them in place (offload/optim/_optimizer.py)
+        cpu = config.torch_device.type == "cpu"
+        own = sum(slot.param.numel() for g in groups for slot in g.slots
+                  if all(x.dtype == torch.float32 for x in g.slots)
+                  and ((not g.resident and config.param_tier == "nvme") or (g.resident and cpu)))
+        if elements - own:
+            p.rows.append(PlanRow("optimizer: master weights", tier, 4 * (elements - own),
+                                  "fp32 copy of the parameters that are not fp32 where they rest"))
         grads_tier, why = tier, "fp32, summed over backward passes"
         if tier == "nvme":
             # the optimizer's grad_tier="auto": in host memory when half of what host_budget

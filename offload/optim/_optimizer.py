@@ -9,10 +9,14 @@ shard keeps in the store:
 
 * ``state``: fp32 rows ``[master?, exp_avg, exp_avg_sq(, max_exp_avg_sq)]`` (Adam) or
   ``[master?, momentum_buffer]`` (SGD with momentum). The master row is an fp32 copy of
-  the weights; it exists for wrapped parameters (their bytes rest in the parameter tier)
-  and for plain parameters that are not fp32 on the CPU. A plain fp32 CPU parameter is
-  its own master and is updated in place.
-* ``grad`` (wrapped parameters only): the fp32 gradient, accumulated over backward passes.
+  the weights, kept where the parameter is not fp32 where it rests (bf16/fp16 compute,
+  or a plain parameter not on the CPU) or rests where the step cannot update it in place
+  (the device or host parameter tiers). An fp32 parameter is otherwise its own master: a
+  plain CPU one or a resident one on a CPU device is updated where it is, and a wrapped
+  parameter group resting on NVMe is read into a host copy, updated there and written
+  home from it, once.
+* ``grad`` (wrapped parameters only): the fp32 gradient, accumulated over backward passes,
+  in host memory when the budget allows (``grad_tier``).
 
 Gradients. For a wrapped parameter a post-accumulate-grad hook moves each gradient off
 the device as soon as autograd has produced it: it is added into the shard's fp32
@@ -28,7 +32,8 @@ the shards ahead (reads from NVMe in flight) while shard ``i`` is updated by tor
 CPU kernel and the states of shard ``i - 1`` are being written back; the host budget
 bounds how many are in flight (a fetch that does not fit waits for a write to finish).
 Updated master weights are cast to the parameters' dtype and written to the parameter
-tier, a parameter group at a time.
+tier, a parameter group at a time. Within ``update_during_backward()`` the same work runs
+shard by shard during backward, as each shard's gradient becomes final.
 """
 
 from __future__ import annotations
@@ -136,6 +141,10 @@ class _GroupWrite:
     remaining: int = 0  # shards of this step still to update it
     data: torch.Tensor | None = None
     written: list = field(default_factory=list)  # (byte offset, bytes) assembled so far
+    # fp32 parameters resting on NVMe are their own master weights: the group is read into
+    # a host copy, updated there in place and written home from it (no master row)
+    in_place: bool = False
+    fetched: bool = False
 
 
 class OffloadOptimizer(Optimizer):
@@ -314,13 +323,19 @@ class OffloadOptimizer(Optimizer):
         self._early_pending, self._early_busy = {}, []
         for shard in self._shards:
             if shard.wrapped:  # every shard that will be updated counts toward its groups
-                for manager, g, _ in {id(x.owner[1]): x.owner for x in shard.segments}.values():
-                    self._early_pending.setdefault(id(g), _GroupWrite(manager, g)).remaining += 1
+                for owner in {id(x.owner[1]): x.owner for x in shard.segments}.values():
+                    if id(owner[1]) not in self._early_pending:
+                        entry = _new_group_write(owner)
+                        if entry is None:
+                            continue
+                        self._early_pending[id(owner[1])] = entry
+                    self._early_pending[id(owner[1])].remaining += 1
         try:
             yield self
         except BaseException:
             # the backward failed or was interrupted: nothing of it may be applied later
             self._abandon_pipeline(self._early_queue, self._early_issued)
+            self._drop_group_copies(list(self._early_pending.values()) + self._early_busy)
             if self._early_done:
                 self._interrupted = self._interrupted or f"{len(self._early_done)} shards during backward"
             self._early = False
@@ -338,7 +353,7 @@ class OffloadOptimizer(Optimizer):
         queue = self._early_queue
         while queue:
             for shard in queue[: 1 + _READ_AHEAD]:
-                self._issue_read(shard, self._early_issued)
+                self._issue_read(shard, self._early_issued, self._early_pending)
             head = queue[0]
             if not block and not self._states_in_memory(head):
                 break
@@ -346,7 +361,8 @@ class OffloadOptimizer(Optimizer):
             try:
                 self._process(head, 1.0, self._early_pending, busy=self._early_busy)
             except BaseException:
-                self._abandon_pipeline(queue, self._early_issued)
+                self._abandon_pipeline([head] + queue, self._early_issued)
+                self._drop_group_copies(list(self._early_pending.values()) + self._early_busy)
                 if self._early_done:
                     self._interrupted = f"{len(self._early_done)} shards during backward"
                 raise
@@ -354,7 +370,7 @@ class OffloadOptimizer(Optimizer):
         busy, self._early_busy = self._early_busy, []
         for entry in busy:
             if block or not entry.manager.coordinator.live[entry.group].refs:
-                entry.manager.write_group(entry.group, entry.data)
+                self._finish_group(entry)
             else:
                 self._early_busy.append(entry)
 
@@ -363,6 +379,11 @@ class OffloadOptimizer(Optimizer):
             return True
         keys = ([shard.state_key] if shard.rows else []) + \
             ([shard.grad_key] if shard.wrapped and shard.grad_home is not Tier.HOST else [])
+        if shard.wrapped and not shard.master:
+            for seg in shard.segments:
+                entry = self._early_pending.get(id(seg.owner[1]))
+                if entry is not None and entry.in_place and entry.data is None:
+                    keys.append(entry.group.key)
         return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in keys)
 
     def _finish_early(self) -> list[_Shard]:
@@ -375,12 +396,10 @@ class OffloadOptimizer(Optimizer):
             pending = self._early_pending  # every wrapped group, counting all of its shards
             self._run_pipeline(rest, 1.0, pending)
             for entry in list(pending.values()):  # groups some of whose shards got no gradient
-                if not entry.written:
-                    continue
-                current = entry.manager.group_bytes(entry.group)
-                for offset, n in entry.written:
-                    current[offset: offset + n] = entry.data[offset: offset + n]
-                entry.manager.write_group(entry.group, current)
+                if entry.in_place:
+                    self._finish_group(entry)
+                elif entry.written:
+                    self._finish_group(entry, entry.manager.group_bytes(entry.group))
             done = [s for s in self._shards if id(s) in self._early_done] + rest
         finally:
             self._early = False
@@ -406,6 +425,16 @@ class OffloadOptimizer(Optimizer):
         self._sync_drains()
         for store in {id(s.store): s.store for s in self._shards}.values():
             store.drain()
+        # a write that failed keeps its bytes in host memory with the error: report it here
+        # (the next step would meet it when it reads them)
+        for shard in self._shards:
+            if shard.home is Tier.NVME and shard.rows and \
+                    shard.store.state(shard.state_key, Tier.HOST) is Residency.RESIDENT:
+                shard.store.wait(shard.state_key, Tier.HOST)
+        for manager in _managers_of(self._shards):
+            for group in manager.groups:
+                if not group.resident and manager.store.state(group.key, Tier.HOST) is Residency.RESIDENT:
+                    manager.store.wait(group.key, Tier.HOST)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._sync_drains()
@@ -623,7 +652,10 @@ class OffloadOptimizer(Optimizer):
         current: _Shard | None = None
         for gi, p, owner in items:
             store, home = self._store_for(owner)
-            master = wrapped or p.dtype != torch.float32 or p.device.type != "cpu"
+            if wrapped:
+                master = _in_place(owner) is None
+            else:
+                master = p.dtype != torch.float32 or p.device.type != "cpu"
             rows = (1 if master else 0) + len(self._rows_for(self.param_groups[gi]))
             size = self._shard_elements(store, home, rows, wrapped, owner)
             start, n = 0, p.numel()
@@ -934,10 +966,17 @@ class OffloadOptimizer(Optimizer):
         if self.events is not None:
             self.events.append((event, shard.index))
 
-    def _issue_read(self, shard: _Shard, issued: set) -> None:
+    def _issue_read(self, shard: _Shard, issued: set, pending: dict) -> None:
         if id(shard) in issued:
             return
         issued.add(id(shard))
+        if shard.wrapped and not shard.master:  # host copies of the groups updated in place
+            for seg in shard.segments:
+                entry = pending.get(id(seg.owner[1]))
+                if entry is not None and entry.in_place and not entry.fetched:
+                    entry.fetched = True
+                    entry.manager.store.fetch(entry.group.key, Tier.HOST)
+                    self.stats["read_bytes"] += entry.group.nbytes
         if shard.home is Tier.HOST:
             return
         self._log("read", shard)
@@ -957,9 +996,25 @@ class OffloadOptimizer(Optimizer):
             self._pipeline(work, grad_scale, issued, progress, pending)
         except BaseException:
             self._abandon_pipeline(work[max(progress[0] - 1, 0):], issued)
+            self._drop_group_copies(list(pending.values()))
             if progress[0]:
                 self._interrupted = f"{progress[0]} of {len(work)} shards"
             raise
+
+    def _drop_group_copies(self, entries: list) -> None:
+        """After an exception: drop the host copies of parameter groups read for an in-place
+        update and not written back (their tier keeps the bytes from before the step)."""
+        for entry in entries:
+            if not entry.in_place or not entry.fetched:
+                continue
+            store, key = entry.manager.store, entry.group.key
+            try:
+                store.wait(key, Tier.HOST, timeout=60)
+            except BaseException:
+                continue
+            if store.state(key, Tier.HOST) is Residency.RESIDENT:
+                store.evict(key, Tier.HOST)
+            entry.fetched, entry.data = False, None
 
     def _abandon_pipeline(self, rest: list[_Shard], issued: set) -> None:
         """After an exception in the step: drop the host copies of the shard being updated
@@ -983,7 +1038,7 @@ class OffloadOptimizer(Optimizer):
                   pending: dict) -> None:
         for i, shard in enumerate(work):
             for nxt in work[i: i + 1 + _READ_AHEAD]:
-                self._issue_read(shard if nxt is shard else nxt, issued)
+                self._issue_read(shard if nxt is shard else nxt, issued, pending)
             progress[0] = i + 1
             self._process(shard, grad_scale, pending)
 
@@ -994,9 +1049,10 @@ class OffloadOptimizer(Optimizer):
         waited = time.perf_counter()
         rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
         grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
+        views = self._in_place_views(shard, pending)
         self.stats["wait_seconds"] += time.perf_counter() - waited
         self._log("update_start", shard)
-        self._update_shard(shard, rows, grads, grad_scale)
+        self._update_shard(shard, rows, grads, grad_scale, views)
         self._log("update_end", shard)
         self._write_back(shard, rows, pending, busy)
         if shard.home is not Tier.HOST:
@@ -1010,8 +1066,26 @@ class OffloadOptimizer(Optimizer):
         elif shard.rows:
             shard.store.mark_dirty(shard.state_key, Tier.HOST)
 
+    def _in_place_views(self, shard: _Shard, pending: dict) -> dict | None:
+        """For a wrapped shard without master rows: the fp32 tensor each segment is updated
+        in (a slice of its group's host copy, or of a resident parameter)."""
+        if not shard.wrapped or shard.master:
+            return None
+        views = {}
+        for seg in shard.segments:
+            manager, group, slot = seg.owner
+            entry = pending.get(id(group))
+            if entry is None:  # a resident parameter on a CPU device
+                flat = slot.param.data.view(-1)
+            else:
+                if entry.data is None:
+                    entry.data = manager.store.wait(group.key, Tier.HOST)
+                flat = entry.data[slot.offset: slot.offset + slot.nbytes].view(torch.float32)
+            views[id(seg)] = flat[seg.start: seg.start + seg.length]
+        return views
+
     def _update_shard(self, shard: _Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
-                      grad_scale: float) -> None:
+                      grad_scale: float, views: dict | None = None) -> None:
         by_group: dict[int, list[_Segment]] = defaultdict(list)
         for seg in shard.segments:
             if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
@@ -1021,7 +1095,7 @@ class OffloadOptimizer(Optimizer):
         began = tracer.now() if tracer is not None else 0.0
         try:
             for gi, segs in by_group.items():
-                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp)
+                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp, views)
         finally:
             if temp is not None:
                 shard.store.staging.release(temp)
@@ -1030,7 +1104,7 @@ class OffloadOptimizer(Optimizer):
                             {"elements": shard.numel})
 
     def _update_group(self, shard: _Shard, gi: int, segs: list[_Segment], rows, grads,
-                      grad_scale: float, temp):
+                      grad_scale: float, temp, views: dict | None = None):
         """One fused call for the segments of torch param group ``gi`` in ``shard``."""
         group = self.param_groups[gi]
         params, gs, state_rows, steps = [], [], [[] for _ in self._rows_for(group)], []
@@ -1039,6 +1113,8 @@ class OffloadOptimizer(Optimizer):
             a, b = seg.offset, seg.offset + seg.length
             if shard.master:
                 params.append(rows[0, a:b])
+            elif views is not None:
+                params.append(views[id(seg)])
             else:
                 params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
             if shard.wrapped:
@@ -1068,21 +1144,23 @@ class OffloadOptimizer(Optimizer):
         for shard in work:
             if not shard.wrapped:
                 continue
-            for manager, g, _ in {id(s.owner[1]): s.owner for s in shard.segments}.values():
-                if id(g) in pending:
+            for owner in {id(s.owner[1]): s.owner for s in shard.segments}.values():
+                if id(owner[1]) in pending:
                     continue
-                new.setdefault(id(g), _GroupWrite(manager, g)).remaining += 1
+                entry = _new_group_write(owner)
+                if entry is not None:
+                    new.setdefault(id(owner[1]), entry).remaining += 1
             for seg in shard.segments:
                 covered[id(seg.owner[1])] += seg.length * seg.owner[2].dtype.itemsize
         for key, entry in new.items():
-            if covered[key] < entry.group.nbytes:
+            if not entry.in_place and covered[key] < entry.group.nbytes:
                 entry.data = entry.manager.group_bytes(entry.group)  # keep what this step does not update
         pending.update(new)
         return pending
 
     def _write_back(self, shard: _Shard, rows: torch.Tensor | None, pending: dict,
                     busy: list | None = None) -> None:
-        if not shard.master:
+        if not shard.master and not shard.wrapped:
             return  # plain fp32 CPU parameters were updated in place
         if not shard.wrapped:
             for seg in shard.segments:
@@ -1092,7 +1170,9 @@ class OffloadOptimizer(Optimizer):
             return
         done = []
         for seg in shard.segments:
-            entry = pending[id(seg.owner[1])]
+            entry = pending.get(id(seg.owner[1]))
+            if entry is None or entry.in_place:  # updated where it rests: nothing to assemble
+                continue
             if entry.data is None:
                 entry.data = torch.empty(entry.group.nbytes, dtype=torch.uint8)
             slot = seg.owner[2]
@@ -1101,7 +1181,9 @@ class OffloadOptimizer(Optimizer):
             size = slot.dtype.itemsize
             entry.written.append((slot.offset + seg.start * size, seg.length * size))
         for key in {id(seg.owner[1]) for seg in shard.segments}:
-            entry = pending[key]
+            entry = pending.get(key)
+            if entry is None:
+                continue
             entry.remaining -= 1
             if entry.remaining == 0:
                 done.append(entry)
@@ -1110,7 +1192,26 @@ class OffloadOptimizer(Optimizer):
             if busy is not None and entry.manager.coordinator.live[entry.group].refs:
                 busy.append(entry)  # a pass still computes with the old bytes: write it later
             else:
-                entry.manager.write_group(entry.group, entry.data)
+                self._finish_group(entry)
+
+    def _finish_group(self, entry: _GroupWrite, current: torch.Tensor | None = None) -> None:
+        """Write a parameter group's new bytes to its tier. ``current``: its bytes before
+        the step, where some of its parameters were not updated (assembled groups only)."""
+        manager, group = entry.manager, entry.group
+        if entry.in_place:
+            if entry.data is None:
+                return  # never read: no shard of it was updated
+            manager.coordinator.forget(group)
+            manager.store.mark_dirty(group.key, Tier.HOST)
+            manager.store.evict(group.key, Tier.HOST)
+            self.stats["write_bytes"] += group.nbytes
+            return
+        data = entry.data
+        if current is not None:
+            for offset, n in entry.written:
+                current[offset: offset + n] = data[offset: offset + n]
+            data = current
+        manager.write_group(group, data)
 
     # -- loss scaling ----------------------------------------------------------------------
     def _init_loss_scale(self, loss_scale) -> None:
@@ -1150,7 +1251,35 @@ def _write_back_staging(owner) -> int:
     manager = owner[0]
     if manager.home is not Tier.NVME:
         return 0
-    return max((g.nbytes for g in manager.groups if not g.resident), default=0)
+    # a shard may finish one group and start the next: two groups at once
+    sizes = sorted((g.nbytes for g in manager.groups if not g.resident), reverse=True)
+    return sum(sizes[:2])
+
+
+def _new_group_write(owner) -> _GroupWrite | None:
+    """The record that writes ``owner``'s group back after the step, or None when nothing
+    needs writing (resident parameters updated where they are)."""
+    manager, group, _ = owner
+    mode = _in_place(owner)
+    if mode == "param":
+        return None
+    return _GroupWrite(manager, group, in_place=mode == "group")
+
+
+def _in_place(owner) -> str | None:
+    """How an fp32 wrapped parameter is updated without a master row: ``"group"`` (its
+    group rests on NVMe; the step updates a host copy of the group and writes it home),
+    ``"param"`` (a resident parameter on a CPU device, updated where it is), or None (it
+    needs an fp32 master row: another dtype, or a tier the step cannot update in place)."""
+    manager, group, slot = owner
+    if slot.dtype != torch.float32:
+        return None
+    if group.resident:
+        data = slot.param.data
+        return "param" if data.device.type == "cpu" and data.dtype == torch.float32 else None
+    if manager.home is Tier.NVME and all(s.dtype == torch.float32 for s in group.slots):
+        return "group"
+    return None
 
 
 def _managers_of(shards: list[_Shard]) -> set:

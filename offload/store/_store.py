@@ -52,6 +52,7 @@ class _Copy:
     drop_when_idle: bool = False
     error: BaseException | None = None
     priority: int = 1
+    version: int = 0  # the record's version when the load into this copy started
 
 
 @dataclass(eq=False)
@@ -559,6 +560,7 @@ class TensorStore:
             _wait(self._cond)
 
     def _start_load(self, record: StoredTensor, copy: _Copy, source: _Copy) -> None:
+        copy.version = record.version
         self._move(record, copy, Residency.LOADING)
         self._in_flight += 1
         source.readers += 1
@@ -617,7 +619,17 @@ class TensorStore:
             self._release_stage(copy)
             if source is not None:
                 self._reader_done(record, source)
-            if error is None:
+            if error is None and source is not None and copy.version != record.version:
+                # another copy was changed in place (mark_dirty) while this one loaded: its
+                # bytes are stale. Load it again from the newest copy, unless nobody wants it
+                self._move(record, copy, Residency.ABSENT)
+                self._release(record, copy)
+                if copy.drop_when_idle:
+                    copy.drop_when_idle = False
+                else:
+                    self._move(record, copy, Residency.QUEUED)
+                    self._queues[copy.tier].append((record, copy))
+            elif error is None:
                 self._move(record, copy, Residency.RESIDENT)
                 copy.valid = True
                 if copy.drop_when_idle:

@@ -225,9 +225,12 @@ def test_grad_tier(tmp_path, grad_tier, no_leaks):
         assert_losses(train(model, opt, batches, clip=0.5), ref_losses)
         state = sum(s.state_bytes for s in opt._shards)
         grads = sum(s.grad_bytes for s in opt._shards)
+        groups = offload.params.manager_of(model).groups
+        params = sum(g.nbytes for g in groups if not g.resident)  # fp32 groups updated in place
         per_step_writes = opt.stats["write_bytes"] / 3
-        # states each step; gradients once per micro-batch (2) only when they rest on NVMe
-        assert per_step_writes == state + (2 * grads if grad_tier == "nvme" else 0)
+        # states and parameters each step; gradients once per micro-batch (2) only when
+        # they rest on NVMe
+        assert per_step_writes == state + params + (2 * grads if grad_tier == "nvme" else 0)
         opt.close()
     finally:
         offload.unwrap(model)

@@ -240,3 +240,18 @@ def test_staging_through_host_memory_counts_in_the_host_budget():
     store.evict("a", Tier.DEVICE)
     assert host_pool.in_use_bytes == 0 and host_pool.peak_bytes <= 2 * KB
     assert torch.equal(store.wait("a", Tier.HOST), tensor(3))
+
+
+def test_a_load_that_began_before_another_copy_changed_is_loaded_again():
+    """A device copy still reading the old bytes from NVMe when the host copy is changed in
+    place (an optimizer updating a parameter group) must not arrive as the newest bytes."""
+    store, fake, _ = make_store()
+    put_all(store, fake, 1)
+    store.fetch("t0", Tier.DEVICE)  # both read NVMe
+    store.fetch("t0", Tier.HOST)
+    fake._pending.reverse()  # the host read lands first
+    fake.complete(1)
+    store.wait("t0", Tier.HOST).fill_(7)
+    store.mark_dirty("t0", Tier.HOST)
+    fake.complete()  # the device read of the old bytes lands: stale, loaded again (from host)
+    assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 7.0))
