@@ -58,6 +58,11 @@ log = logging.getLogger("bench.vs_deepspeed")
 # GPT-2 shapes: (layers, hidden, heads); vocabulary 50257, 1024 positions
 MODELS = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "774M": (36, 1280, 20), "1.5B": (48, 1600, 25)}
 
+# ours: (device_budget, host_budget) per model unless --device-budget / --host-budget say
+# otherwise; chosen so that the whole process stays below plain torch's RSS
+BUDGETS = {"124M": ("256MiB", "1GiB"), "355M": ("512MiB", "3GiB"), "774M": ("768MiB", "4GiB"),
+           "1.5B": ("1GiB", "6GiB")}
+
 # ZeRO-Infinity configurations tried here. All keep parameters and optimizer states on NVMe;
 # the notes say why each setting is there (defaults fail or keep the model in RAM).
 DS_VARIANTS = {
@@ -317,11 +322,13 @@ def worker_ours(path: str, args) -> dict:
 WORKERS = {"torch": worker_torch, "deepspeed": worker_deepspeed, "ours": worker_ours, "ours_plain": worker_ours}
 
 
-def run_worker(system: str, job: str, path: str, args) -> dict | None:
+def run_worker(system: str, job: str, path: str, args, name: str) -> dict | None:
+    device_budget = args.device_budget or BUDGETS[name][0]
+    host_budget = args.host_budget or BUDGETS[name][1]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--job", job, "--model-path", path,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
            "--seq", str(args.seq), "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
-           "--path", args.path, "--device-budget", args.device_budget, "--host-budget", args.host_budget,
+           "--path", args.path, "--device-budget", device_budget, "--host-budget", host_budget,
            "--ds-variant", args.ds_variant, "--infer-reps", str(args.infer_reps)]
     log.info("%s %s %s ...", os.path.basename(path), system, job)
     t = time.perf_counter()
@@ -359,10 +366,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, all systems (default 1e-4)")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     parser.add_argument("--infer-reps", type=int, default=3, help="timed forwards for inference (default 3)")
-    parser.add_argument("--device-budget", default="256MiB", help="ours: device_budget, the most parameter "
-                        "bytes in use at once on the compute device (default 256MiB)")
-    parser.add_argument("--host-budget", default="2GiB", help="ours: host_budget, the most bytes of host "
-                        "buffers (default 2GiB)")
+    parser.add_argument("--device-budget", default=None, help="ours: device_budget, the most parameter "
+                        "bytes in use at once on the compute device (default per model, BUDGETS)")
+    parser.add_argument("--host-budget", default=None, help="ours: host_budget, the most bytes of host "
+                        "buffers (default per model, BUDGETS)")
     parser.add_argument("--ds-variant", default="fast", choices=sorted(DS_VARIANTS),
                         help="ZeRO-Infinity configuration (default fast: sub_group_size 1e9)")
     parser.add_argument("--systems", default="torch,deepspeed,ours", help="which to run, of torch, deepspeed, "
@@ -389,7 +396,7 @@ def main() -> None:
     jobs = args.jobs.split(",")
     report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "lr": args.lr,
               "weight_decay": args.weight_decay, "ds_variant": args.ds_variant,
-              "ours_device_budget": args.device_budget, "ours_host_budget": args.host_budget, "models": {}}
+              "models": {}}
     for name in args.models.split(","):
         path = prepare(name, args.path)
         runs: dict[tuple[str, str], list] = {(s, j): [] for s in systems for j in jobs}
@@ -398,8 +405,10 @@ def main() -> None:
                 for system in systems:
                     if job == "infer" and system == "ours_plain":
                         continue  # the same forward as ours
-                    runs[(system, job)].append(run_worker(system, job, path, args))
-        entry: dict = {"params": sum(p.numel() for p in build_in_memory(path).parameters())}
+                    runs[(system, job)].append(run_worker(system, job, path, args, name))
+        entry: dict = {"params": sum(p.numel() for p in build_in_memory(path).parameters()),
+                       "ours_device_budget": args.device_budget or BUDGETS[name][0],
+                       "ours_host_budget": args.host_budget or BUDGETS[name][1]}
         for system in systems:
             train = runs.get((system, "train"), [])
             infer = runs.get((system, "infer"), [])

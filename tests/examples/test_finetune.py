@@ -43,6 +43,19 @@ def test_train_resume_and_export(tmp_path):
         assert torch.equal(p, a[key]), name
 
 
+def test_update_in_backward_gives_the_same_run(tmp_path):
+    plain = run(tmp_path, "--steps", "3", "--clip", "0", "--export-dir", str(tmp_path / "plain"))
+    overlapped = run(tmp_path, "--steps", "3", "--clip", "0", "--update-in-backward",
+                     "--export-dir", str(tmp_path / "overlapped"))
+    assert overlapped == plain
+    a = safetensors.load_file(str(tmp_path / "plain" / "model.safetensors"))
+    b = safetensors.load_file(str(tmp_path / "overlapped" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    out = subprocess.run([sys.executable, SCRIPT, "--update-in-backward"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "--clip 0" in out.stderr  # the default clips: refused up front
+
+
 def test_help_explains_every_flag():
     out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
