@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -61,3 +62,28 @@ def engine_bandwidth(path: str, size: int) -> tuple[float, float]:
         engine.close_file(fh)
     os.unlink(file)
     return write, read
+
+
+def gpt2_config(shape: tuple[int, int, int]):
+    """A GPT-2 config of ``shape`` (layers, hidden, heads): vocabulary 50257, 1024 positions."""
+    import transformers
+
+    layers, hidden, heads = shape
+    return transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=50257,
+                                   n_positions=1024)
+
+
+def saved_gpt2(root: str, name: str, shape: tuple[int, int, int]) -> str:
+    """``root/gpt2-NAME``: the model of ``shape`` with random weights (seed 0, transformers'
+    init) saved as safetensors, built once and kept for re-runs."""
+    import torch
+    import transformers
+
+    path = os.path.join(root, f"gpt2-{name}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        logging.getLogger("bench").info("building and saving the %s model in %s (once)", name, path)
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(gpt2_config(shape))
+        model.save_pretrained(path, max_shard_size="2GB")
+        del model
+    return path

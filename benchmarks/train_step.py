@@ -44,7 +44,8 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, engine_bandwidth  # noqa: E402
+from _common import PeakRss, engine_bandwidth, saved_gpt2  # noqa: E402
+from _common import gpt2_config as _gpt2_config  # noqa: E402
 
 log = logging.getLogger("bench.train")
 
@@ -53,26 +54,13 @@ SHAPES = {"100M": (6, 1024, 16), "200M": (14, 1024, 16), "400M": (30, 1024, 16),
           "800M": (30, 1536, 16), "1.6B": (40, 1920, 16), "2B": (48, 2048, 16)}
 
 
-def gpt2_config(size: str):
-    import transformers
-
-    layers, hidden, heads = SHAPES[size]
-    return transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=50257,
-                                   n_positions=1024)
+def gpt2_config(name: str):
+    return _gpt2_config(SHAPES[name])
 
 
-def prepare(size: str, root: str) -> str:
+def prepare(name: str, root: str) -> str:
     """The model saved as safetensors (once per size and --path)."""
-    import transformers
-
-    path = os.path.join(root, f"gpt2-{size}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        log.info("building and saving the %s model in %s (once)", size, path)
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(gpt2_config(size))
-        model.save_pretrained(path, max_shard_size="2GB")
-        del model
-    return path
+    return saved_gpt2(root, name, SHAPES[name])
 
 
 def worker_memory(path: str, args) -> dict:

@@ -53,6 +53,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import gpt2_config as _gpt2_config  # noqa: E402
+from _common import saved_gpt2  # noqa: E402
+
 log = logging.getLogger("bench.vs_deepspeed")
 
 # GPT-2 shapes: (layers, hidden, heads); vocabulary 50257, 1024 positions
@@ -79,25 +83,12 @@ DS_VARIANTS = {
 
 
 def gpt2_config(name: str):
-    import transformers
-
-    layers, hidden, heads = MODELS[name]
-    return transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=50257,
-                                   n_positions=1024)
+    return _gpt2_config(MODELS[name])
 
 
 def prepare(name: str, root: str) -> str:
-    """The model saved as safetensors, once per size and --path (seed 0, transformers' init)."""
-    import transformers
-
-    path = os.path.join(root, f"gpt2-{name}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        log.info("building and saving the %s model in %s (once)", name, path)
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(gpt2_config(name))
-        model.save_pretrained(path, max_shard_size="2GB")
-        del model
-    return path
+    """The model saved as safetensors (once per size and --path)."""
+    return saved_gpt2(root, name, MODELS[name])
 
 
 def build_in_memory(path: str):
