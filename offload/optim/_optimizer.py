@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,7 @@ __all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
+_DRAIN_THREAD = "offload-grad"  # the worker that adds CUDA gradients into host accumulators
 _READ_AHEAD = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
 
 
@@ -347,7 +349,10 @@ class OffloadOptimizer(Optimizer):
         """A shard's gradient is final in an update_during_backward() pass: read its states
         and update it as soon as they are in memory, without holding backward up."""
         self._early_queue.append(shard)
-        self._advance_early(block=False)
+        if not threading.current_thread().name.startswith(_DRAIN_THREAD):
+            self._advance_early(block=False)
+        # else (CUDA: gradients are added on the drain worker): the next gradient hook, on
+        # the backward's own thread where the coordinator runs, advances the queue
 
     def _advance_early(self, *, block: bool) -> None:
         queue = self._early_queue
@@ -824,6 +829,8 @@ class OffloadOptimizer(Optimizer):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if grad.is_cuda:
             self._drain_cuda(p, grad)
+            if self._early and self._early_queue:
+                self._advance_early(block=False)
         else:
             self._drain(p, grad)
 
@@ -847,7 +854,7 @@ class OffloadOptimizer(Optimizer):
         if stream is None:
             stream = self._d2h_streams[device] = torch.cuda.Stream(device)
         if self._drain_pool is None:
-            self._drain_pool = ThreadPoolExecutor(1, thread_name_prefix="offload-grad")
+            self._drain_pool = ThreadPoolExecutor(1, thread_name_prefix=_DRAIN_THREAD)
         store = self._segments_of[id(p)][0].shard.store
         buffer = store.staging.acquire(grad.numel() * grad.element_size())
         host = buffer.view(grad.dtype, (grad.numel(),))

@@ -256,3 +256,23 @@ def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, no_leaks):
     finally:
         offload.unwrap(model)
     assert_same_weights(model, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_update_during_backward_on_cuda(tmp_path, no_leaks):
+    """On CUDA gradients are added on the drain worker; the queue advances from the gradient
+    hooks on backward's thread and step() finishes it: the same trajectory as torch's."""
+    ref, model = tiny_gpt2().cuda(), tiny_gpt2()
+    batches = lm_batches(model.config.vocab_size, steps=3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
+    ref_losses = train(ref, ref_opt, [[ids.cuda() for ids in micro] for micro in batches])
+    offload.wrap(model, config(tmp_path, device="cuda"))
+    try:
+        opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
+        losses, _ = train_overlapped(model, opt, [[ids.cuda() for ids in micro] for micro in batches])
+        assert_losses(losses, ref_losses, rtol=1e-4, atol=1e-5)  # GPU kernels against the CPU update
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-3, atol=1e-4)
