@@ -822,7 +822,11 @@ class OffloadOptimizer(Optimizer):
             return
         p.grad = None
         self._ensure_layout()
-        self._recover_interrupted_backward()
+        if not self._early:
+            # (within update_during_backward() a new graph task here is a reentrant backward
+            # nested in this one, not a new backward after an interrupted one: the block
+            # resets itself when its backward fails)
+            self._recover_interrupted_backward()
         if not self._callback_queued:
             self._callback_queued = True
             self._backward_task = graph_task()
