@@ -196,12 +196,11 @@ class OffloadOptimizer(Optimizer):
         self._interrupted: str | None = None  # how far a step() stopped by an exception got
         # update_during_backward(): this cycle's shards are updated as their gradients become
         # final, in the order they do; step() finishes what is left
-        self._early = False  # the current cycle updates during backward
-        self._early_queue: list[_Shard] = []  # final, not updated yet (reads issued ahead)
-        self._early_issued: set = set()
-        self._early_done: set[int] = set()  # ids of shards updated during this backward
-        self._early_pending: dict = {}  # group writes waiting for more shards
-        self._early_busy: list = []  # group writes waiting for a pass to release the group
+        # _early: the current cycle updates during backward; _early_queue: shards final, not
+        # updated yet (reads issued ahead); _early_done: ids of shards updated during this
+        # backward; _early_pending: group writes waiting for more shards; _early_busy: group
+        # writes waiting for a pass to release the group
+        self._reset_early()
         self._closed = False
         # read_bytes / write_bytes: what the optimizer asked its tier for; a read of a state
         # still being written back is served from memory, so the disk may move fewer bytes
@@ -320,18 +319,11 @@ class OffloadOptimizer(Optimizer):
             raise RuntimeError("update_during_backward() was already used in this step: call step() "
                                "before the next one")
         self._ensure_layout()
+        self._reset_early()
         self._early = True
-        self._early_queue, self._early_issued, self._early_done = [], set(), set()
-        self._early_pending, self._early_busy = {}, []
-        for shard in self._shards:
-            if shard.wrapped:  # every shard that will be updated counts toward its groups
-                for owner in {id(x.owner[1]): x.owner for x in shard.segments}.values():
-                    if id(owner[1]) not in self._early_pending:
-                        entry = _new_group_write(owner)
-                        if entry is None:
-                            continue
-                        self._early_pending[id(owner[1])] = entry
-                    self._early_pending[id(owner[1])].remaining += 1
+        # every wrapped shard counts toward its groups (those that get no gradient in the
+        # pass are merged from the current bytes at step())
+        self._early_pending = self._group_writes([s for s in self._shards if s.wrapped])
         try:
             yield self
         except BaseException:
@@ -340,10 +332,13 @@ class OffloadOptimizer(Optimizer):
             self._drop_group_copies(list(self._early_pending.values()) + self._early_busy)
             if self._early_done:
                 self._interrupted = self._interrupted or f"{len(self._early_done)} shards during backward"
-            self._early = False
-            self._early_queue, self._early_pending, self._early_busy = [], {}, []
-            self._early_done, self._early_issued = set(), set()
+            self._reset_early()
             raise
+
+    def _reset_early(self) -> None:
+        self._early = False
+        self._early_queue, self._early_pending, self._early_busy = [], {}, []
+        self._early_done, self._early_issued = set(), set()
 
     def _enqueue_early(self, shard: _Shard) -> None:
         """A shard's gradient is final in an update_during_backward() pass: read its states
@@ -407,9 +402,7 @@ class OffloadOptimizer(Optimizer):
                     self._finish_group(entry, entry.manager.group_bytes(entry.group))
             done = [s for s in self._shards if id(s) in self._early_done] + rest
         finally:
-            self._early = False
-            self._early_queue, self._early_pending, self._early_busy = [], {}, []
-            self._early_done, self._early_issued = set(), set()
+            self._reset_early()
         return done
 
     def _consume_offloaded_grads(self) -> None:

@@ -280,3 +280,42 @@ def test_update_during_backward_on_cuda(tmp_path, no_leaks):
         offload.unwrap(model)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("param_tier", ["nvme", "host"])
+def test_update_during_backward_with_parameters_left_out_of_the_optimizer(tmp_path, param_tier, no_leaks):
+    """The optimizer is given all but the norm's parameters, which share the one parameter
+    group with the others: the group written back keeps their bytes unchanged (updated in
+    place on NVMe; assembled from master rows and the current bytes on the host tier)."""
+    ref, model = Branchy(), Branchy()
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(4, 32, generator=g) for _ in range(3)]
+
+    def trained(m):
+        return [p for n, p in m.named_parameters() if not n.startswith("norm")]
+
+    def run(m, opt, overlapped):
+        out = []
+        for x in xs:
+            loss = m(x).pow(2).mean()
+            if overlapped:
+                with opt.update_during_backward():
+                    loss.backward()
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for p in m.parameters():
+                p.grad = None  # the norm's gradients, which no optimizer consumes
+            out.append(float(loss.detach()))
+        return out
+
+    ref_losses = run(ref, torch.optim.AdamW(trained(ref), lr=1e-2, weight_decay=0.1, fused=True), False)
+    offload.wrap(model, config(tmp_path, param_tier=param_tier, resident_bytes=0, group_bytes="1MiB"))
+    try:
+        opt = offload.AdamW(trained(model), lr=1e-2, weight_decay=0.1, shard_size=1500)
+        assert_losses(run(model, opt, True), ref_losses, rtol=0, atol=0)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    assert_same_weights(model, ref, rtol=0, atol=0)
