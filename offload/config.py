@@ -76,6 +76,11 @@ class OffloadConfig:
         block_size, io_threads, queue_depth: the file engine's settings: bytes per system
             call, worker threads, blocks in the kernel at once (built-in: 8MiB, 32, 32).
         file_size: bytes per preallocated swap file.
+        world_size: ranks the parameters are partitioned over (ZeRO-3, see
+            docs/distributed.md). ``None`` (default): the default process group's size when
+            ``torch.distributed`` is initialised, else 1. A number > 1 requires an initialised
+            process group of that size. ``nvme_path`` may hold ``{rank}`` and
+            ``{local_rank}``, filled in per rank at ``wrap``.
     """
 
     device: str = "cuda"
@@ -97,6 +102,7 @@ class OffloadConfig:
     file_size: int | str = "1GiB"
     log_path: str | None = None
     trace_path: str | None = None
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -120,6 +126,10 @@ class OffloadConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.world_size is not None and (isinstance(self.world_size, bool) or
+                                            not isinstance(self.world_size, int) or self.world_size < 1):
+            raise ValueError(f"world_size={self.world_size!r} must be an int >= 1, or None to follow "
+                             "torch.distributed")
         if self.block_size is not None and self.block_size % 4096:
             raise ValueError(f"block_size={self.block_size} must be a multiple of 4096 bytes")
         uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)

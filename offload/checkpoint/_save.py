@@ -85,16 +85,18 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers as plain CPU tensors, gathered from
     wherever they rest (for models that fit in RAM). Tied parameters appear under each of
-    their names, as the same tensor, like ``nn.Module.state_dict``."""
+    their names, as the same tensor, like ``nn.Module.state_dict``. With several ranks every
+    rank must call it (each group is all-gathered) and every rank gets the whole model."""
     cat = catalog(model)
     out: dict[str, torch.Tensor] = {}
     cache: tuple[Any, torch.Tensor] | None = None
     for t in cat.all():
         if t.group is not None:
-            if cache is None or cache[0] is not t.group:
-                cache = (t.group, cat.manager.group_bytes(t.group))
-            raw = cache[1][t.slot.offset: t.slot.offset + t.slot.nbytes]
-            value = raw.view(t.dtype).reshape(t.shape).clone() if t.slot.nbytes else \
+            if cache is None or cache[0] is not t.group:  # (several ranks: gathered, a collective)
+                cache = (t.group, cat.manager.whole_bytes(t.group))
+            slot = t.slot.whole or t.slot
+            raw = cache[1][slot.offset: slot.offset + slot.nbytes]
+            value = raw.view(t.dtype).reshape(t.shape).clone() if slot.nbytes else \
                 torch.empty(t.shape, dtype=t.dtype)
         else:
             value = t.tensor.detach().to("cpu", copy=True)

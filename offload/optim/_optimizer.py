@@ -149,6 +149,18 @@ class _GroupWrite:
     fetched: bool = False
 
 
+@dataclass(eq=False)
+class _Bucket:
+    """Several ranks: one parameter group's gradients, summed over this backward, waiting
+    for the rest of the group before they are reduce-scattered."""
+    manager: Any
+    group: Any  # this rank's slice of the group
+    data: torch.Tensor | None  # fp32, the whole padded group, in elements of its parameters' size
+    itemsize: int
+    got: set  # ids of the parameters added
+    expected: int  # parameters of the group that report to this optimizer
+
+
 class OffloadOptimizer(Optimizer):
     """Base of :class:`AdamW`, :class:`Adam` and :class:`SGD`; see the module docstring.
 
@@ -187,6 +199,8 @@ class OffloadOptimizer(Optimizer):
         self._laid_out: set[int] = set()
         self._own_store: TensorStore | None = None
         self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # ids of wrapped parameters whose gradients come to us
+        self._buckets: dict[int, _Bucket] = {}  # several ranks: groups being gathered for reduction
         self._callback_queued = False
         self._drain_pool: ThreadPoolExecutor | None = None
         self._drains: list[Future] = []
@@ -229,6 +243,7 @@ class OffloadOptimizer(Optimizer):
                 managers.add(owner[0])
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._hooked.add(id(p))
         self._check_managers(managers)
 
     @torch.no_grad()
@@ -369,7 +384,7 @@ class OffloadOptimizer(Optimizer):
             self._early_done.add(id(head))
         busy, self._early_busy = self._early_busy, []
         for entry in busy:
-            if block or not entry.manager.coordinator.live[entry.group].refs:
+            if block or not _in_use(entry):
                 self._finish_group(entry)
             else:
                 self._early_busy.append(entry)
@@ -436,6 +451,7 @@ class OffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._sync_drains()
+        self._buckets.clear()
         super().zero_grad(set_to_none=set_to_none)
         for shard in self._shards:
             shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
@@ -469,6 +485,10 @@ class OffloadOptimizer(Optimizer):
                 g = p.grad.detach().float()
                 sumsq += float(torch.dot(g.reshape(-1), g.reshape(-1)))
                 maxabs = max(maxabs, float(g.abs().max())) if g.numel() else maxabs
+        partition = self._partition()
+        if partition is not None:  # every rank holds a slice of the gradients
+            sumsq, = partition.sum([sumsq])
+            maxabs, = partition.max([maxabs])
         total = math.sqrt(sumsq) if norm_type == 2.0 else maxabs
         if self._scaler_enabled:
             total /= self.loss_scale
@@ -656,7 +676,8 @@ class OffloadOptimizer(Optimizer):
                 master = p.dtype != torch.float32 or p.device.type != "cpu"
             rows = (1 if master else 0) + len(self._rows_for(self.param_groups[gi]))
             size = self._shard_elements(store, home, rows, wrapped, owner)
-            start, n = 0, p.numel()
+            # with several ranks, a wrapped parameter's elements held in this rank's slice
+            start, n = (owner[2].first, owner[2].first + owner[2].count) if owner is not None else (0, p.numel())
             step = torch.zeros((), dtype=torch.float32)
             segs: list[_Segment] = []
             while start < n:
@@ -778,8 +799,8 @@ class OffloadOptimizer(Optimizer):
             return seg.param.detach().reshape(-1)[seg.start: seg.start + seg.length].float().cpu()
         manager, pgroup, slot = seg.owner
         data = manager.group_bytes(pgroup)
-        view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).reshape(-1)
-        return view[seg.start: seg.start + seg.length].float()
+        begin, end = slot.elements(seg.start, seg.length)
+        return data[begin: end].view(slot.dtype).float()
 
     def _init_state(self, shard: _Shard) -> None:
         rows = torch.zeros(shard.rows, shard.numel, dtype=torch.float32)
@@ -793,8 +814,8 @@ class OffloadOptimizer(Optimizer):
                 data = cache.get(id(pgroup))
                 if data is None:
                     data = cache[id(pgroup)] = manager.group_bytes(pgroup)
-                view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).reshape(-1)
-                rows[0, seg.offset: seg.offset + seg.length].copy_(view[seg.start: seg.start + seg.length])
+                begin, end = slot.elements(seg.start, seg.length)
+                rows[0, seg.offset: seg.offset + seg.length].copy_(data[begin: end].view(slot.dtype))
         self._write_state(shard, rows)
         if shard.wrapped:
             shard.store.put(shard.grad_key, torch.zeros(shard.numel, dtype=torch.float32), shard.grad_home)
@@ -824,35 +845,99 @@ class OffloadOptimizer(Optimizer):
             self._callback_queued = True
             self._backward_task = graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if grad.is_cuda:
-            self._drain_cuda(p, grad)
-            if self._early and self._early_queue:
-                self._advance_early(block=False)
+        owner = _owner_of(p)
+        if owner is not None and owner[0].partition is not None:
+            self._add_to_bucket(p, grad, owner)
+        elif grad.is_cuda:
+            self._drain_cuda([(p, 0)], grad)
         else:
             self._drain(p, grad)
+        if grad.is_cuda and self._early and self._early_queue:
+            self._advance_early(block=False)
 
-    def _drain(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+    # -- several ranks: a group's gradients are reduce-scattered ----------------------------
+    def _add_to_bucket(self, p: torch.Tensor, grad: torch.Tensor, owner) -> None:
+        """Several ranks: add ``p``'s gradient into its group's bucket (the whole group, fp32,
+        laid out like the group's bytes); once every parameter of the group that reports to
+        this optimizer has, reduce-scatter it (see _reduce)."""
+        manager, group, slot = owner
+        bucket = self._buckets.get(id(group))
+        if bucket is None:
+            bucket = self._buckets[id(group)] = self._new_bucket(manager, group, grad.device)
+        at = slot.whole.offset // bucket.itemsize
+        bucket.data[at: at + grad.numel()].add_(grad.reshape(-1))
+        bucket.got.add(id(p))
+        if len(bucket.got) >= bucket.expected:
+            self._reduce(bucket)
+
+    def _new_bucket(self, manager, group, device: torch.device) -> "_Bucket":
+        reporting = [s for s in group.slots if s.param.requires_grad and id(s.param) in self._hooked]
+        sizes = {s.dtype.itemsize for s in reporting}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"parameter group {group.key!r} mixes parameters of dtypes "
+                f"{sorted({str(s.dtype) for s in reporting})}; with several ranks a group's gradients are "
+                "reduced as one buffer: set OffloadConfig(compute_dtype=...) so they share one")
+        itemsize = sizes.pop()
+        size = group.nbytes * manager.partition.world // itemsize
+        return _Bucket(manager, group, torch.zeros(size, dtype=torch.float32, device=device), itemsize,
+                       set(), len({id(s.param) for s in reporting}))
+
+    def _reduce(self, bucket: "_Bucket") -> None:
+        """Reduce-scatter a group's bucket: this rank receives the mean over ranks of its
+        slice, fp32, and adds it into its shards' accumulators."""
+        del self._buckets[id(bucket.group)]
+        mine = torch.empty(bucket.group.nbytes // bucket.itemsize, dtype=torch.float32,
+                           device=bucket.data.device)
+        bucket.manager.partition.reduce_scatter_mean(mine, bucket.data)
+        bucket.data = None
+        items = [(s.param, s.offset // bucket.itemsize) for s in bucket.group.slots
+                 if s.count and id(s.param) in bucket.got]
+        if mine.is_cuda:
+            self._drain_cuda(items, mine)
+        else:
+            for p, base in items:
+                self._drain(p, mine, base)
+
+    def _reduce_pending(self) -> None:
+        """End of backward: reduce the groups some of whose parameters got no gradient, in
+        the groups' order (the same on every rank)."""
+        if not self._buckets:
+            return
+        pending = list(self._buckets.values())
+        pending.sort(key=lambda b: b.manager.groups.index(b.group))
+        for bucket in pending:
+            self._reduce(bucket)
+
+    def _drain(self, p: torch.Tensor, grad: torch.Tensor, base: int = 0) -> None:
+        """Add ``p``'s gradient into its shards' accumulators: element ``i`` of ``p`` is
+        ``grad`` (flattened) at ``base + i`` (a reduced slice of a group: see _reduce)."""
         flat = grad.reshape(-1)
         if self._early:
             self._check_not_final(p)
         for seg in self._segments_of[id(p)]:
             shard = seg.shard
             acc = self._open(shard)
-            acc[seg.offset: seg.offset + seg.length].add_(flat[seg.start: seg.start + seg.length])
+            at = base + seg.start
+            acc[seg.offset: seg.offset + seg.length].add_(flat[at: at + seg.length])
             seg.has_grad = True
             shard.drained.add(id(p))
             if len(shard.drained) >= shard.expected:
                 self._flush(shard)
 
-    def _drain_cuda(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """Copy ``grad`` to pinned host memory on a side stream; add it on a worker thread."""
+    def _drain_cuda(self, items: list, grad: torch.Tensor) -> None:
+        """Copy ``grad`` to pinned host memory on a side stream; add it on a worker thread
+        into the accumulators of each ``(parameter, base)`` of ``items`` (see _drain)."""
         device = grad.device
         stream = self._d2h_streams.get(device)
         if stream is None:
             stream = self._d2h_streams[device] = torch.cuda.Stream(device)
         if self._drain_pool is None:
             self._drain_pool = ThreadPoolExecutor(1, thread_name_prefix=_DRAIN_THREAD)
-        store = self._segments_of[id(p)][0].shard.store
+        store = next((segs[0].shard.store for p, _ in items for segs in [self._segments_of[id(p)]] if segs),
+                     None)
+        if store is None:
+            return  # (several ranks) none of these elements is held here
         buffer = store.staging.acquire(grad.numel() * grad.element_size())
         host = buffer.view(grad.dtype, (grad.numel(),))
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -865,7 +950,8 @@ class OffloadOptimizer(Optimizer):
         def add() -> None:
             try:
                 event.synchronize()
-                self._drain(p, host)
+                for p, base in items:
+                    self._drain(p, host, base)
             finally:
                 store.staging.release(buffer)
 
@@ -898,10 +984,12 @@ class OffloadOptimizer(Optimizer):
         as torch keeps ``p.grad`` after an interrupted backward (``zero_grad`` drops them)."""
         if self._callback_queued and graph_task() != self._backward_task:
             self._callback_queued = False
+            self._buckets.clear()  # (several ranks: the other ranks' job failed too)
             self._flush_all()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._reduce_pending()
         if self._drain_pool is not None:
             self._drains.append(self._drain_pool.submit(self._flush_all))
         else:
@@ -958,13 +1046,20 @@ class OffloadOptimizer(Optimizer):
         return any(s.param.grad is not None for s in shard.segments)
 
     def _found_inf(self) -> bool:
-        for shard in self._shards:
-            if shard.wrapped and shard.grad_valid and not shard.finite:
-                return True
-        for p in self._plain_params():
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                return True
-        return False
+        found = any(shard.wrapped and shard.grad_valid and not shard.finite for shard in self._shards)
+        found = found or any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                             for p in self._plain_params())
+        partition = self._partition()
+        if partition is not None:  # an overflow on any rank skips the step on all of them
+            found = partition.max([float(found)])[0] > 0
+        return found
+
+    def _partition(self):
+        """The partition of the wrapped model this optimizer serves, if several ranks."""
+        for manager in _managers_of(self._shards):
+            if manager.partition is not None:
+                return manager.partition
+        return None
 
     def _log(self, event: str, shard: _Shard) -> None:
         if self.events is not None:
@@ -1080,12 +1175,12 @@ class OffloadOptimizer(Optimizer):
             manager, group, slot = seg.owner
             entry = pending.get(id(group))
             if entry is None:  # a resident parameter on a CPU device
-                flat = slot.param.data.view(-1)
-            else:
-                if entry.data is None:
-                    entry.data = manager.store.wait(group.key, Tier.HOST)
-                flat = entry.data[slot.offset: slot.offset + slot.nbytes].view(torch.float32)
-            views[id(seg)] = flat[seg.start: seg.start + seg.length]
+                views[id(seg)] = slot.param.data.view(-1)[seg.start: seg.start + seg.length]
+                continue
+            if entry.data is None:
+                entry.data = manager.store.wait(group.key, Tier.HOST)
+            begin, end = slot.elements(seg.start, seg.length)
+            views[id(seg)] = entry.data[begin: end].view(torch.float32)
         return views
 
     def _update_shard(self, shard: _Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
@@ -1180,10 +1275,9 @@ class OffloadOptimizer(Optimizer):
             if entry.data is None:
                 entry.data = torch.empty(entry.group.nbytes, dtype=torch.uint8)
             slot = seg.owner[2]
-            view = entry.data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(-1)
-            view[seg.start: seg.start + seg.length].copy_(rows[0, seg.offset: seg.offset + seg.length])
-            size = slot.dtype.itemsize
-            entry.written.append((slot.offset + seg.start * size, seg.length * size))
+            begin, end = slot.elements(seg.start, seg.length)
+            entry.data[begin: end].view(slot.dtype).copy_(rows[0, seg.offset: seg.offset + seg.length])
+            entry.written.append((begin, end - begin))
         for key in {id(seg.owner[1]) for seg in shard.segments}:
             entry = pending.get(key)
             if entry is None:
@@ -1193,7 +1287,7 @@ class OffloadOptimizer(Optimizer):
                 done.append(entry)
         for entry in done:
             del pending[id(entry.group)]
-            if busy is not None and entry.manager.coordinator.live[entry.group].refs:
+            if busy is not None and _in_use(entry):
                 busy.append(entry)  # a pass still computes with the old bytes: write it later
             else:
                 self._finish_group(entry)
@@ -1205,7 +1299,7 @@ class OffloadOptimizer(Optimizer):
         if entry.in_place:
             if entry.data is None:
                 return  # never read: no shard of it was updated
-            manager.coordinator.forget(group)
+            manager.coordinator.forget(group.whole or group)
             manager.store.mark_dirty(group.key, Tier.HOST)
             manager.store.evict(group.key, Tier.HOST)
             self.stats["write_bytes"] += group.nbytes
@@ -1284,6 +1378,12 @@ def _in_place(owner) -> str | None:
     if manager.home is Tier.NVME and all(s.dtype == torch.float32 for s in group.slots):
         return "group"
     return None
+
+
+def _in_use(entry: _GroupWrite) -> bool:
+    """Whether a forward or backward pass still computes with the group's old bytes."""
+    group = entry.group.whole or entry.group
+    return bool(entry.manager.coordinator.live[group].refs)
 
 
 def _managers_of(shards: list[_Shard]) -> set:

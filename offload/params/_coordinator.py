@@ -39,6 +39,7 @@ class _Live:
     flat: torch.Tensor | None = None  # uint8 device view while materialized
     backward_refs: int = 0  # of refs, those taken for backward
     release: Any = None  # with zero_copy: gives back the mapped view ``flat`` is
+    gathered: Any = None  # with several ranks: the device slot the whole group was gathered into
     started: list = field(default_factory=list)  # with a tracer: (phase, time) per acquisition
 
 
@@ -53,8 +54,15 @@ class _Pass:
 class Coordinator:
     def __init__(self, store: TensorStore, groups: list[ParamGroup], *, device: torch.device,
                  prefetch_limit: int, device_budget: int, cache_bytes: int | str = 0,
-                 events: list | None = None, zero_copy: bool = False):
+                 events: list | None = None, zero_copy: bool = False, partition: Any = None,
+                 home: Tier | None = None):
         self.store, self.device = store, device
+        # several ranks (offload.distributed): the store holds this rank's slice of each group
+        # (key = the group's key); materializing all-gathers the whole group into a device
+        # slot of its own, counted in the device budget, freed at release
+        self.partition = partition
+        self.home = home
+        self.gather_seconds = 0.0
         # a CPU device over io_backend="mmap": parameters are views of the mapped swap files
         # (no copy, no device budget); prefetching is a read-ahead advice to the kernel
         self.zero_copy = zero_copy
@@ -203,7 +211,7 @@ class Coordinator:
             self._drop_ahead(group)
         for group, loaded in list(self.cached.items()):
             if loaded:
-                self.store.evict(group.key, Tier.DEVICE)
+                self._evict(group)
         self.cached = {}
 
     def forget(self, group: ParamGroup) -> None:
@@ -276,6 +284,8 @@ class Coordinator:
         self.stall_seconds += ended - started
         if self.tracer is not None and ended - started > 1e-5:
             self.tracer.span(f"stall {group.key}", "stall", started, ended, "compute")
+        if self.partition is not None:
+            flat = self._gather(group, live, flat)
         live.flat = flat
         if group in self.cached:
             self.cached[group] = True
@@ -284,6 +294,28 @@ class Coordinator:
             view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             slot.param.data = view
         self.by_storage[flat.untyped_storage().data_ptr()] = group
+
+    def _gather(self, group: ParamGroup, live: _Live, mine: torch.Tensor) -> torch.Tensor:
+        """All ranks' slices of ``group`` into one device buffer: its whole flat bytes."""
+        size = mine.numel() * self.partition.world
+        device = self.store.tiers[Tier.DEVICE]
+        slot = device.allocate(size)
+        while slot is None and self.ahead:
+            self._drop_ahead(next(reversed(self.ahead)))
+            slot = device.allocate(size)
+        if slot is None:
+            from ..io import BudgetError
+
+            raise BudgetError(
+                f"device_budget {self.device_budget} bytes cannot hold parameter group {group.key!r} "
+                f"gathered from {self.partition.world} ranks ({size} bytes) next to the "
+                f"{device.used_bytes} bytes in use: raise device_budget")
+        live.gathered = slot
+        whole = device.tensor(slot)[:size]
+        started = time.perf_counter()
+        self.partition.all_gather(whole, mine)
+        self.gather_seconds += time.perf_counter() - started
+        return whole
 
     def _map(self, group: ParamGroup, live: _Live) -> bool:
         """Point the group's parameters at a view of its bytes in the mapped swap file."""
@@ -316,6 +348,12 @@ class Coordinator:
             live.flat = None
             for slot in group.slots:
                 slot.param.data = self.placeholder(slot.dtype, slot.shape)
+            if live.gathered is not None:
+                device = self.store.tiers[Tier.DEVICE]
+                if hasattr(device, "fence"):
+                    device.fence(live.gathered)  # kernels queued on it finish before reuse
+                device.free(live.gathered)
+                live.gathered = None
         elif group in self.ahead or self.store.state(group.key, Tier.DEVICE) is Residency.ABSENT:
             return
         # (else: an acquisition interrupted between its fetch and its wait left a device
@@ -325,7 +363,7 @@ class Coordinator:
         if self._needed_soon(group):
             self.ahead[group] = None  # keep the bytes on the device for the coming use
         else:
-            self.store.evict(group.key, Tier.DEVICE)
+            self._evict(group)
 
     def _make_room(self, group: ParamGroup) -> None:
         """A demand fetch comes first: drop the farthest prefetches until it fits."""
@@ -336,6 +374,10 @@ class Coordinator:
     def _drop_ahead(self, group: ParamGroup) -> None:
         self.ahead.pop(group, None)
         if self.live[group].flat is None and not self.zero_copy:
+            self._evict(group)
+
+    def _evict(self, group: ParamGroup) -> None:
+        if self.home is not Tier.DEVICE:  # slices resting on the device stay there
             self.store.evict(group.key, Tier.DEVICE)
 
     def _upcoming(self):

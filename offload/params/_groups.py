@@ -18,7 +18,13 @@ _ALIGN = 256  # bytes: every parameter starts aligned for any dtype and vector l
 
 @dataclass(eq=False)
 class ParamSlot:
-    """One parameter inside its group's flat buffer."""
+    """One parameter inside its group's flat buffer.
+
+    With several ranks (offload.distributed) a rank's group holds a slice of the whole
+    group's bytes: its slots keep the parameter's offset relative to the slice's start
+    (negative when the parameter began on a lower rank) and say which elements the slice
+    holds, ``first`` and ``count`` (all of them in a whole group).
+    """
 
     names: list[str]
     param: nn.Parameter
@@ -26,6 +32,28 @@ class ParamSlot:
     nbytes: int
     dtype: torch.dtype
     shape: torch.Size
+    first: int = 0  # first element of the flattened parameter held here
+    count: int = -1  # elements held here; -1: all
+    whole: "ParamSlot | None" = None  # in a rank's slice: the slot of the whole group
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            self.count = self.numel
+
+    @property
+    def numel(self) -> int:
+        size = self.dtype.itemsize
+        return self.nbytes // size if size else 0
+
+    def elements(self, start: int, length: int) -> tuple[int, int]:
+        """Byte range, in the group's buffer, of ``length`` elements from ``start``."""
+        begin = self.offset + start * self.dtype.itemsize
+        return begin, begin + length * self.dtype.itemsize
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """Byte range of the elements held in this group's buffer."""
+        return self.elements(self.first, self.count)
 
 
 @dataclass(eq=False)
@@ -34,6 +62,8 @@ class ParamGroup:
     slots: list[ParamSlot] = field(default_factory=list)
     nbytes: int = 0
     resident: bool = False  # small enough to stay on the device
+    whole: "ParamGroup | None" = None  # a rank's slice (offload.distributed): the whole group
+    begin: int = 0  # the slice's first byte in the whole group
 
     def add(self, name: str, param: nn.Parameter, dtype: torch.dtype) -> None:
         nbytes = param.numel() * torch.empty((), dtype=dtype).element_size()

@@ -32,9 +32,13 @@ class ParamManager:
     """Owns what wrap() set up for one model: its store, coordinator and hooks."""
 
     def __init__(self, model: nn.Module, config: OffloadConfig, store: TensorStore,
-                 groups: list[ParamGroup], coordinator: Coordinator, hooks: ModuleHooks):
+                 groups: list[ParamGroup], coordinator: Coordinator, hooks: ModuleHooks,
+                 partition: Any = None):
+        # groups: what this process's store holds (with several ranks, its slice of each
+        # group, see offload.distributed); the coordinator materializes the whole groups
         self.model, self.config, self.store = model, config, store
         self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
+        self.partition = partition
         self.slots = {id(slot.param): (group, slot) for group in groups for slot in group.slots}
         self.optimizer_seconds = 0.0
         self.steps = 0
@@ -120,8 +124,17 @@ class ParamManager:
                 view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
                 slot.param.data.copy_(view)
             return
-        self.coordinator.forget(group)
+        self.coordinator.forget(group.whole or group)
         self.store.put(group.key, data, self.home)
+
+    def whole_bytes(self, group: ParamGroup) -> torch.Tensor:
+        """A host copy of the whole of ``group`` (one of ``self.groups``): with several ranks,
+        every rank's slice gathered (a collective: every rank must call it, in the same
+        order); else its bytes."""
+        data = self.group_bytes(group)
+        if self.partition is None:
+            return data
+        return self.partition.gather_bytes(data)[: group.whole.nbytes]
 
 
 def owner_of(param: torch.Tensor) -> tuple[ParamManager, ParamGroup, ParamSlot] | None:
@@ -141,18 +154,29 @@ def manager_of(model: nn.Module) -> ParamManager:
 
 
 def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = None,
-         events: list | None = None) -> nn.Module:
+         events: list | None = None, process_group: Any = None) -> nn.Module:
     """Manage ``model``'s parameters as ``config`` says; returns the same module.
 
     ``checkpoint``: a safetensors file, a directory of shards with
     ``model.safetensors.index.json``, or a ``save_pretrained`` directory, streamed into the
     parameter tier (the model may then have been built on the meta device).
     ``events``: a list that receives the schedule as ``(event, group, phase)`` tuples.
+    ``process_group``: with torch.distributed initialised, the ranks to partition the
+    parameters over (default: the default group; see ``OffloadConfig.world_size`` and
+    docs/distributed.md). Every rank calls ``wrap`` with the same model and config.
     """
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if model in _managers:
         raise ValueError("this model is already wrapped: call offload.unwrap(model) first")
+    from .. import distributed
+
+    partition = distributed.resolve(config, process_group)
+    nvme_path = distributed.local_nvme_path(config, partition)
+    if partition is not None:  # first, so that every rank refuses alike
+        distributed.check_ranks(partition, config, model, nvme_path)
+    if nvme_path != config.nvme_path:
+        config = config.replace(nvme_path=nvme_path)
     device = config.torch_device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"OffloadConfig(device={config.device!r}) but CUDA is not available: "
@@ -163,18 +187,21 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
         if meta:
             raise ValueError(f"parameters {meta[:5]}{'...' if len(meta) > 5 else ''} are on the meta "
                              "device: pass checkpoint=PATH so wrap() can load their values")
+    # several ranks: every group is partitioned, none stays whole on the device
+    small = 0 if config.param_tier == "device" or partition is not None else config.resident_bytes
     groups, needs = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
-                                 resident_bytes=0 if config.param_tier == "device" else config.resident_bytes)
-    if config.param_tier == "device":
+                                 resident_bytes=small)
+    if config.param_tier == "device" and partition is None:
         for group in groups:
             group.resident = True
-    _check_budgets(groups, config)
+    mine = groups if partition is None else distributed.slice_groups(groups, partition)
+    _check_budgets(groups, config, mine)
     from .._plan import host_param_bytes, plan_groups
 
-    memory_plan = plan_groups(groups, config, optimizer=None, ram_credit=host_param_bytes(model))
+    memory_plan = plan_groups(mine, config, optimizer=None, ram_credit=host_param_bytes(model))
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
-    nvme_bytes = _nvme_bytes(groups, config)
+    nvme_bytes = _nvme_bytes(mine, config)
     store = _make_store(config, nvme_bytes)
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
@@ -185,11 +212,15 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
         nvme_tier = store.tiers.get(Tier.NVME)
         zero_copy = device.type == "cpu" and config.param_tier == "nvme" and \
             isinstance(nvme_tier, MmapTier) and sum(streamed) <= nvme_tier.cache_limit
+        zero_copy = zero_copy and partition is None  # a gathered group is a copy anyway
         coordinator = Coordinator(store, groups, device=device,
                                   prefetch_limit=config.prefetch_limit(largest, median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes,
-                                  events=events, zero_copy=zero_copy)
-        _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader)
+                                  events=events, zero_copy=zero_copy, partition=partition,
+                                  home=_HOME[config.param_tier])
+        _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition)
+        if partition is not None:  # after loading: it may have replaced meta parameters
+            mine = distributed.slice_groups(groups, partition)
         _move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon
         hooks = ModuleHooks(model, needs, coordinator)
@@ -197,12 +228,15 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     except BaseException:
         store.close()
         raise
-    _managers[model] = manager = ParamManager(model, config, store, groups, coordinator, hooks)
+    _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition)
     manager.start_step_log()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
-    log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s",
+    log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s%s",
              len(groups), format_size(total), config.param_tier, format_size(config.device_budget),
-             format_size(coordinator.prefetch_limit))
+             format_size(coordinator.prefetch_limit),
+             "" if partition is None else
+             f"; partitioned over {partition.world} ranks, rank {partition.rank} keeps "
+             f"{format_size(sum(g.nbytes for g in mine))}")
     return model
 
 
@@ -217,6 +251,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     try:
         manager.hooks.remove()
         manager.coordinator.release_all()
+        if manager.partition is not None:  # every rank's slice gathered, group by group
+            for group in manager.groups:
+                whole = manager.whole_bytes(group)
+                for slot in group.whole.slots:
+                    data = whole[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+                    slot.param.data = data.to(manager.coordinator.device, copy=True)
+            _release(model, manager)
+            return model
         for group in manager.groups:
             flat = manager.store.wait(group.key, Tier.DEVICE)
             for slot in group.slots:
@@ -284,10 +326,14 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
         "page_cache_bytes": s["nvme"].get("page_cache_bytes", 0) if "nvme" in s else 0,
         "optimizer_seconds": manager.optimizer_seconds,
+        "gather_seconds": c.gather_seconds,
+        "world_size": manager.partition.world if manager.partition is not None else 1,
+        "rank": manager.partition.rank if manager.partition is not None else 0,
     }
 
 
 _DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
+               "gather_seconds",
                "prefetch_hits", "prefetch_misses")
 
 
@@ -322,11 +368,29 @@ def reset_peak_stats(model: nn.Module) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _check_budgets(groups: list[ParamGroup], config: OffloadConfig) -> None:
+def _check_budgets(groups: list[ParamGroup], config: OffloadConfig, mine: list[ParamGroup] | None = None) -> None:
+    """``mine``: with several ranks, this rank's slices of ``groups``: a group in use takes its
+    slice and the whole gathered group on the device; the host tier holds only slices."""
+    mine = groups if mine is None else mine
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g for g in groups if not g.resident]
     largest = max(streamed, key=lambda g: g.nbytes, default=None)
     need = resident + (largest.nbytes if largest else 0)
+    if mine is not groups:
+        slices = sum(g.nbytes for g in mine) if config.param_tier == "device" else \
+            max((g.nbytes for g in mine), default=0)
+        need += slices
+        if need > config.device_budget:
+            raise BudgetError(
+                f"device_budget {format_size(config.device_budget)} cannot hold parameter group "
+                f"{largest.key!r} gathered ({format_size(largest.nbytes)}) next to "
+                + ("this rank's slices of every group" if config.param_tier == "device" else "its slice")
+                + f" ({format_size(slices)}): set device_budget >= {format_size(need)}")
+        if config.param_tier == "host" and sum(g.nbytes for g in mine) > config.host_budget:
+            raise BudgetError(f"param_tier='host' needs {format_size(sum(g.nbytes for g in mine))} of host "
+                              f"memory on each rank but host_budget is {format_size(config.host_budget)}: "
+                              "raise host_budget or set param_tier='nvme'")
+        return
     if need > config.device_budget:
         if largest is not None and largest.nbytes + resident > config.device_budget:
             raise BudgetError(
@@ -366,8 +430,9 @@ def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:
 
 
 def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
-                 coordinator: Coordinator, home: Tier, reader: Any) -> None:
-    """Each group's flat bytes into the store, one group in host memory at a time."""
+                 coordinator: Coordinator, home: Tier, reader: Any, partition: Any = None) -> None:
+    """Each group's flat bytes into the store, one group in host memory at a time (with
+    several ranks, only this rank's slice of it)."""
     for group in groups:
         for slot in group.slots:
             if slot.param.device.type == "meta":  # a meta tensor cannot take real .data
@@ -377,6 +442,13 @@ def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
             source = reader.tensor(slot) if reader is not None else slot.param.detach()
             view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             view.copy_(source)
+        if partition is not None:
+            size = partition.slice_bytes(group.nbytes)
+            mine = torch.zeros(size, dtype=torch.uint8)
+            begin = partition.rank * size
+            piece = flat[begin: begin + size]
+            mine[: piece.numel()].copy_(piece)
+            flat = mine
         store.put(group.key, flat, Tier.DEVICE if group.resident else home)
         del flat
         if group.resident:

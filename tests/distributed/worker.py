@@ -1,0 +1,127 @@
+"""One rank of a distributed test run (launched by torchrun from test_distributed.py), or
+the single-process reference (launched with plain python).
+
+    python worker.py SPEC.json
+
+SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "model": "gpt2"|"llama",
+       "save": dir|None, "save_after": k, "load": dir|None, "fault": None|"config"|"model"|"shared_path",
+       "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool}
+Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
+per-rank NVMe bytes and the final weights' file.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import offload
+
+torch.use_deterministic_algorithms(True)
+
+
+def build(kind: str, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=64, tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def batches(steps: int):
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 256, (4, 16), generator=g) for _ in range(steps)]
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    launched = "RANK" in os.environ
+    if launched:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if launched else 0
+    world = dist.get_world_size() if launched else 1
+    model = build(spec.get("model", "gpt2"), seed=1 if spec.get("fault") == "model" and rank == 1 else 0)
+    if spec.get("fault") == "model" and rank == 1:
+        model.lm_head = torch.nn.Linear(64, 256, bias=True)  # a different model on rank 1
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    result = {"rank": rank, "world": world, "losses": []}
+    if spec.get("torch"):  # plain torch, in memory, whole batch: the reference of references
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        for ids in batches(spec["steps"]):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if spec.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
+            opt.step()
+            opt.zero_grad()
+            result["losses"].append(loss.item())
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, spec["out"] + ".pt")
+        json.dump(result, open(spec["out"], "w"))
+        return
+    nvme = spec["nvme"]
+    if spec.get("fault") == "shared_path":
+        nvme = nvme.replace("{rank}", "shared")
+    tier = spec.get("tier", "nvme")
+    cfg = offload.OffloadConfig(device="cpu", param_tier=tier, optimizer_tier=tier, nvme_path=nvme,
+                                device_budget="64MiB", host_budget="256MiB", io="manual",
+                                io_backend="direct", world_size=spec.get("world_size"),
+                                compute_dtype="bf16" if spec.get("fault") == "config" and rank == 1 else None)
+    try:
+        model = offload.wrap(model, cfg)
+    except (ValueError, offload.io.BudgetError) as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+        json.dump(result, open(f"{spec['out']}.rank{rank}", "w"))
+        if rank == 0:
+            json.dump(result, open(spec["out"], "w"))
+        return
+    opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    data = batches(spec["steps"])
+    start = 0
+    if spec.get("load"):
+        extra = offload.load_checkpoint(spec["load"], model, opt)
+        start = extra["step"]
+    per = 4 // world
+    for step in range(start, spec["steps"]):
+        ids = data[step][rank * per: (rank + 1) * per]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if spec.get("clip"):
+            opt.clip_grad_norm_(spec["clip"])
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        result["losses"].append(mean.item())
+        if spec.get("save") and step + 1 == spec.get("save_after"):
+            offload.save_checkpoint(spec["save"], model, opt, extra={"step": step + 1})
+    opt.synchronize()
+    stats = offload.stats(model)
+    result["nvme_bytes"] = stats["nvme_bytes"]
+    result["read_bytes"] = stats["read_bytes"]
+    result["slice_bytes"] = sum(g.nbytes for g in offload.params._manager.manager_of(model).groups)
+    weights = offload.state_dict(model)  # every rank takes part in the gathers
+    if rank == 0:
+        torch.save(weights, spec["out"] + ".pt")
+    json.dump(result, open(f"{spec['out']}.rank{rank}", "w"))
+    if rank == 0:
+        json.dump(result, open(spec["out"], "w"))
+    opt.close()
+    offload.close(model)
+    if launched:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
