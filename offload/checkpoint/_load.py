@@ -32,10 +32,40 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     class and parameters match. Each tensor's checksum is verified as it streams in; a
     mismatch raises (the model then holds a mix of old and new values: load another
     checkpoint).
+
+    A checkpoint saved by several ranks loads into any number of ranks (each reads the
+    elements of its own slices from whichever rank's files hold them) or into one process;
+    one saved by a single process loads into several ranks. With several ranks every rank
+    calls it, and every rank raises if any rank failed.
     """
-    started = time.perf_counter()
-    manifest = read_manifest(path)
     cat = catalog(model)
+    part = cat.manager.partition if cat.manager is not None else None
+    if part is None:
+        return _load(path, read_manifest(path), model, optimizer, cat)
+    manifest, error = None, None
+    if part.rank == 0:  # one reader of the directory (its recovery of interrupted saves included)
+        try:
+            manifest = read_manifest(path)
+        except BaseException as err:  # noqa: BLE001 - reported to every rank
+            error = err
+    manifest, error = part.broadcast_object((manifest, error))
+    if error is not None:
+        raise error
+    mine = None
+    try:
+        extra = _load(path, manifest, model, optimizer, cat)
+    except BaseException as err:  # noqa: BLE001 - every rank must hear of it
+        mine = f"rank {part.rank}: {type(err).__name__}: {err}"
+        part.gather_objects(mine)
+        raise
+    errors = [e for e in part.gather_objects(mine) if e is not None]
+    if errors:
+        raise CheckpointError(f"load_checkpoint({path!r}) failed on another rank: " + "; ".join(errors))
+    return extra
+
+
+def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Catalog) -> Any:
+    started = time.perf_counter()
     model_items = _model_items(manifest, cat)
     opt_plan = _check_optimizer(manifest, optimizer, cat) if optimizer is not None else None
     pool, window, engine_args = resources(cat, optimizer)
@@ -76,7 +106,14 @@ def load_state_dict_from(path: str) -> dict[str, torch.Tensor]:
         dtype, shape = dtype_of(entry["dtype"]), tuple(entry["shape"])
 
         def consume(data: torch.Tensor, entry=entry, dtype=dtype, shape=shape) -> None:
-            value = _as_tensor(data[: entry["length"]], dtype, shape).clone()
+            if "start" in entry:  # a slice saved by one of several ranks
+                value = out.get(entry["name"])
+                if value is None:
+                    value = torch.empty(shape, dtype=dtype)
+                start, n = entry["start"], entry["numel"]
+                value.view(-1)[start: start + n].copy_(_as_tensor(data[: entry["length"]], dtype, (n,)))
+            else:
+                value = _as_tensor(data[: entry["length"]], dtype, shape).clone()
             for name in [entry["name"], *entry.get("aliases", [])]:
                 out[name] = value
 
@@ -95,22 +132,29 @@ def _model_entries(manifest: dict) -> list[dict]:
     return [e for e in manifest["tensors"] if "row" not in e]
 
 
-def _match_model(manifest: dict, cat: Catalog) -> list[tuple[Tensorish, dict]]:
-    saved: dict[str, dict] = {}
+def _match_model(manifest: dict, cat: Catalog) -> list[tuple[Tensorish, list[dict]]]:
+    """Each tensor of the model and the entries holding it: one, or (saved by several
+    ranks) one per slice, ``start``/``numel`` elements each, checked to cover it."""
+    saved: dict[str, list[dict]] = {}
     for entry in _model_entries(manifest):
-        for name in [entry["name"], *entry.get("aliases", [])]:
-            saved.setdefault(name, entry)
+        saved.setdefault(entry["name"], []).append(entry)
+    by_alias = {}
+    for name, entries in saved.items():
+        for n in [name, *entries[0].get("aliases", [])]:
+            by_alias.setdefault(n, entries)
     pairs, missing, mismatched, used = [], [], [], set()
     for t in cat.all():
-        entry = next((saved[n] for n in t.names if n in saved), None)
-        if entry is None:
+        entries = next((by_alias[n] for n in t.names if n in by_alias), None)
+        if entries is None:
             missing.append(t.name)
             continue
         used.update(t.names)
+        entry = entries[0]
         if tuple(entry["shape"]) != tuple(t.shape):
             mismatched.append(f"{t.name}: checkpoint {tuple(entry['shape'])}, model {tuple(t.shape)}")
             continue
-        pairs.append((t, entry))
+        _check_cover(t.name, entries)
+        pairs.append((t, entries))
     unexpected = [e["name"] for e in _model_entries(manifest)
                   if not any(n in used for n in [e["name"], *e.get("aliases", [])])]
     problems = []
@@ -127,59 +171,100 @@ def _match_model(manifest: dict, cat: Catalog) -> list[tuple[Tensorish, dict]]:
     return pairs
 
 
+def _span(entry: dict) -> tuple[int, int]:
+    """The elements ``[start, end)`` of the flattened tensor an entry holds."""
+    if "start" in entry:
+        return entry["start"], entry["start"] + entry["numel"]
+    n = 1
+    for d in entry["shape"]:
+        n *= d
+    return 0, n
+
+
+def _check_cover(name: str, entries: list[dict]) -> None:
+    if len(entries) == 1 and "start" not in entries[0]:
+        return
+    at, end = 0, _span({"shape": entries[0]["shape"]})[1]
+    for e in sorted((e for e in entries if e.get("numel", 1)), key=lambda e: _span(e)[0]):
+        s, n = _span(e)
+        if s != at:
+            raise CheckpointError(f"corrupt checkpoint: the slices of {name} saved by its ranks leave elements "
+                                  f"{at}..{s} out (the manifest lists a rank's files that are not all there?)")
+        at = n
+    if at != end:
+        raise CheckpointError(f"corrupt checkpoint: the slices of {name} end at element {at} of {end}")
+
+
 def _model_items(manifest: dict, cat: Catalog) -> list[ReadItem]:
     pairs = _match_model(manifest, cat)
     items: list[ReadItem] = []
     by_group: dict[int, list[tuple[Tensorish, dict]]] = {}
     loose = []
-    for t, entry in pairs:
+    for t, entries in pairs:
         if t.group is not None:
-            by_group.setdefault(id(t.group), []).append((t, entry))
+            by_group.setdefault(id(t.group), []).append((t, entries))
         else:
-            loose.append((t, entry))
+            loose.append((t, entries))
     if cat.manager is not None:
         for group in cat.manager.groups:
             items.append(_group_item(cat, group, by_group.get(id(group), [])))
-    for t, entry in loose:
-        def consume(data: torch.Tensor, t=t, entry=entry) -> None:
-            value = _as_tensor(data[: entry["length"]], dtype_of(entry["dtype"]), t.shape)
-            with torch.no_grad():
-                t.tensor.copy_(value)
+    for t, entries in loose:
+        for entry in entries:
+            def consume(data: torch.Tensor, t=t, entry=entry) -> None:
+                s, e = _span(entry)
+                value = _as_tensor(data[: entry["length"]], dtype_of(entry["dtype"]), (e - s,))
+                with torch.no_grad():
+                    if "start" in entry:  # one rank's slice
+                        t.tensor.view(-1)[s:e].copy_(value)
+                    else:
+                        t.tensor.copy_(value.view(t.shape))
 
-        items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
-                              [(entry, 0)], consume))
+            items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
+                                  [(entry, 0)], consume))
     return items
 
 
-def _group_item(cat: Catalog, group: Any, members: list[tuple[Tensorish, dict]]) -> ReadItem:
-    """The group's flat buffer: same-dtype tensors read straight into their slots (one read
-    when the layout matches the saved one), others into a scratch area and cast."""
-    runs, checks, casts = [], [], []
+def _group_item(cat: Catalog, group: Any, members: list[tuple[Tensorish, list[dict]]]) -> ReadItem:
+    """The group's flat buffer (with several ranks, this rank's slice of it): each saved
+    piece of the same dtype that lies within the elements the slot holds is read straight
+    into place (one read when the layout matches the saved one); others (another dtype, or
+    a piece cut elsewhere: a checkpoint of another world size) into a scratch area, then
+    the overlap is copied (and cast)."""
+    runs, checks, copies = [], [], []
     extra = -(-group.nbytes // ALIGN) * ALIGN
-    for t, entry in members:
-        if dtype_of(entry["dtype"]) == t.dtype:
-            runs.append(ReadRun(entry["file"], entry["offset"], entry["length"], t.slot.offset))
-            checks.append((entry, t.slot.offset))
-        else:
+    for t, entries in members:
+        first, last = t.slot.first, t.slot.first + t.slot.count
+        for entry in entries:
+            s, e = _span(entry)
+            a, b = max(s, first), min(e, last)
+            if a >= b:
+                continue  # none of the elements this slot holds
+            if dtype_of(entry["dtype"]) == t.dtype and first <= s and e <= last:
+                at = t.slot.elements(s, 0)[0]
+                runs.append(ReadRun(entry["file"], entry["offset"], entry["length"], at))
+                checks.append((entry, at))
+                continue
             at = extra + entry["offset"] % ALIGN
             runs.append(ReadRun(entry["file"], entry["offset"], entry["length"], at))
             checks.append((entry, at))
-            casts.append((t, entry, at))
+            copies.append((t, entry, at, a, b))
             extra = -(-(at + entry["length"]) // ALIGN) * ALIGN
     manager = cat.manager
 
     def consume(data: torch.Tensor) -> None:
-        for t, entry, at in casts:
-            source = _as_tensor(data[at: at + entry["length"]], dtype_of(entry["dtype"]), t.shape)
-            data[t.slot.offset: t.slot.offset + t.slot.nbytes].view(t.dtype).view(t.shape).copy_(source)
+        for t, entry, at, a, b in copies:
+            s, e = _span(entry)
+            source = _as_tensor(data[at: at + entry["length"]], dtype_of(entry["dtype"]), (e - s,))
+            begin, end = t.slot.elements(a, b - a)
+            data[begin: end].view(t.dtype).copy_(source[a - s: b - s])
         manager.write_group(group, data[: group.nbytes])
 
     def in_place() -> Any:
         if not group.resident:
-            manager.coordinator.forget(group)
+            manager.coordinator.forget(group.whole or group)
         return manager.store.overwrite_in_place(group.key)
 
-    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=None if casts else in_place)
+    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=None if copies else in_place)
 
 
 def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:

@@ -40,12 +40,20 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
     Call it between optimizer steps: gradients accumulated since the last ``step()`` are
     not saved.
+
+    With several ranks (a model partitioned by ``offload.wrap`` over torch.distributed),
+    every rank calls it with the same ``path``, which must be on a file system they all
+    see: each rank writes its slices into ``path/rank-N/`` and rank 0 writes the manifest
+    of the whole, which records the global layout; it loads into any number of ranks.
     """
     started = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     extra_json = _check_extra(extra)
     cat = catalog(model)
+    if cat.manager is not None and cat.manager.partition is not None:
+        _save_partitioned(path, model, optimizer, extra_json, cat, started)
+        return
     blobs = _model_blobs(cat)
     opt_info = None
     if optimizer is not None:
@@ -125,7 +133,7 @@ def _model_blobs(cat: Catalog) -> list[Blob]:
         for t in cat.params:
             by_group.setdefault(id(t.group), []).append(t)
         for group in cat.manager.groups:
-            pieces = [Piece(_entry(t.name, t), t.slot.offset, t.slot.nbytes) for t in by_group[id(group)]]
+            pieces = [_slot_piece(t) for t in by_group[id(group)] if t.slot.count or not t.slot.nbytes]
             blobs.append(Blob("model.bin", group.nbytes,
                               lambda dest, key=group.key: store.read_into(key, dest), pieces,
                               borrow=lambda key=group.key: store.borrow_host(key)))
@@ -134,6 +142,117 @@ def _model_blobs(cat: Catalog) -> list[Blob]:
     loose += cat.buffers
     blobs += _packed("model.bin", [(t, _entry(t.name, t)) for t in loose])
     return blobs
+
+
+def _slot_piece(t: Tensorish) -> Piece:
+    """A wrapped parameter's bytes in its group's blob; a rank's slice holding part of it
+    records which elements (``start``, ``numel`` of the flattened parameter)."""
+    slot = t.slot
+    begin, end = slot.held
+    if slot.whole is None:
+        return Piece(_entry(t.name, t), begin, end - begin)
+    return Piece(_entry(t.name, t, start=slot.first, numel=slot.count), begin, end - begin)
+
+
+def _save_partitioned(path: str, model: nn.Module, optimizer: Any, extra_json: Any, cat: Catalog,
+                      started: float) -> None:
+    """Several ranks: each writes its slices into ``path/rank-N`` of rank 0's temporary
+    directory; rank 0 writes the manifest of the whole and puts the directory in place.
+    Every rank raises when any rank failed, and nothing replaces ``path`` then."""
+    part = cat.manager.partition
+    directory, error = None, None
+    if part.rank == 0:
+        try:
+            directory = AtomicDirectory(path)
+        except BaseException as err:  # noqa: BLE001 - reported to every rank below
+            error = f"{type(err).__name__}: {err}"
+    tmp, error = part.broadcast_object((directory.tmp if directory is not None else None, error))
+    if error is not None:
+        raise CheckpointError(f"save_checkpoint: rank 0 could not start the checkpoint: {error}")
+    mine: Any = None
+    total = 0
+    try:
+        if not os.path.isdir(tmp):
+            raise CheckpointError(f"rank {part.rank} does not see {tmp!r}, which rank 0 created: the "
+                                  "checkpoint path must be on a file system every rank sees (a shared "
+                                  "mount), or run on one machine")
+        sub = os.path.join(tmp, f"rank-{part.rank}")
+        os.mkdir(sub, 0o755)
+        blobs = _model_blobs(cat)
+        opt_info = None
+        if optimizer is not None:
+            opt_blobs, opt_info = _optimizer_blobs(optimizer, cat)
+            blobs += opt_blobs
+        pool, window, engine_args = resources(cat, optimizer)
+        writer = BlobWriter(blobs, pool=pool, window=window, engine_args=engine_args)
+        writer.check_space(sub)
+        writer.run(sub)
+        total = writer.total
+        prefix = f"rank-{part.rank}/"
+        tensors = []
+        for blob in blobs:
+            for piece in blob.pieces:
+                entry = dict(piece.entry)
+                entry["file"] = prefix + entry["file"]
+                tensors.append(entry)
+        mine = {"files": {prefix + k: v for k, v in writer.sizes.items()}, "tensors": tensors,
+                "optimizer": opt_info}
+    except BaseException as err:  # noqa: BLE001 - every rank must hear of it before anyone commits
+        mine = {"error": f"rank {part.rank}: {type(err).__name__}: {err}"}
+        if not isinstance(err, Exception):
+            part.gather_objects(mine)
+            raise
+    everyone = part.gather_objects(mine)
+    errors = [m["error"] for m in everyone if "error" in m]
+    if not errors and part.rank == 0:
+        try:
+            fault_point("before_manifest")
+            manifest = _merged_manifest(everyone, model, cat, extra_json)
+            write_json(os.path.join(tmp, MANIFEST), manifest)
+            fault_point("after_manifest")
+            directory.commit()
+        except BaseException as err:  # noqa: BLE001
+            errors.append(f"rank 0: {type(err).__name__}: {err}")
+    if part.rank == 0 and errors:
+        directory.abort()
+    errors = part.broadcast_object(errors)
+    if errors:
+        raise CheckpointError(f"save_checkpoint({path!r}) failed on {len(errors)} rank(s), nothing was "
+                              "replaced: " + "; ".join(errors))
+    total = sum(part.gather_objects(total))
+    seconds = time.perf_counter() - started
+    if part.rank == 0:
+        log.info("checkpoint %s saved by %d ranks: %s in %.2f s (%.2f GB/s)", os.path.abspath(path), part.world,
+                 format_size(total), seconds, total / seconds / 1e9 if seconds else 0.0)
+
+
+def _merged_manifest(everyone: list[dict], model: nn.Module, cat: Catalog, extra_json: Any) -> dict:
+    files: dict[str, int] = {}
+    tensors: list[dict] = []
+    opt_info = None
+    for rank_info in everyone:
+        files.update(rank_info["files"])
+        tensors += rank_info["tensors"]
+        info = rank_info["optimizer"]
+        if info is not None:
+            if opt_info is None:
+                opt_info = dict(info, state={})
+            for name, values in info.get("state", {}).items():
+                opt_info["state"].setdefault(name, {}).update(values)
+    part = cat.manager.partition
+    return {
+        "format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": files,
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}", "wrapped": True,
+                  "config": _config_summary(cat)},
+        "distributed": {"world_size": part.world, "backend": part.backend,
+                        "ranks": [f"rank-{r}" for r in range(part.world)],
+                        "layout": "each parameter's elements [start, start + numel) per rank"},
+        "tensors": tensors,
+        "optimizer": opt_info,
+        "extra": extra_json,
+    }
 
 
 def _packed(section: str, items: list[tuple[Any, dict]]) -> list[Blob]:

@@ -1382,8 +1382,7 @@ def _in_place(owner) -> str | None:
 
 def _in_use(entry: _GroupWrite) -> bool:
     """Whether a forward or backward pass still computes with the group's old bytes."""
-    group = entry.group.whole or entry.group
-    return bool(entry.manager.coordinator.live[group].refs)
+    return entry.manager.coordinator.in_use(entry.group.whole or entry.group)
 
 
 def _managers_of(shards: list[_Shard]) -> set:

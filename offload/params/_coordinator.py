@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._signals import DEFER
+from ..io import BudgetError
 from ..store import Residency, TensorStore, Tier
 from ._groups import ParamGroup
 
@@ -49,6 +50,12 @@ class _Pass:
     actual: list[ParamGroup] = field(default_factory=list)
     cursor: int = 0
     diverged: bool = False
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() >= 0
 
 
 class Coordinator:
@@ -82,6 +89,12 @@ class Coordinator:
         self.prefetch_misses = 0
         self._warned: set[str] = set()
         self._placeholders: dict[tuple, torch.Tensor] = {}
+        # groups a forward released while a backward runs (activation checkpointing
+        # recomputes inside backward): their buffers stay until that backward ends, because
+        # what the recomputation saved for backward may be views of them (torch's checkpoint
+        # keeps those itself, out of reach of our saved-tensor hooks)
+        self.parked: set[ParamGroup] = set()
+        self.on_park: Any = None  # called when a group is parked (the hooks queue the end of backward)
 
     # -- passes ------------------------------------------------------------------------------
     def begin_pass(self, key: str) -> None:
@@ -152,13 +165,23 @@ class Coordinator:
             self._acquire(group, phase)
 
     def _acquire(self, group: ParamGroup, phase: str) -> None:
+        self.parked.discard(group)  # held again: its buffer (parked or not) serves this use
         self._record(group, phase)
         live = self.live[group]
         live.refs += 1
         if phase == "backward":
             live.backward_refs += 1
         if live.flat is None:
-            self._materialize(group)
+            try:
+                self._materialize(group)
+            except BudgetError as err:
+                if not self.parked:
+                    raise
+                raise BudgetError(
+                    f"{err}. Of that, {len(self.parked)} parameter groups "
+                    f"({sum(g.nbytes for g in self.parked)} bytes) are held from their recomputation "
+                    "(activation checkpointing) until backward has gone through them: device_budget must "
+                    "hold one checkpointed block's parameters and the group being fetched") from None
         self._prefetch()
         self._log("ready", group, phase)  # compute of the module may start now
         if self.tracer is not None:
@@ -182,13 +205,27 @@ class Coordinator:
             began_phase, began = live.started.pop()
             self.tracer.span(f"{began_phase} {group.key}", "compute", began, self.tracer.now(), "compute")
         if live.refs == 0:
+            if phase == "forward" and _in_backward() and live.flat is not None:
+                self.parked.add(group)
+                if self.on_park is not None:
+                    self.on_park()
+                return
             self._dematerialize(group)
 
     def release_backward(self) -> None:
-        """End of backward: release every group still held for it."""
+        """End of backward: release every group still held for it (and those parked)."""
         for group, live in self.live.items():
             while live.backward_refs:
                 self.release(group, "backward")
+        self.unpark()
+
+    def unpark(self) -> None:
+        """Release the groups parked during a backward that has ended."""
+        parked, self.parked = self.parked, set()
+        for group in parked:
+            if self.live[group].refs == 0:
+                with DEFER:
+                    self._dematerialize(group)
 
     def abandon_forward(self) -> None:
         """A forward was interrupted before its modules released their groups: release
@@ -203,6 +240,7 @@ class Coordinator:
         self.current = None
 
     def release_all(self) -> None:
+        self.unpark()
         for group, live in self.live.items():
             if live.refs:
                 live.refs = live.backward_refs = 0
@@ -214,10 +252,16 @@ class Coordinator:
                 self._evict(group)
         self.cached = {}
 
+    def in_use(self, group: ParamGroup) -> bool:
+        """Whether a pass computes (or may still compute, parked) with ``group``'s bytes."""
+        return bool(self.live[group].refs) or group in self.parked
+
     def forget(self, group: ParamGroup) -> None:
         """The optimizer is about to replace ``group``'s bytes in its home tier: drop what
         the coordinator holds of the old ones (a prefetch, a resident-cache copy)."""
-        if self.live[group].refs:
+        if group in self.parked and not _in_backward():  # left by a backward that never ended
+            self.unpark()
+        if self.in_use(group):
             raise RuntimeError(f"parameter group {group.key!r} is in use by a forward or backward "
                                "pass: call the optimizer's step() after backward() returns")
         self.ahead.pop(group, None)
@@ -304,8 +348,6 @@ class Coordinator:
             self._drop_ahead(next(reversed(self.ahead)))
             slot = device.allocate(size)
         if slot is None:
-            from ..io import BudgetError
-
             raise BudgetError(
                 f"device_budget {self.device_budget} bytes cannot hold parameter group {group.key!r} "
                 f"gathered from {self.partition.world} ranks ({size} bytes) next to the "

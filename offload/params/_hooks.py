@@ -72,6 +72,7 @@ class ModuleHooks:
         self._open_forwards: list[tuple[int, bool]] = []  # (call depth, pushed saved hooks)
         self._backward_queued = False
         self._backward_task: int | None = None
+        coordinator.on_park = self._queue_end_of_backward
 
     # -- attach / remove -----------------------------------------------------------------------
     def attach(self) -> None:

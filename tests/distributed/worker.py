@@ -5,7 +5,8 @@ the single-process reference (launched with plain python).
 
 SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "model": "gpt2"|"llama",
        "save": dir|None, "save_after": k, "load": dir|None, "fault": None|"config"|"model"|"shared_path",
-       "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool}
+       "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
+       "early": bool (update_during_backward)}
 Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
 per-rank NVMe bytes and the final weights' file.
 """
@@ -38,7 +39,7 @@ def build(kind: str, seed: int = 0):
 
 def batches(steps: int):
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, 256, (4, 16), generator=g) for _ in range(steps)]
+    return [torch.randint(0, 256, (6, 16), generator=g) for _ in range(steps)]
 
 
 def main() -> None:
@@ -90,11 +91,15 @@ def main() -> None:
     if spec.get("load"):
         extra = offload.load_checkpoint(spec["load"], model, opt)
         start = extra["step"]
-    per = 4 // world
+    per = 6 // world
     for step in range(start, spec["steps"]):
         ids = data[step][rank * per: (rank + 1) * per]
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        if spec.get("early"):
+            with opt.update_during_backward():
+                loss.backward()
+        else:
+            loss.backward()
         if spec.get("clip"):
             opt.clip_grad_norm_(spec["clip"])
         opt.step()

@@ -204,3 +204,30 @@ def test_groups_merged_by_size_match_reference(tmp_path, group_bytes, no_leaks):
             assert_grads_match_and_clear(model, ref)
     finally:
         offload.unwrap(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_checkpointed_layers_of_several_modules_under_a_tight_budget(tmp_path, tier, reentrant, no_leaks):
+    """A checkpointed transformer layer recomputes several modules (q/k/v/o, the MLP) inside
+    backward before backward reaches them: what the recomputation saves are views of their
+    group buffers, which must not be reused by the next module's group in the meantime."""
+    ref, model = tiny_llama().train(), tiny_llama().train()
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    # room for one layer's groups (held from its recomputation to the end of its backward)
+    # and two more groups: a fraction of the model, so buffers are reused all along
+    largest = max(p.numel() * 4 for p in model.parameters())
+    layer = max(sum(p.numel() * 4 for p in block.parameters()) for block in model.model.layers)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert layer + 2 * largest < 0.8 * total
+    offload.wrap(model, config(tmp_path, tier, device_budget=layer + 2 * largest, cache_bytes=0,
+                               prefetch_bytes=0))
+    try:
+        for ids in _batches(model.config.vocab_size):
+            torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), ref(input_ids=ids, labels=ids).loss.detach())
+            model(input_ids=ids, labels=ids).loss.backward()
+            ref(input_ids=ids, labels=ids).loss.backward()
+            assert_grads_match_and_clear(model, ref)
+    finally:
+        offload.unwrap(model)
