@@ -14,6 +14,15 @@ tier, stall seconds (compute waiting for parameters), peak device and host bytes
 bar shows progress. ``--save-dir`` checkpoints every ``--save-every`` steps and at the end
 (atomic, resumable with ``--resume``); the trained weights are exported as safetensors to
 ``--export-dir`` (loadable with transformers' from_pretrained).
+
+Several ranks (ZeRO-3: each rank keeps 1/N of the parameters and optimizer states, see
+docs/distributed.md): launch it with torchrun, e.g. on one machine with two processes
+
+    torchrun --standalone --nproc_per_node 2 examples/finetune.py --device cpu --steps 5
+
+Each rank draws its own batches, swap files go to ``--nvme-path`` with ``{rank}`` filled in
+(``rank{rank}`` is appended when the path has no ``{rank}``), rank 0 logs, and the
+checkpoints and the export are written by all ranks together.
 """
 
 from __future__ import annotations
@@ -67,11 +76,11 @@ def corpus(args) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def batches(tokens: torch.Tensor, args, vocab: int):
+def batches(tokens: torch.Tensor, args, vocab: int, rank: int = 0):
     if int(tokens.max()) >= vocab:
         raise SystemExit(f"the model's vocabulary ({vocab}) is smaller than 256 byte tokens: use a model "
                          "with vocab_size >= 256")
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
     span = args.seq_len
     while True:
         starts = torch.randint(0, len(tokens) - span - 1, (args.batch_size,), generator=g)
@@ -95,7 +104,8 @@ def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--optimizer-tier", default="nvme", choices=["host", "nvme"],
                    help="where fp32 master weights and Adam moments rest (default nvme)")
     o.add_argument("--nvme-path", default="./offload-nvme", help="directory for swap files (default "
-                   "./offload-nvme, created if missing; use a local disk)")
+                   "./offload-nvme, created if missing; use a local disk). Under torchrun, {rank} and "
+                   "{local_rank} are filled in per rank; without them rank{rank} is appended")
     o.add_argument("--device-budget", default="1GiB", help="most parameter bytes on the device at once (1GiB)")
     o.add_argument("--host-budget", default="4GiB", help="most bytes of host buffers offload may hold (4GiB)")
     o.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -110,10 +120,29 @@ def add_observability_args(o) -> None:
                    "updates here as a Chrome trace at the end (open in ui.perfetto.dev; default: none)")
 
 
+def setup_distributed(args) -> tuple[int, int]:
+    """Under torchrun with several processes: join the process group (gloo on CPU, NCCL on
+    CUDA, one GPU per local rank) and give each rank its own swap directory. (rank, world)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if "{rank}" not in args.nvme_path and "{local_rank}" not in args.nvme_path:
+        args.nvme_path = os.path.join(args.nvme_path, "rank{rank}")
+    return dist.get_rank(), world
+
+
 def offload_config(args) -> offload.OffloadConfig:
     nvme = "nvme" in (args.param_tier, args.optimizer_tier)
     if nvme:
-        os.makedirs(args.nvme_path, exist_ok=True)
+        rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+        os.makedirs(args.nvme_path.replace("{rank}", rank).replace("{local_rank}", local), exist_ok=True)
     return offload.OffloadConfig(device=args.device, param_tier=args.param_tier,
                                  optimizer_tier=args.optimizer_tier, nvme_path=args.nvme_path if nvme else None,
                                  device_budget=args.device_budget, host_budget=args.host_budget,
@@ -152,7 +181,10 @@ def main(argv=None) -> int:
     if args.update_in_backward and (args.clip > 0 or args.dtype == "fp16"):
         parser.error("--update-in-backward updates during backward, before the total gradient norm or an "
                      "fp16 overflow is known: use it with --clip 0 and --dtype fp32 or bf16")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    rank, world = setup_distributed(args)
+    logging.basicConfig(level=args.log_level.upper() if rank == 0 else "WARNING",
+                        format="%(asctime)s %(message)s" if world == 1 else f"%(asctime)s [rank {rank}] %(message)s",
+                        datefmt="%H:%M:%S")
 
     started = time.perf_counter()
     model, weights = build_model(args)
@@ -173,17 +205,19 @@ def main(argv=None) -> int:
         offload.set_rng_state(extra["rng"])
         first = extra["step"]
         log.info("resumed from %s at step %d", args.save_dir, first)
-    log.info("model: %.1fM parameters; setup took %.1f s", params / 1e6, time.perf_counter() - started)
+    log.info("model: %.1fM parameters; setup took %.1f s%s", params / 1e6, time.perf_counter() - started,
+             "" if world == 1 else f"; partitioned over {world} ranks")
 
-    data = batches(corpus(args), args, model.config.vocab_size)
+    data = batches(corpus(args), args, model.config.vocab_size, rank)
     for _ in range(first * args.grad_accum):  # the same batches as an uninterrupted run
         next(data)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     device = torch.device(args.device)
     try:
         from tqdm import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
-        bar = tqdm(total=args.steps, initial=first, desc="train", unit="step", file=sys.stderr)
+        bar = tqdm(total=args.steps, initial=first, desc="train", unit="step", file=sys.stderr,
+                   disable=rank != 0)
         redirect = logging_redirect_tqdm()  # log lines print above the bar, not through it
         redirect.__enter__()
     except ImportError:
@@ -205,6 +239,10 @@ def main(argv=None) -> int:
             total += float(loss.detach())
         if args.clip > 0:
             opt.clip_grad_norm_(args.clip)
+        if world > 1:  # the mean over ranks, as the update sees it
+            mean = torch.tensor([total], dtype=torch.float64)
+            torch.distributed.all_reduce(mean)
+            total = float(mean) / world
         offload.note_step(model, loss=total)  # into the step log line (--log-path) the step writes
         opt.step()
         opt.zero_grad()
@@ -245,7 +283,11 @@ def main(argv=None) -> int:
         offload.export(model, args.export_dir)
         log.info("exported to %s (transformers' from_pretrained loads it)", args.export_dir)
     opt.close()
-    offload.unwrap(model)
+    if world > 1:
+        offload.close(model)  # (unwrap would gather every parameter onto every rank)
+        torch.distributed.destroy_process_group()
+    else:
+        offload.unwrap(model)
     return 0
 
 

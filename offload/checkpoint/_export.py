@@ -32,6 +32,10 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
     model registers first (as ``save_pretrained`` does). Each file appears atomically
     (written under a temporary name, fsynced, renamed); the index is written last.
     Returns the paths written.
+
+    With several ranks every rank calls it with the same ``path`` (on a file system they
+    all see): rank 0 creates the files, each rank writes the elements its slices hold into
+    them, and rank 0 puts them in place once every rank has written.
     """
     if format != "safetensors":
         raise ValueError(f"export format {format!r} is not supported: use format='safetensors'")
@@ -40,9 +44,9 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
         raise ValueError(f"shard_size must be positive, got {shard_size!r}")
     started = time.perf_counter()
     path = os.path.abspath(path)
-    check_writable(path)
-    os.makedirs(path, exist_ok=True)
     cat = catalog(model)
+    part = cat.manager.partition if cat.manager is not None else None
+    lead = part is None or part.rank == 0
     tensors = cat.all()
     shards: list[list[Tensorish]] = [[]]
     size = 0
@@ -54,11 +58,15 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
         size += t.nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for stale in glob.glob(os.path.join(glob.escape(path), "model*.safetensors*")):
-        os.remove(stale)
     where: dict[int, tuple[int, int]] = {}  # id(Tensorish) -> (file index, byte offset)
     fds = []
     try:
+        if lead:
+            check_writable(path)
+            os.makedirs(path, exist_ok=True)
+            for stale in glob.glob(os.path.join(glob.escape(path), "model*.safetensors*")):
+                os.remove(stale)
+        headers = []
         for i, (name, members) in enumerate(zip(names, shards)):
             header, at = {}, 0
             for t in members:
@@ -68,25 +76,48 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
             header["__metadata__"] = {"format": "pt"}
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)
-            fd = os.open(os.path.join(path, name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds.append(fd)
-            _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+            headers.append(raw)
             base = 8 + len(raw)
             for t in members:
                 where[id(t)] = (i, base + header[t.name]["data_offsets"][0])
-        _stream(cat, tensors, where, fds)
-        for fd, name in zip(fds, names):
+        if lead:
+            for name, raw in zip(names, headers):
+                fd = os.open(os.path.join(path, name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fds.append(fd)
+                _pwrite(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        if part is not None:  # the files exist before another rank opens them
+            _agree(part, None)
+            if not lead:
+                for name in names:
+                    file = os.path.join(path, name + ".tmp")
+                    if not os.path.exists(file):
+                        raise FileNotFoundError(
+                            f"rank {part.rank} does not see {file!r}, which rank 0 created: export to a "
+                            "path on a file system every rank sees (a shared mount)")
+                    fds.append(os.open(file, os.O_WRONLY))
+        _stream(cat, tensors, where, fds, lead)
+        for fd in fds:
             os.fsync(fd)
             os.close(fd)
-            os.rename(os.path.join(path, name + ".tmp"), os.path.join(path, name))
         fds = []
-    except BaseException:
+        if part is not None:  # every rank has written its elements
+            _agree(part, None)
+        if lead:
+            for name in names:
+                os.rename(os.path.join(path, name + ".tmp"), os.path.join(path, name))
+    except BaseException as err:
         for fd in fds:
             os.close(fd)
-        for name in names:
-            if os.path.exists(os.path.join(path, name + ".tmp")):
-                os.remove(os.path.join(path, name + ".tmp"))
+        if part is not None and not isinstance(err, _PeerFailed):
+            _agree(part, err)  # tells the others, who then raise too
+        if lead:
+            for name in names:
+                if os.path.exists(os.path.join(path, name + ".tmp")):
+                    os.remove(os.path.join(path, name + ".tmp"))
         raise
+    if not lead:
+        return [os.path.join(path, name) for name in names] + \
+            ([os.path.join(path, "model.safetensors.index.json")] if n > 1 else [])
     written = [os.path.join(path, name) for name in names]
     total = sum(t.nbytes for t in tensors)
     if n > 1:
@@ -109,7 +140,21 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
     return written
 
 
-def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int]) -> None:
+def _agree(part, error: BaseException | None) -> None:
+    """A meeting point of every rank: raises on each rank when any rank came with an error
+    (which then raises its own)."""
+    errors = [e for e in part.gather_objects(None if error is None else f"rank {part.rank}: {error}") if e]
+    if errors and error is None:
+        raise _PeerFailed("export failed on another rank: " + "; ".join(errors))
+
+
+class _PeerFailed(RuntimeError):
+    """Another rank failed; it has told every rank already."""
+
+
+def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int], lead: bool = True) -> None:
+    """Write the tensors' bytes at their places; with several ranks, each rank its slices'
+    elements (and rank 0 the buffers)."""
     manager = cat.manager
     bar = progress(sum(t.nbytes for t in tensors), "export")
     pool = manager.store.staging if manager is not None else None
@@ -120,6 +165,8 @@ def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int]) -> None:
                 members.setdefault(id(t.group), []).append(t)
         for t in tensors:
             if t.group is None:
+                if not lead:
+                    continue
                 data = host_bytes(t.tensor)
                 i, offset = where[id(t)]
                 _pwrite(fd=fds[i], data=memoryview(data.numpy()) if data.numel() else b"", offset=offset)
@@ -133,9 +180,13 @@ def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int]) -> None:
             try:
                 manager.store.read_into(group.key, buf.bytes).wait()
                 for member in members.pop(id(group)):
+                    slot = member.slot
+                    if not slot.count:
+                        continue
                     i, offset = where[id(member)]
-                    view = buf.bytes[member.slot.offset: member.slot.offset + member.slot.nbytes]
-                    _pwrite(fds[i], memoryview(view.numpy()), offset)
+                    begin, end = slot.held
+                    view = buf.bytes[begin: end]
+                    _pwrite(fds[i], memoryview(view.numpy()), offset + slot.first * slot.dtype.itemsize)
             finally:
                 pool.release(buf)
             if bar is not None:

@@ -103,3 +103,25 @@ def test_inference_from_nvme_generates_what_the_plain_model_does(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.decode().rstrip("\n") == prompt + bytes(t for t in want if t < 256).decode(errors="replace")
     assert b"tokens/s" in out.stderr and b"read" in out.stderr
+
+
+def test_two_ranks_under_torchrun(tmp_path):
+    """torchrun --nproc_per_node 2: the ranks train together (rank 0 logs the mean loss),
+    save one checkpoint and export one model, both holding the whole trained weights."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, *TINY,
+           "--nvme-path", str(tmp_path / "nvme"), "--steps", "3", "--save-dir", str(tmp_path / "ckpt"),
+           "--export-dir", str(tmp_path / "out")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "partitioned over 2 ranks" in out.stderr
+    losses = re.findall(r"\[rank (\d)\] step \d+/3 loss", out.stderr)
+    assert losses == ["0", "0", "0"]  # one line per step, from rank 0
+    assert sorted(os.listdir(tmp_path / "nvme")) == ["rank0", "rank1"]
+    exported = safetensors.load_file(str(tmp_path / "out" / "model.safetensors"))
+    import offload
+
+    saved = offload.load_state_dict_from(str(tmp_path / "ckpt"))
+    assert all(torch.equal(exported[k], saved[k]) for k in exported)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, exported["transformer.h.1.mlp.c_fc.weight"])
