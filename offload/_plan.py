@@ -69,6 +69,7 @@ class MemoryPlan:
     disk_free: int | None = None
     pinned: int = 0
     memlock_limit: int | None = None
+    world: int = 1  # ranks the parameters are partitioned over: the plan is one rank's
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -89,7 +90,7 @@ class MemoryPlan:
         c = self.config
         head = (f"offload memory plan: device {c.device}, param_tier {c.param_tier}, optimizer_tier "
                 f"{c.optimizer_tier}, device_budget {format_size(c.device_budget)}, host_budget "
-                f"{format_size(c.host_budget)}")
+                f"{format_size(c.host_budget)}" + (f"; per rank, {self.world} ranks" if self.world > 1 else ""))
         table = [("item", "tier", "bytes", "counted as")] + [
             (r.item, r.tier, format_size(r.nbytes), r.note) for r in self.rows]
         widths = [max(len(row[i]) for row in table) for i in range(4)]
@@ -118,7 +119,11 @@ class MemoryPlan:
 def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw") -> MemoryPlan:
     """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
     of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``).
-    Allocates nothing; the model may be on the meta device."""
+    Allocates nothing; the model may be on the meta device.
+
+    With several ranks (``config.world_size``, or an initialised torch.distributed) it is
+    the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
+    bytes of padding) and the whole groups gathered on the device while in use."""
     from .params._groups import build_groups
 
     if not isinstance(config, OffloadConfig):
@@ -126,18 +131,31 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     kind = None if optimizer is None else str(optimizer).lower()
     if kind not in _OPTIMIZER_ROWS:
         raise ValueError(f"optimizer={optimizer!r}: use 'adamw', 'adam', 'sgd' or None")
-    groups, _ = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
-                             resident_bytes=0 if config.param_tier == "device" else config.resident_bytes)
-    if config.param_tier == "device":
+    world = config.world_size
+    if world is None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    small = 0 if config.param_tier == "device" or world > 1 else config.resident_bytes
+    groups, _ = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes, resident_bytes=small)
+    if world > 1:
+        from .distributed import Partition, slice_groups
+
+        groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
+    elif config.param_tier == "device":
         for group in groups:
             group.resident = True
-    return plan_groups(groups, config, optimizer=kind, ram_credit=host_param_bytes(model))
+    if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
+        config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
+    return plan_groups(groups, config, optimizer=kind, ram_credit=host_param_bytes(model) // world,
+                       world=world)
 
 
 def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
-                ram_credit: int = 0) -> MemoryPlan:
-    """The plan for parameter groups already built (``wrap`` calls this)."""
-    p = MemoryPlan(config=config, ram_credit=ram_credit)
+                ram_credit: int = 0, world: int = 1) -> MemoryPlan:
+    """The plan for parameter groups already built (``wrap`` calls this); with ``world``
+    ranks, ``groups`` are this rank's slices."""
+    p = MemoryPlan(config=config, ram_credit=ram_credit, world=world)
     cuda = config.torch_device.type == "cuda"
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g.nbytes for g in groups if not g.resident]
@@ -150,13 +168,20 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
     if resident:
         p.rows.append(PlanRow("parameters, resident", "device", resident,
                               "small modules' parameters" if config.param_tier != "device" else "all of them"))
+    whole = [g.whole.nbytes for g in groups if g.whole is not None]  # several ranks: slices
     if streamed:
         home = config.param_tier
-        p.rows.append(PlanRow("parameters, streamed", home, sum(streamed),
-                              f"{len(streamed)} groups, largest {format_size(largest)}"))
-        working = min(config.device_budget - resident, sum(streamed))
-        p.rows.append(PlanRow("parameters on the device in use", "device", working,
-                              f"up to the device budget: largest group + prefetch {format_size(window)} + cache"))
+        p.rows.append(PlanRow("parameters, streamed" if not whole else "parameters, this rank's slices", home,
+                              sum(streamed), f"{len(streamed)} groups, largest {format_size(largest)}"))
+        if whole:
+            working = min(config.device_budget - (sum(streamed) if home == "device" else largest), sum(whole))
+            p.rows.append(PlanRow("parameters gathered from all ranks", "device", working,
+                                  f"whole groups while in use, largest {format_size(max(whole))}; up to the "
+                                  "device budget"))
+        if home != "device" or not whole:
+            working = min(config.device_budget - resident, sum(streamed))
+            p.rows.append(PlanRow("parameters on the device in use", "device", working,
+                                  f"up to the device budget: largest group + prefetch {format_size(window)} + cache"))
         if home == "nvme":
             staging = min(config.host_budget, window + largest)
             p.rows.append(PlanRow("host staging for parameter reads", "host", staging,
@@ -172,7 +197,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
         # fp32 parameters resting on NVMe (or resident on a CPU device) are their own master
         # weights: the optimizer updates them in place (offload/optim/_optimizer.py)
         cpu = config.torch_device.type == "cpu"
-        own = sum(slot.param.numel() for g in groups for slot in g.slots
+        own = sum(slot.count for g in groups for slot in g.slots
                   if all(x.dtype == torch.float32 for x in g.slots)
                   and ((not g.resident and config.param_tier == "nvme") or (g.resident and cpu)))
         if elements - own:
@@ -280,4 +305,4 @@ def host_param_bytes(model: nn.Module) -> int:
 
 
 def _elements(groups: list) -> int:
-    return sum(slot.param.numel() for g in groups for slot in g.slots)
+    return sum(slot.count for g in groups for slot in g.slots)

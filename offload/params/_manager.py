@@ -198,7 +198,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     _check_budgets(groups, config, mine)
     from .._plan import host_param_bytes, plan_groups
 
-    memory_plan = plan_groups(mine, config, optimizer=None, ram_credit=host_param_bytes(model))
+    memory_plan = plan_groups(mine, config, optimizer=None, ram_credit=host_param_bytes(model),
+                              world=partition.world if partition is not None else 1)
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
     nvme_bytes = _nvme_bytes(mine, config)

@@ -178,3 +178,22 @@ def test_slices_cover_every_element_once(world):
                 w0, w1 = slot.elements(mine.first, mine.count)
                 assert (w0 - p[gi].begin, w1 - p[gi].begin) == (begin, end)
             assert torch.equal(covered, torch.ones_like(covered)), slot.names
+
+
+def test_the_plan_of_one_rank(tmp_path):
+    """offload.plan with world_size=N (before any process group exists): one rank's slices,
+    and the whole groups it gathers while in use."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=256))
+    base = dict(device="cpu", nvme_path=str(tmp_path / "nvme-{rank}"), device_budget="64MiB", host_budget="256MiB")
+    one = offload.plan(model, offload.OffloadConfig(**base))
+    four = offload.plan(model, offload.OffloadConfig(**base, world_size=4))
+    assert four.world == 4 and "per rank, 4 ranks" in str(four)
+    assert str(tmp_path / "nvme-0") in str(four)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    mine = sum(r.nbytes for r in four.rows if r.item.startswith("parameters, this rank"))
+    assert params / 4 <= mine <= params / 4 + 256 * 4 * 40
+    gathered = next(r for r in four.rows if r.item == "parameters gathered from all ranks")
+    assert gathered.nbytes >= params
+    assert four.disk_need < 0.3 * one.disk_need  # slices and their states, per rank
