@@ -8,7 +8,7 @@ ranks). Per rank it reports the step time (median of ``--steps`` after ``--warmu
 bytes its tiers hold on NVMe (``offload.stats``: slices of the parameters and their
 optimizer states), the block-device bytes it reads and writes per step (/proc/self/io: the
 disk as the kernel sees it, page cache defeated by O_DIRECT), its peak RSS, and the time its
-collectives took (all-gathers of parameter groups). The disk limit: the bytes all ranks
+collectives took (all-gathers of parameter groups, reduce-scatters of their gradients). The disk limit: the bytes all ranks
 move per step over this disk's bandwidth (one sequential read and write of 1 GiB through
 offload's file engine, measured here first), as a lower bound on the step and its ratio
 to the measured step.
@@ -62,6 +62,9 @@ def worker(args) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     config = transformers.AutoConfig.from_pretrained(args.model_path)
+    # no dropout: one rank and N ranks draw their masks differently, and the losses of the
+    # runs are compared (they differ by float rounding only)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     with offload.init_empty_weights():
         model = transformers.GPT2LMHeadModel(config)
     swap = os.path.join(args.swap, "rank{rank}")
@@ -73,7 +76,7 @@ def worker(args) -> None:
     model.train()
     opt = offload.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     per = args.batch // world
-    times, reads, writes, losses, gathers = [], [], [], [], []
+    times, reads, writes, losses, gathers, reduces = [], [], [], [], [], []
     torch.manual_seed(0)
     for i in range(args.warmup + args.steps):
         g = torch.Generator().manual_seed(1000 + i)
@@ -81,6 +84,7 @@ def worker(args) -> None:
         if world > 1:
             dist.barrier()  # every rank starts the step together
         before = offload.stats(model)
+        reduce0 = opt.stats["reduce_seconds"]
         r0, w0 = disk_bytes()
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -102,10 +106,12 @@ def worker(args) -> None:
             reads.append(r1 - r0)
             writes.append(w1 - w0)
             gathers.append(after["gather_seconds"] - before["gather_seconds"])
+            reduces.append(opt.stats["reduce_seconds"] - reduce0)
     stats = offload.stats(model)
     mine = {"rank": rank, "step_s": statistics.median(times), "step_times_s": times,
             "read_bytes_per_step": statistics.median(reads), "write_bytes_per_step": statistics.median(writes),
-            "gather_s_per_step": statistics.median(gathers), "nvme_bytes": stats["nvme_bytes"],
+            "gather_s_per_step": statistics.median(gathers), "reduce_s_per_step": statistics.median(reduces),
+            "nvme_bytes": stats["nvme_bytes"],
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "losses": losses}
     everyone = [mine]
     if world > 1:
@@ -204,6 +210,8 @@ def main() -> None:
                 "peak_rss_bytes_per_rank": [max(rr[i]["peak_rss_bytes"] for rr in ranks) for i in range(world)],
                 "gather_s_per_step": [statistics.median(rr[i]["gather_s_per_step"] for rr in ranks)
                                       for i in range(world)],
+                "reduce_s_per_step": [statistics.median(rr[i]["reduce_s_per_step"] for rr in ranks)
+                                      for i in range(world)],
                 "losses": ranks[0][0]["losses"],
             }
             moved_read = sum(summary["read_bytes_per_step_per_rank"])
@@ -230,12 +238,13 @@ def print_table(name: str, entry: dict) -> None:
     gb = 1e9
     print(f"\nGPT-2 {name}, global batch {entry['batch']}x{entry['seq']}, NVMe tiers")
     print(f"{'ranks':>5} {'step s':>8} {'vs 1':>6} {'disk bound':>10} {'NVMe GB/rank':>13} {'read GB/rank':>13} "
-          f"{'written GB/rank':>16} {'RSS GiB/rank':>13} {'gather s':>9}")
+          f"{'written GB/rank':>16} {'RSS GiB/rank':>13} {'gather s':>9} {'reduce s':>9}")
     for world, s in entry["worlds"].items():
         print(f"{world:>5} {s['step_s']:>8.2f} {s.get('step_vs_1_rank', 1.0):>6.2f} {s['disk_bound_ratio']:>10.2f} "
               f"{max(s['nvme_bytes_per_rank']) / gb:>13.2f} {max(s['read_bytes_per_step_per_rank']) / gb:>13.2f} "
               f"{max(s['write_bytes_per_step_per_rank']) / gb:>16.2f} "
-              f"{max(s['peak_rss_bytes_per_rank']) / 2**30:>13.2f} {max(s['gather_s_per_step']):>9.2f}")
+              f"{max(s['peak_rss_bytes_per_rank']) / 2**30:>13.2f} {max(s['gather_s_per_step']):>9.2f} "
+              f"{max(s['reduce_s_per_step']):>9.2f}")
 
 
 if __name__ == "__main__":

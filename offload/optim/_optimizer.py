@@ -219,8 +219,9 @@ class OffloadOptimizer(Optimizer):
         # read_bytes / write_bytes: what the optimizer asked its tier for; a read of a state
         # still being written back is served from memory, so the disk may move fewer bytes
         # (the store's own stats count those it moved)
+        # reduce_seconds: several ranks, time in the reduce-scatters of gradients
         self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
-                      "read_bytes": 0, "write_bytes": 0}
+                      "read_bytes": 0, "write_bytes": 0, "reduce_seconds": 0.0}
         try:
             super().__init__(params, defaults)
             self._init_loss_scale(loss_scale)
@@ -622,6 +623,13 @@ class OffloadOptimizer(Optimizer):
             return
         wrapped = [t for t in todo if t[2] is not None]
         plain = [t for t in todo if t[2] is None]
+        partitioned = any(t[2][0].partition is not None for t in wrapped) or self._partition() is not None
+        if partitioned and (plain or any(not s.wrapped for s in self._shards)):
+            raise ValueError(
+                "with several ranks, an offload optimizer takes only parameters of the wrapped model "
+                f"({len(plain) or 'some'} given are not): their gradients would not be averaged over the "
+                "ranks. Wrap the module that holds them too, or give them to an optimizer of their own "
+                "after averaging their gradients yourself (torch.distributed.all_reduce)")
         # a wrapped model's parameters in the order of its groups and slots
         order = {}
         for t in wrapped:
@@ -889,7 +897,9 @@ class OffloadOptimizer(Optimizer):
         del self._buckets[id(bucket.group)]
         mine = torch.empty(bucket.group.nbytes // bucket.itemsize, dtype=torch.float32,
                            device=bucket.data.device)
+        started = time.perf_counter()
         bucket.manager.partition.reduce_scatter_mean(mine, bucket.data)
+        self.stats["reduce_seconds"] += time.perf_counter() - started
         bucket.data = None
         items = [(s.param, s.offset // bucket.itemsize) for s in bucket.group.slots
                  if s.count and id(s.param) in bucket.got]

@@ -126,6 +126,7 @@ def test_update_during_backward_on_two_ranks(runs):
     ("config", "different OffloadConfigs (compute_dtype"),
     ("model", "different models"),
     ("shared_path", "share nvme_path"),
+    ("plain", "only parameters of the wrapped model"),
 ])
 def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path, fault, expected):
     result = run(tmp_path, fault, 2, fault=fault, steps=1)

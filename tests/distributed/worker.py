@@ -4,7 +4,8 @@ the single-process reference (launched with plain python).
     python worker.py SPEC.json
 
 SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "model": "gpt2"|"llama",
-       "save": dir|None, "save_after": k, "load": dir|None, "fault": None|"config"|"model"|"shared_path",
+       "save": dir|None, "save_after": k, "load": dir|None,
+       "fault": None|"config"|"model"|"shared_path"|"plain",
        "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
        "early": bool (update_during_backward)}
 Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
@@ -83,6 +84,8 @@ def main() -> None:
                                 compute_dtype="bf16" if spec.get("fault") == "config" and rank == 1 else None)
     try:
         model = offload.wrap(model, cfg)
+        if spec.get("fault") == "plain":  # a parameter outside the wrapped model
+            offload.AdamW(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))])
     except (ValueError, offload.io.BudgetError) as err:
         result["error"] = f"{type(err).__name__}: {err}"
         json.dump(result, open(f"{spec['out']}.rank{rank}", "w"))
