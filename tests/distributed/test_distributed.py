@@ -136,6 +136,15 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path, fault, expected
         assert "{rank}" in result["ranks"][0]["error"]
 
 
+def test_a_save_that_fails_on_one_rank_fails_on_all_and_keeps_the_previous_checkpoint(tmp_path):
+    result = run(tmp_path, "save-fault", 2, fault="save", steps=1, save=str(tmp_path / "ck"))
+    for rank in result["ranks"]:
+        assert "failed on 1 rank(s), nothing was replaced: rank 1: OSError" in rank["error"], rank
+        assert "No space left on device (injected)" in rank["error"]
+        assert rank["step_saved"] == 1  # the checkpoint before is whole, and loads
+    assert not list(tmp_path.glob("ck.tmp-*"))  # the failed save left nothing behind
+
+
 def test_world_size_without_a_process_group_is_refused(tmp_path):
     result = run(tmp_path, "alone", 1, world_size=2, steps=1)
     assert "torch.distributed is not initialised" in result["error"]

@@ -5,7 +5,7 @@ the single-process reference (launched with plain python).
 
 SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "model": "gpt2"|"llama",
        "save": dir|None, "save_after": k, "load": dir|None,
-       "fault": None|"config"|"model"|"shared_path"|"plain",
+       "fault": None|"config"|"model"|"shared_path"|"plain"|"save",
        "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
        "early": bool (update_during_backward)}
 Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
@@ -91,6 +91,9 @@ def main() -> None:
         json.dump(result, open(f"{spec['out']}.rank{rank}", "w"))
         if rank == 0:
             json.dump(result, open(spec["out"], "w"))
+        if launched:  # every rank refused alike: leave together (a gloo group torn down at exit
+            dist.barrier()  # while the other rank is gone may abort the process)
+            dist.destroy_process_group()
         return
     opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=EPS)
     data = batches(spec["steps"])
@@ -118,6 +121,20 @@ def main() -> None:
         result["losses"].append(mean.item())
         if spec.get("save") and step + 1 == spec.get("save_after"):
             offload.save_checkpoint(spec["save"], model, opt, extra={"step": step + 1})
+    if spec.get("fault") == "save":  # a save that fails on rank 1 after one that worked
+        offload.save_checkpoint(spec["save"], model, opt, extra={"step": 1})
+        if rank == 1:
+            from offload.checkpoint import _save
+
+            def full_disk(self, directory):
+                raise OSError(28, "No space left on device (injected)")
+
+            _save.BlobWriter.run = full_disk
+        try:
+            offload.save_checkpoint(spec["save"], model, opt, extra={"step": 2})
+        except offload.CheckpointError as err:
+            result["error"] = str(err)
+        result["step_saved"] = offload.load_checkpoint(spec["save"], model, opt)["step"]
     opt.synchronize()
     stats = offload.stats(model)
     result["nvme_bytes"] = stats["nvme_bytes"]
