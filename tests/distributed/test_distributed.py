@@ -74,6 +74,8 @@ def test_two_ranks_train_like_one_process_and_like_torch(runs):
     assert_same_run(runs["two"], runs["one"])
     assert_same_run(runs["one"], runs["torch"])  # the reference itself equals plain torch
     assert_same_run(runs["two"], runs["torch"])
+    # offload.unwrap on every rank gives each the whole trained model
+    assert all(r["unwrapped_equal"] for r in runs["two"]["ranks"] + runs["one"]["ranks"])
 
 
 def test_each_rank_keeps_about_half_of_the_bytes(runs):

@@ -147,7 +147,9 @@ def main() -> None:
     if rank == 0:
         json.dump(result, open(spec["out"], "w"))
     opt.close()
-    offload.close(model)
+    offload.unwrap(model)  # every rank gathers every group back into ordinary tensors
+    result["unwrapped_equal"] = all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    json.dump(result, open(f"{spec['out']}.rank{rank}", "w"))
     if launched:
         dist.destroy_process_group()
 
