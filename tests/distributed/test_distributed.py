@@ -89,10 +89,14 @@ def test_each_rank_keeps_about_half_of_the_bytes(runs):
     assert sum(r["nvme_bytes"] for r in ranks) < 1.2 * one["nvme_bytes"]
 
 
-def test_the_host_tier_partitions_too(runs):
-    host = run(runs["dir"], "host", 2, tier="host")
-    assert_same_run(host, runs["one"])
-    assert all(r["nvme_bytes"] == 0 for r in host["ranks"])
+@pytest.mark.parametrize("param_tier", ["host", "device"])
+def test_the_host_and_device_tiers_partition_too(runs, param_tier):
+    """Parameters resting in host memory, or on the device (each rank its slices, gathered
+    per use), with optimizer states in host memory."""
+    other = run(runs["dir"], f"tier-{param_tier}", 2, tier="host", param_tier=param_tier)
+    assert_same_run(other, runs["one"])
+    assert all(r["nvme_bytes"] == 0 for r in other["ranks"])
+    assert all(r["unwrapped_equal"] for r in other["ranks"])
 
 
 @pytest.mark.parametrize("saved,loaded", [("two", 1), ("one", 2), ("two", 3)],

@@ -4,7 +4,7 @@ the single-process reference (launched with plain python).
     python worker.py SPEC.json
 
 SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "model": "gpt2"|"llama",
-       "save": dir|None, "save_after": k, "load": dir|None,
+       "param_tier": tier (default: "tier"), "save": dir|None, "save_after": k, "load": dir|None,
        "fault": None|"config"|"model"|"shared_path"|"plain"|"save",
        "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
        "early": bool (update_during_backward)}
@@ -78,7 +78,8 @@ def main() -> None:
     if spec.get("fault") == "shared_path":
         nvme = nvme.replace("{rank}", "shared")
     tier = spec.get("tier", "nvme")
-    cfg = offload.OffloadConfig(device="cpu", param_tier=tier, optimizer_tier=tier, nvme_path=nvme,
+    cfg = offload.OffloadConfig(device="cpu", param_tier=spec.get("param_tier", tier), optimizer_tier=tier,
+                                nvme_path=nvme,
                                 device_budget="64MiB", host_budget="256MiB", io="manual",
                                 io_backend="direct", world_size=spec.get("world_size"),
                                 compute_dtype="bf16" if spec.get("fault") == "config" and rank == 1 else None)
