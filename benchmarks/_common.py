@@ -41,6 +41,16 @@ class PeakRss:
         self.stop()
 
 
+def disk_io_bytes() -> tuple[int, int]:
+    """(read, written) block-device bytes of this process so far, all threads (/proc/self/io)."""
+    fields = {}
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            k, v = line.split(":")
+            fields[k] = int(v)
+    return fields["read_bytes"], fields["write_bytes"]
+
+
 def engine_bandwidth(path: str, size: int) -> tuple[float, float]:
     """(write, read) GB/s of ``size`` bytes, one request each way, through offload's file
     engine (O_DIRECT, 8 MiB blocks, 32 in flight) from a huge-page host buffer: the disk as

@@ -33,20 +33,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import engine_bandwidth, saved_gpt2  # noqa: E402
+from _common import disk_io_bytes as disk_bytes, engine_bandwidth, saved_gpt2  # noqa: E402
 
 log = logging.getLogger("bench")
 MODELS = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "774M": (36, 1280, 20)}
 BUDGETS = {"124M": ("256MiB", "1GiB"), "355M": ("512MiB", "3GiB"), "774M": ("768MiB", "4GiB")}
-
-
-def disk_bytes() -> tuple[int, int]:
-    fields = {}
-    with open("/proc/self/io") as fh:
-        for line in fh:
-            k, v = line.split(":")
-            fields[k] = int(v)
-    return fields["read_bytes"], fields["write_bytes"]
 
 
 def worker(args) -> None:

@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import gpt2_config as _gpt2_config  # noqa: E402
-from _common import saved_gpt2  # noqa: E402
+from _common import disk_io_bytes, saved_gpt2  # noqa: E402
 
 log = logging.getLogger("bench.vs_deepspeed")
 
@@ -105,14 +105,7 @@ def batch(step: int, args) -> torch.Tensor:
 class DiskIo:
     """This process's block-device bytes (all threads), from /proc/self/io."""
 
-    @staticmethod
-    def now() -> tuple[int, int]:
-        fields = {}
-        with open("/proc/self/io") as fh:
-            for line in fh:
-                k, v = line.split(":")
-                fields[k] = int(v)
-        return fields["read_bytes"], fields["write_bytes"]
+    now = staticmethod(disk_io_bytes)
 
 
 def peak_rss() -> int:

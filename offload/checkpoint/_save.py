@@ -54,13 +54,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if cat.manager is not None and cat.manager.partition is not None:
         _save_partitioned(path, model, optimizer, extra_json, cat, started)
         return
-    blobs = _model_blobs(cat)
-    opt_info = None
-    if optimizer is not None:
-        opt_blobs, opt_info = _optimizer_blobs(optimizer, cat)
-        blobs += opt_blobs
-    pool, window, engine_args = resources(cat, optimizer)
-    writer = BlobWriter(blobs, pool=pool, window=window, engine_args=engine_args)
+    blobs, opt_info, writer, pool = _writer(cat, optimizer)
     directory = AtomicDirectory(path)
     try:
         writer.check_space(directory.path)
@@ -88,6 +82,18 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     seconds = time.perf_counter() - started
     log.info("checkpoint %s saved: %s in %.2f s (%.2f GB/s)", directory.path, format_size(writer.total),
              seconds, writer.total / seconds / 1e9 if seconds else 0.0)
+
+
+def _writer(cat: Catalog, optimizer: Any) -> tuple[list[Blob], dict | None, BlobWriter, BufferPool]:
+    """The blobs of the model (and optimizer), the optimizer's manifest part, and the writer
+    that streams them through the model's buffer pool (returned too)."""
+    blobs = _model_blobs(cat)
+    opt_info = None
+    if optimizer is not None:
+        opt_blobs, opt_info = _optimizer_blobs(optimizer, cat)
+        blobs += opt_blobs
+    pool, window, engine_args = resources(cat, optimizer)
+    return blobs, opt_info, BlobWriter(blobs, pool=pool, window=window, engine_args=engine_args), pool
 
 
 def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -178,13 +184,7 @@ def _save_partitioned(path: str, model: nn.Module, optimizer: Any, extra_json: A
                                   "mount), or run on one machine")
         sub = os.path.join(tmp, f"rank-{part.rank}")
         os.mkdir(sub, 0o755)
-        blobs = _model_blobs(cat)
-        opt_info = None
-        if optimizer is not None:
-            opt_blobs, opt_info = _optimizer_blobs(optimizer, cat)
-            blobs += opt_blobs
-        pool, window, engine_args = resources(cat, optimizer)
-        writer = BlobWriter(blobs, pool=pool, window=window, engine_args=engine_args)
+        blobs, opt_info, writer, _ = _writer(cat, optimizer)
         writer.check_space(sub)
         writer.run(sub)
         total = writer.total
