@@ -41,6 +41,7 @@ class _Live:
     backward_refs: int = 0  # of refs, those taken for backward
     release: Any = None  # with zero_copy: gives back the mapped view ``flat`` is
     gathered: Any = None  # with several ranks: the device slot the whole group was gathered into
+    pending: Any = None  # with several ranks: (work, slot, tensor) of an all-gather issued ahead of use
     started: list = field(default_factory=list)  # with a tracer: (phase, time) per acquisition
 
 
@@ -69,7 +70,9 @@ class Coordinator:
         # slot of its own, counted in the device budget, freed at release
         self.partition = partition
         self.home = home
-        self.gather_seconds = 0.0
+        self.gather_seconds = 0.0  # waiting for all-gathers (issued at use, or ahead and not done)
+        self.gathered_ahead = 0  # all-gathers issued ahead of use
+        self.gather_over_budget_bytes = 0  # largest gathered group that the tier had no room for
         # a CPU device over io_backend="mmap": parameters are views of the mapped swap files
         # (no copy, no device budget); prefetching is a read-ahead advice to the kernel
         self.zero_copy = zero_copy
@@ -183,6 +186,8 @@ class Coordinator:
                     "(activation checkpointing) until backward has gone through them: device_budget must "
                     "hold one checkpointed block's parameters and the group being fetched") from None
         self._prefetch()
+        if self.partition is not None:
+            self._gather_ahead()
         self._log("ready", group, phase)  # compute of the module may start now
         if self.tracer is not None:
             live.started.append((phase, self.tracer.now()))
@@ -241,6 +246,8 @@ class Coordinator:
 
     def release_all(self) -> None:
         self.unpark()
+        for group in self.live:
+            self._drop_pending(group)
         for group, live in self.live.items():
             if live.refs:
                 live.refs = live.backward_refs = 0
@@ -264,6 +271,7 @@ class Coordinator:
         if self.in_use(group):
             raise RuntimeError(f"parameter group {group.key!r} is in use by a forward or backward "
                                "pass: call the optimizer's step() after backward() returns")
+        self._drop_pending(group)
         self.ahead.pop(group, None)
         if self.cached.get(group):
             self.cached[group] = False
@@ -292,12 +300,18 @@ class Coordinator:
                              len(p.actual), expected.key if expected else None, group.key)
                 for other in list(self.ahead):
                     self._drop_ahead(other)
+                for other, live in self.live.items():
+                    if live.pending is not None:
+                        self._drop_pending(other)
         p.actual.append(group)
         self._log("acquire", group, phase)
 
     def _materialize(self, group: ParamGroup) -> None:
         live = self.live[group]
         if self.zero_copy and self._map(group, live):
+            return
+        if live.pending is not None:  # gathered ahead of use (several ranks)
+            self._take_pending(group, live)
             return
         ahead = False
         if self.cached.get(group):
@@ -330,6 +344,10 @@ class Coordinator:
             self.tracer.span(f"stall {group.key}", "stall", started, ended, "compute")
         if self.partition is not None:
             flat = self._gather(group, live, flat)
+        self._point(group, live, flat)
+
+    def _point(self, group: ParamGroup, live: _Live, flat: torch.Tensor) -> None:
+        """Point the group's parameters at views of its (whole) flat device buffer."""
         live.flat = flat
         if group in self.cached:
             self.cached[group] = True
@@ -339,25 +357,116 @@ class Coordinator:
             slot.param.data = view
         self.by_storage[flat.untyped_storage().data_ptr()] = group
 
+    # -- several ranks: gathering whole groups -----------------------------------------------
     def _gather(self, group: ParamGroup, live: _Live, mine: torch.Tensor) -> torch.Tensor:
         """All ranks' slices of ``group`` into one device buffer: its whole flat bytes."""
         size = mine.numel() * self.partition.world
         device = self.store.tiers[Tier.DEVICE]
-        slot = device.allocate(size)
-        while slot is None and self.ahead:
+        while self.ahead and self._used() + device.slot_size(size) > self.device_budget:
             self._drop_ahead(next(reversed(self.ahead)))
-            slot = device.allocate(size)
-        if slot is None:
+        if self._used() + device.slot_size(size) > self.device_budget:
             raise BudgetError(
                 f"device_budget {self.device_budget} bytes cannot hold parameter group {group.key!r} "
                 f"gathered from {self.partition.world} ranks ({size} bytes) next to the "
-                f"{device.used_bytes} bytes in use: raise device_budget")
-        live.gathered = slot
-        whole = device.tensor(slot)[:size]
+                f"{self._used()} bytes in use: raise device_budget")
+        live.gathered, whole = self._gather_buffer(group, size)
         started = time.perf_counter()
         self.partition.all_gather(whole, mine)
         self.gather_seconds += time.perf_counter() - started
         return whole
+
+    def _gather_buffer(self, group: ParamGroup, size: int) -> tuple[Any, torch.Tensor]:
+        """(slot, tensor) of ``size`` bytes on the device for a gathered group: a device-tier
+        slot, counted in the budget. Room is decided by the coordinator's own count, the same
+        on every rank; where the tier holds more at that moment (a copy evicted while loading
+        frees its room when it lands, a reused pool buffer may be larger than asked), the
+        buffer is allocated beside the tier, logged once and counted in
+        ``gather_over_budget_bytes``: the ranks must issue the same collectives."""
+        device = self.store.tiers[Tier.DEVICE]
+        slot = device.allocate(size)
+        if slot is not None:
+            return slot, device.tensor(slot)[:size]
+        self.gather_over_budget_bytes = max(self.gather_over_budget_bytes, size)
+        if "over_budget" not in self._warned:
+            self._warned.add("over_budget")
+            log.warning("offload: gathering parameter group %r (%d bytes) beside the device tier, which "
+                        "holds %d of %d bytes now (pool rounding or copies still loading); further cases "
+                        "are counted in stats()['gather_over_budget_bytes']", group.key, size,
+                        device.used_bytes, self.device_budget)
+        return None, torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def _gather_ahead(self) -> None:
+        """Several ranks: start the all-gather of the next group of the recorded order, so it
+        runs while this module computes. Whether to start it depends only on what every rank
+        agrees on (the recorded order, the coordinator's own bookkeeping, the budget), never
+        on how fast a read or a peer was, so the ranks issue their collectives in one order."""
+        p = self.current
+        trace = self.traces.get(p.key) if p is not None and not p.diverged else None
+        if not trace or p.cursor >= len(trace):
+            return  # not past the end of the pass: the optimizer may change the next pass's bytes
+        nxt = trace[p.cursor]
+        live = self.live[nxt]
+        if live.flat is not None or live.pending is not None or nxt in self.parked:
+            return
+        device = self.store.tiers[Tier.DEVICE]
+        size = self.partition.slice_bytes(nxt.nbytes) * self.partition.world
+        # room by our own count, with as much again to spare (the tier's buffers may be
+        # larger than asked: pool reuse); else it is gathered when used
+        if self._accounted_device_bytes() + 2 * device.slot_size(size) + \
+                (0 if self._holds_slice(nxt) else device.slot_size(size // self.partition.world)) \
+                > self.device_budget:
+            return
+        if not self._holds_slice(nxt):
+            self._log("fetch", nxt, "prefetch")
+            self.store.fetch(nxt.key, Tier.DEVICE, priority=0)
+            self.ahead[nxt] = None
+        mine = self.store.wait(nxt.key, Tier.DEVICE)
+        slot, whole = self._gather_buffer(nxt, size)
+        work = self.partition.all_gather(whole, mine, async_op=True)
+        live.pending = (work, slot, whole)
+        self.gathered_ahead += 1
+
+    def _holds_slice(self, group: ParamGroup) -> bool:
+        return self.home is Tier.DEVICE or group in self.ahead or bool(self.cached.get(group)) \
+            or self.live[group].flat is not None
+
+    def _accounted_device_bytes(self) -> int:
+        """Device bytes the coordinator's own bookkeeping says are held: slices it fetched and
+        has not dropped, whole groups gathered or being gathered."""
+        device = self.store.tiers[Tier.DEVICE]
+        world = self.partition.world
+        total = 0
+        for group, live in self.live.items():
+            part = self.partition.slice_bytes(group.nbytes)
+            if self._holds_slice(group):
+                total += device.slot_size(part)
+            if live.flat is not None or live.pending is not None:  # a whole group gathered
+                total += device.slot_size(part * world)
+        return total
+
+    def _take_pending(self, group: ParamGroup, live: _Live) -> None:
+        """Use the all-gather issued ahead for ``group``."""
+        work, slot, whole = live.pending
+        live.pending = None
+        self.prefetch_hits += 1
+        self.ahead.pop(group, None)
+        started = time.perf_counter()
+        work.wait()
+        self.gather_seconds += time.perf_counter() - started
+        live.gathered = slot
+        self._point(group, live, whole)
+
+    def _drop_pending(self, group: ParamGroup) -> None:
+        """Discard a gather issued ahead (its group's bytes changed, or the order did); the
+        collective itself was issued by every rank and completes."""
+        live = self.live[group]
+        if live.pending is None:
+            return
+        work, slot, _ = live.pending
+        live.pending = None
+        work.wait()
+        if slot is not None:
+            self.store.tiers[Tier.DEVICE].free(slot)
 
     def _map(self, group: ParamGroup, live: _Live) -> bool:
         """Point the group's parameters at a view of its bytes in the mapped swap file."""
@@ -395,7 +504,7 @@ class Coordinator:
                 if hasattr(device, "fence"):
                     device.fence(live.gathered)  # kernels queued on it finish before reuse
                 device.free(live.gathered)
-                live.gathered = None
+            live.gathered = None
         elif group in self.ahead or self.store.state(group.key, Tier.DEVICE) is Residency.ABSENT:
             return
         # (else: an acquisition interrupted between its fetch and its wait left a device
@@ -407,14 +516,24 @@ class Coordinator:
         else:
             self._evict(group)
 
+    def _used(self) -> int:
+        """Device bytes in use, as decisions see them: the tier's count, or with several ranks
+        the coordinator's own (the tier's moves with the timing of reads, which differs from
+        rank to rank; decisions that lead to collectives must not)."""
+        if self.partition is not None:
+            return self._accounted_device_bytes()
+        return self.store.tiers[Tier.DEVICE].used_bytes
+
     def _make_room(self, group: ParamGroup) -> None:
         """A demand fetch comes first: drop the farthest prefetches until it fits."""
         device = self.store.tiers[Tier.DEVICE]
-        while self.ahead and device.used_bytes + device.slot_size(group.nbytes) > self.device_budget:
+        while self.ahead and self._used() + device.slot_size(group.nbytes) > self.device_budget:
             self._drop_ahead(next(reversed(self.ahead)))
 
     def _drop_ahead(self, group: ParamGroup) -> None:
         self.ahead.pop(group, None)
+        if self.live[group].pending is not None:
+            self.live[group].pending[0].wait()  # it reads the slice: done before the slice goes
         if self.live[group].flat is None and not self.zero_copy:
             self._evict(group)
 
@@ -467,7 +586,7 @@ class Coordinator:
                 break
             # prefetches never wait for room: they only use what is free now (a demand
             # fetch that finds no room drops the farthest of them, see _make_room)
-            if device.used_bytes + device.slot_size(group.nbytes) > self.device_budget:
+            if self._used() + device.slot_size(group.nbytes) > self.device_budget:
                 break
             self._log("fetch", group, "prefetch")
             self.store.fetch(group.key, Tier.DEVICE, priority=1)

@@ -327,7 +327,8 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
         "page_cache_bytes": s["nvme"].get("page_cache_bytes", 0) if "nvme" in s else 0,
         "optimizer_seconds": manager.optimizer_seconds,
-        "gather_seconds": c.gather_seconds,
+        "gather_seconds": c.gather_seconds, "gathered_ahead": c.gathered_ahead,
+        "gather_over_budget_bytes": c.gather_over_budget_bytes,
         "world_size": manager.partition.world if manager.partition is not None else 1,
         "rank": manager.partition.rank if manager.partition is not None else 0,
     }

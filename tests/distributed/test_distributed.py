@@ -71,6 +71,8 @@ def runs(tmp_path_factory):
 
 def test_two_ranks_train_like_one_process_and_like_torch(runs):
     assert runs["two"]["world"] == 2 and runs["one"]["world"] == 1
+    # after the first (recorded) pass, groups are all-gathered ahead of use
+    assert all(r["gathered_ahead"] > 0 for r in runs["two"]["ranks"])
     assert_same_run(runs["two"], runs["one"])
     assert_same_run(runs["one"], runs["torch"])  # the reference itself equals plain torch
     assert_same_run(runs["two"], runs["torch"])
@@ -97,6 +99,15 @@ def test_the_host_and_device_tiers_partition_too(runs, param_tier):
     assert_same_run(other, runs["one"])
     assert all(r["nvme_bytes"] == 0 for r in other["ranks"])
     assert all(r["unwrapped_equal"] for r in other["ranks"])
+
+
+def test_a_tight_device_budget_on_two_ranks(runs):
+    """A device budget that holds a few groups: prefetches are dropped for demand fetches,
+    gathers ahead are sometimes refused for room; every rank decides alike (its own count of
+    what it holds, not the timing of its reads), so the collectives stay in step."""
+    tight = run(runs["dir"], "tight", 2, device_budget="700KiB")
+    assert_same_run(tight, runs["one"])
+    assert all(r["gathered_ahead"] > 0 for r in tight["ranks"])
 
 
 @pytest.mark.parametrize("saved,loaded", [("two", 1), ("one", 2), ("two", 3)],

@@ -80,7 +80,7 @@ def main() -> None:
     tier = spec.get("tier", "nvme")
     cfg = offload.OffloadConfig(device="cpu", param_tier=spec.get("param_tier", tier), optimizer_tier=tier,
                                 nvme_path=nvme,
-                                device_budget="64MiB", host_budget="256MiB", io="manual",
+                                device_budget=spec.get("device_budget", "64MiB"), host_budget="256MiB", io="manual",
                                 io_backend="direct", world_size=spec.get("world_size"),
                                 compute_dtype="bf16" if spec.get("fault") == "config" and rank == 1 else None)
     try:
@@ -140,6 +140,7 @@ def main() -> None:
     stats = offload.stats(model)
     result["nvme_bytes"] = stats["nvme_bytes"]
     result["read_bytes"] = stats["read_bytes"]
+    result["gathered_ahead"] = stats["gathered_ahead"]
     result["slice_bytes"] = sum(g.nbytes for g in offload.params._manager.manager_of(model).groups)
     weights = offload.state_dict(model)  # every rank takes part in the gathers
     if rank == 0:
