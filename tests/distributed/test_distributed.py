@@ -162,6 +162,15 @@ def test_a_save_that_fails_on_one_rank_fails_on_all_and_keeps_the_previous_check
     assert not list(tmp_path.glob("ck.tmp-*"))  # the failed save left nothing behind
 
 
+def test_a_load_that_fails_on_one_rank_fails_on_all(tmp_path):
+    """A byte flipped in rank 1's file: rank 1 finds the checksum mismatch, and rank 0, whose
+    own reads were fine, raises too, naming rank 1."""
+    result = run(tmp_path, "load-fault", 2, fault="load", steps=1, save=str(tmp_path / "ck"))
+    one, zero = result["ranks"][1]["error"], result["ranks"][0]["error"]
+    assert "checksum mismatch" in one and "rank-1/model.bin" in one
+    assert "failed on another rank: rank 1: CheckpointError" in zero and "checksum mismatch" in zero
+
+
 def test_world_size_without_a_process_group_is_refused(tmp_path):
     result = run(tmp_path, "alone", 1, world_size=2, steps=1)
     assert "torch.distributed is not initialised" in result["error"]

@@ -5,7 +5,7 @@ the single-process reference (launched with plain python).
 
 SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "model": "gpt2"|"llama",
        "param_tier": tier (default: "tier"), "save": dir|None, "save_after": k, "load": dir|None,
-       "fault": None|"config"|"model"|"shared_path"|"plain"|"save",
+       "fault": None|"config"|"model"|"shared_path"|"plain"|"save"|"load",
        "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
        "early": bool (update_during_backward)}
 Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
@@ -136,6 +136,19 @@ def main() -> None:
         except offload.CheckpointError as err:
             result["error"] = str(err)
         result["step_saved"] = offload.load_checkpoint(spec["save"], model, opt)["step"]
+    if spec.get("fault") == "load":  # a checkpoint whose rank-1 file was damaged after the save
+        offload.save_checkpoint(spec["save"], model, opt, extra={"step": 1})
+        if rank == 0:
+            with open(os.path.join(spec["save"], "rank-1", "model.bin"), "r+b") as fh:
+                fh.seek(100)
+                byte = fh.read(1)
+                fh.seek(100)
+                fh.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+        try:
+            offload.load_checkpoint(spec["save"], model, opt)
+        except offload.CheckpointError as err:
+            result["error"] = str(err)
     opt.synchronize()
     stats = offload.stats(model)
     result["nvme_bytes"] = stats["nvme_bytes"]
