@@ -579,6 +579,7 @@ class Coordinator:
             return
         device = self.store.tiers[Tier.DEVICE]
         ahead_bytes = sum(g.nbytes for g in self.ahead)
+        counted = self._used() if self.partition is not None else None  # (counted once, then kept up)
         for group in self._window():
             if group in self.ahead:
                 continue
@@ -586,12 +587,15 @@ class Coordinator:
                 break
             # prefetches never wait for room: they only use what is free now (a demand
             # fetch that finds no room drops the farthest of them, see _make_room)
-            if self._used() + device.slot_size(group.nbytes) > self.device_budget:
+            used = device.used_bytes if counted is None else counted
+            if used + device.slot_size(group.nbytes) > self.device_budget:
                 break
             self._log("fetch", group, "prefetch")
             self.store.fetch(group.key, Tier.DEVICE, priority=1)
             self.ahead[group] = None
             ahead_bytes += group.nbytes
+            if counted is not None:
+                counted += device.slot_size(self.partition.slice_bytes(group.nbytes))
 
     def placeholder(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         key = (dtype,)
