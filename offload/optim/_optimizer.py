@@ -871,14 +871,14 @@ class OffloadOptimizer(Optimizer):
         manager, group, slot = owner
         bucket = self._buckets.get(id(group))
         if bucket is None:
-            bucket = self._buckets[id(group)] = self._new_bucket(manager, group, grad.device)
+            bucket = self._buckets[id(group)] = self._new_bucket(manager, group, grad.device, p)
         at = slot.whole.offset // bucket.itemsize
         bucket.data[at: at + grad.numel()].add_(grad.reshape(-1))
         bucket.got.add(id(p))
         if len(bucket.got) >= bucket.expected:
             self._reduce(bucket)
 
-    def _new_bucket(self, manager, group, device: torch.device) -> "_Bucket":
+    def _new_bucket(self, manager, group, device: torch.device, p: torch.Tensor) -> "_Bucket":
         reporting = [s for s in group.slots if s.param.requires_grad and id(s.param) in self._hooked]
         sizes = {s.dtype.itemsize for s in reporting}
         if len(sizes) > 1:
@@ -886,7 +886,7 @@ class OffloadOptimizer(Optimizer):
                 f"parameter group {group.key!r} mixes parameters of dtypes "
                 f"{sorted({str(s.dtype) for s in reporting})}; with several ranks a group's gradients are "
                 "reduced as one buffer: set OffloadConfig(compute_dtype=...) so they share one")
-        itemsize = sizes.pop()
+        itemsize = sizes.pop() if sizes else next(s for s in group.slots if s.param is p).dtype.itemsize
         size = group.nbytes * manager.partition.world // itemsize
         return _Bucket(manager, group, torch.zeros(size, dtype=torch.float32, device=device), itemsize,
                        set(), len({id(s.param) for s in reporting}))

@@ -134,6 +134,12 @@ def test_checkpointing_clipping_and_untied_llama_on_two_ranks(tmp_path):
                     weights_atol=2e-4)
 
 
+def test_gradient_accumulation_on_two_ranks(runs):
+    """Two backward passes per step (half the loss each): each reduces its gradients and the
+    slices add up, as the single process's accumulators do."""
+    assert_same_run(run(runs["dir"], "accum", 2, accum=True), runs["one"])
+
+
 def test_update_during_backward_on_two_ranks(runs):
     early = run(runs["dir"], "early", 2, early=True)
     assert_same_run(early, runs["one"])

@@ -7,7 +7,7 @@ SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "mo
        "param_tier": tier (default: "tier"), "save": dir|None, "save_after": k, "load": dir|None,
        "fault": None|"config"|"model"|"shared_path"|"plain"|"save"|"load",
        "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
-       "early": bool (update_during_backward)}
+       "early": bool (update_during_backward), "accum": bool (two backward passes per step)}
 Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
 per-rank NVMe bytes and the final weights' file.
 """
@@ -105,11 +105,17 @@ def main() -> None:
     per = 6 // world
     for step in range(start, spec["steps"]):
         ids = data[step][rank * per: (rank + 1) * per]
-        loss = model(input_ids=ids, labels=ids).loss
-        if spec.get("early"):
+        if spec.get("accum"):  # the same batch as two micro-batches of half the loss each
+            for _ in range(2):
+                half = model(input_ids=ids, labels=ids).loss / 2
+                half.backward()
+            loss = half.detach() * 2
+        elif spec.get("early"):
+            loss = model(input_ids=ids, labels=ids).loss
             with opt.update_during_backward():
                 loss.backward()
         else:
+            loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         if spec.get("clip"):
             opt.clip_grad_norm_(spec["clip"])
