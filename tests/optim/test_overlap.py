@@ -15,6 +15,29 @@ from .test_optimizer import (Branchy, assert_losses, assert_same_weights, config
 transformers = pytest.importorskip("transformers")
 
 
+def train_squares(m, opt, xs, *, overlapped, before=None, clear_grads=False) -> list[float]:
+    """Steps on the mean square of ``m(x)`` for each ``x``: backward inside
+    ``update_during_backward()`` when ``overlapped``; ``before(step)`` runs before each
+    forward; ``clear_grads`` drops every ``p.grad`` after each step. The losses."""
+    out = []
+    for step, x in enumerate(xs):
+        if before is not None:
+            before(step)
+        loss = m(x).pow(2).mean()
+        if overlapped:
+            with opt.update_during_backward():
+                loss.backward()
+        else:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if clear_grads:
+            for p in m.parameters():
+                p.grad = None
+        out.append(float(loss.detach()))
+    return out
+
+
 def train_overlapped(model, opt, batches, *, sched=None, events=None):
     """Like ``train``: every micro-batch but the last backward outside the block, the last
     inside it. Records how many updates had begun when each step's backward returned."""
@@ -78,19 +101,9 @@ def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, no_l
     xs = [torch.randn(4, 32, generator=g) for _ in range(5)]
 
     def run(m, opt, overlapped):
-        out = []
-        for step, x in enumerate(xs):
+        def side(step):
             m.use_side = step % 2 == 0
-            loss = m(x).pow(2).mean()
-            if overlapped:
-                with opt.update_during_backward():
-                    loss.backward()
-            else:
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(float(loss.detach()))
-        return out
+        return train_squares(m, opt, xs, overlapped=overlapped, before=side)
 
     ref_losses = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), False)
     # one group for the whole model: shards of updated and not-updated layers share it
@@ -294,21 +307,8 @@ def test_update_during_backward_with_parameters_left_out_of_the_optimizer(tmp_pa
     def trained(m):
         return [p for n, p in m.named_parameters() if not n.startswith("norm")]
 
-    def run(m, opt, overlapped):
-        out = []
-        for x in xs:
-            loss = m(x).pow(2).mean()
-            if overlapped:
-                with opt.update_during_backward():
-                    loss.backward()
-            else:
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            for p in m.parameters():
-                p.grad = None  # the norm's gradients, which no optimizer consumes
-            out.append(float(loss.detach()))
-        return out
+    def run(m, opt, overlapped):  # (clearing the norm's gradients, which no optimizer consumes)
+        return train_squares(m, opt, xs, overlapped=overlapped, clear_grads=True)
 
     ref_losses = run(ref, torch.optim.AdamW(trained(ref), lr=1e-2, weight_decay=0.1, fused=True), False)
     offload.wrap(model, config(tmp_path, param_tier=param_tier, resident_bytes=0, group_bytes="1MiB"))
