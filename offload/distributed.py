@@ -86,12 +86,6 @@ class Partition:
         dist.broadcast_object_list(box, src=src, group=self.process_group)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.backend == "nccl":
-            dist.barrier(group=self.process_group, device_ids=[torch.cuda.current_device()])
-        else:
-            dist.barrier(group=self.process_group)
-
     def gather_bytes(self, mine: torch.Tensor) -> torch.Tensor:
         """Every rank's slice (uint8 host tensors of equal size), concatenated, on the host."""
         src = mine.to(self.device)

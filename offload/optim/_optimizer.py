@@ -199,7 +199,7 @@ class OffloadOptimizer(Optimizer):
         self._laid_out: set[int] = set()
         self._own_store: TensorStore | None = None
         self._hooks: list[Any] = []
-        self._hooked: set[int] = set()  # ids of wrapped parameters whose gradients come to us
+        self._hooked: dict[int, Any] = {}  # id -> owner_of() of the wrapped parameters whose gradients come to us
         self._buckets: dict[int, _Bucket] = {}  # several ranks: groups being gathered for reduction
         self._callback_queued = False
         self._drain_pool: ThreadPoolExecutor | None = None
@@ -244,7 +244,7 @@ class OffloadOptimizer(Optimizer):
                 managers.add(owner[0])
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-                    self._hooked.add(id(p))
+                    self._hooked[id(p)] = owner
         self._check_managers(managers)
 
     @torch.no_grad()
@@ -853,8 +853,8 @@ class OffloadOptimizer(Optimizer):
             self._callback_queued = True
             self._backward_task = graph_task()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        owner = _owner_of(p)
-        if owner is not None and owner[0].partition is not None:
+        owner = self._hooked[id(p)]
+        if owner[0].partition is not None:
             self._add_to_bucket(p, grad, owner)
         elif grad.is_cuda:
             self._drain_cuda([(p, 0)], grad)
