@@ -212,6 +212,56 @@ def test_plain_parameters(tmp_path, tier, kind, no_leaks):
     assert_same_weights(model, ref)
 
 
+def wide_gpt2():
+    """GPT-2 with a 4099 x 128 embedding: shards with rows of 1 MiB and more, so padded."""
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=128, n_head=4, vocab_size=4099, n_positions=32,
+                                  tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def assert_rows_padded(opt):
+    """Some shard has rows of 1 MiB or more, each padded to 4 KiB past a multiple of 2 MiB
+    (128 KiB under 16 MiB), and holds fewer elements than its rows."""
+    padded = [s for s in opt._shards if s.numel * 4 >= 1 << 20]
+    assert padded
+    for shard in padded:
+        period = 2 << 20 if shard.numel * 4 >= 16 << 20 else 128 << 10
+        assert shard.numel * 4 % period == 4096
+        assert sum(seg.length for seg in shard.segments) < shard.numel
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "plain"])
+def test_padded_rows_match_torch(tmp_path, tier, wrapped, no_leaks):
+    """Rows padded apart (for the cache) change nothing: the trajectory equals torch's, and
+    the state dict holds each parameter's moments and nothing of the padding."""
+    ref, model = wide_gpt2(), wide_gpt2()
+    batches = lm_batches(model.config.vocab_size, steps=3)
+    ref_opt = make_opt("adamw", decay_groups(ref), False)
+    ref_losses = train(ref, ref_opt, batches, clip=1.0)
+    cfg = config(tmp_path, param_tier="nvme" if wrapped else "host", optimizer_tier=tier,
+                 host_budget="256MiB", file_size="64MiB", device_budget="8MiB")
+    if wrapped:
+        offload.wrap(model, cfg)
+    opt = make_opt("adamw", decay_groups(model), True, config=None if wrapped or tier == "host" else cfg,
+                   shard_size=300_000)
+    try:
+        assert_losses(train(model, opt, batches, clip=1.0), ref_losses)
+        assert_rows_padded(opt)
+        got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert got.keys() == want.keys()
+        for i in want:
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(got[i][key], want[i][key], rtol=1e-5, atol=1e-7)
+        opt.close()
+    finally:
+        if wrapped:
+            offload.unwrap(model)
+    assert_same_weights(model, ref)
+
+
 def test_bf16_params_with_fp32_master(tmp_path, no_leaks):
     """compute_dtype bf16: the model runs in bf16, the optimizer keeps fp32 master weights.
     Reference: fp32 master parameters under torch.optim.AdamW, copied to a bf16 model for
