@@ -194,12 +194,12 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
         tier = config.optimizer_tier
         p.rows.append(PlanRow(f"optimizer: {', '.join(state_rows)}", tier, 4 * len(state_rows) * elements,
                               "fp32, 4 bytes per parameter each"))
-        # fp32 parameters resting on NVMe (or resident on a CPU device) are their own master
-        # weights: the optimizer updates them in place (offload/optim/_optimizer.py)
+        # fp32 parameters resting on NVMe or in host memory (or resident on a CPU device) are
+        # their own master weights: the optimizer updates them in place (offload/optim/_optimizer.py)
         cpu = config.torch_device.type == "cpu"
         own = sum(slot.count for g in groups for slot in g.slots
                   if all(x.dtype == torch.float32 for x in g.slots)
-                  and ((not g.resident and config.param_tier == "nvme") or (g.resident and cpu)))
+                  and ((not g.resident and config.param_tier in ("nvme", "host")) or (g.resident and cpu)))
         if elements - own:
             p.rows.append(PlanRow("optimizer: master weights", tier, 4 * (elements - own),
                                   "fp32 copy of the parameters that are not fp32 where they rest"))

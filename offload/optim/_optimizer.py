@@ -1098,8 +1098,9 @@ class OffloadOptimizer(Optimizer):
                 entry = pending.get(id(seg.owner[1]))
                 if entry is not None and entry.in_place and not entry.fetched:
                     entry.fetched = True
-                    entry.manager.store.fetch(entry.group.key, Tier.HOST)
-                    self.stats["read_bytes"] += entry.group.nbytes
+                    if entry.manager.home is not Tier.HOST:  # else the host copy is its home
+                        entry.manager.store.fetch(entry.group.key, Tier.HOST)
+                        self.stats["read_bytes"] += entry.group.nbytes
         if shard.home is Tier.HOST:
             return
         self._log("read", shard)
@@ -1128,8 +1129,8 @@ class OffloadOptimizer(Optimizer):
         """After an exception: drop the host copies of parameter groups read for an in-place
         update and not written back (their tier keeps the bytes from before the step)."""
         for entry in entries:
-            if not entry.in_place or not entry.fetched:
-                continue
+            if not entry.in_place or not entry.fetched or entry.manager.home is Tier.HOST:
+                continue  # (a home copy in host memory was updated where it rests)
             store, key = entry.manager.store, entry.group.key
             try:
                 store.wait(key, Tier.HOST, timeout=60)
@@ -1323,10 +1324,11 @@ class OffloadOptimizer(Optimizer):
         if entry.in_place:
             if entry.data is None:
                 return  # never read: no shard of it was updated
-            manager.coordinator.forget(group.whole or group)
+            manager.coordinator.forget(group.whole or group)  # device copies hold the old bytes
             manager.store.mark_dirty(group.key, Tier.HOST)
-            manager.store.evict(group.key, Tier.HOST)
-            self.stats["write_bytes"] += group.nbytes
+            if manager.home is not Tier.HOST:  # written home; the host copy dropped
+                manager.store.evict(group.key, Tier.HOST)
+                self.stats["write_bytes"] += group.nbytes
             return
         data = entry.data
         if current is not None:
@@ -1400,7 +1402,8 @@ def _new_group_write(owner) -> _GroupWrite | None:
 
 def _in_place(owner) -> str | None:
     """How an fp32 wrapped parameter is updated without a master row: ``"group"`` (its
-    group rests on NVMe; the step updates a host copy of the group and writes it home),
+    group rests on NVMe or in host memory, and all of its parameters are fp32: the step
+    updates the group's host copy, its home or a copy read from NVMe and written back),
     ``"param"`` (a resident parameter on a CPU device, updated where it is), or None (it
     needs an fp32 master row: another dtype, or a tier the step cannot update in place)."""
     manager, group, slot = owner
@@ -1409,7 +1412,7 @@ def _in_place(owner) -> str | None:
     if group.resident:
         data = slot.param.data
         return "param" if data.device.type == "cpu" and data.dtype == torch.float32 else None
-    if manager.home is Tier.NVME and all(s.dtype == torch.float32 for s in group.slots):
+    if manager.home in (Tier.NVME, Tier.HOST) and all(s.dtype == torch.float32 for s in group.slots):
         return "group"
     return None
 

@@ -119,20 +119,24 @@ def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, no_l
     assert_same_weights(model, ref, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("param_tier", ["nvme", "host"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_update_during_backward_with_activation_checkpointing(tmp_path, reentrant, tier, no_leaks):
+def test_update_during_backward_with_activation_checkpointing(tmp_path, reentrant, tier, param_tier, no_leaks):
     """Reentrant checkpointing runs a nested backward per block inside the outer one: that
-    is not an interrupted backward, and each parameter still reports once."""
+    is not an interrupted backward, and each parameter still reports once. fp32 groups are
+    updated in place, in a host copy (parameters on NVMe) or in their home (in host memory),
+    while the recomputation still uses some groups."""
     ref, model = tiny_gpt2(), tiny_gpt2()
     for m in (ref, model):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         m.train()
     batches = lm_batches(model.config.vocab_size, steps=3, micro=1)
     ref_losses = train(ref, make_opt("adamw", ref.parameters(), False), batches)
-    offload.wrap(model, config(tmp_path, optimizer_tier=tier))
+    offload.wrap(model, config(tmp_path, param_tier=param_tier, optimizer_tier=tier))
     try:
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
+        assert not any(s.master for s in opt._shards)
         losses, _ = train_overlapped(model, opt, batches)
         assert_losses(losses, ref_losses, rtol=0, atol=0)
         opt.close()
