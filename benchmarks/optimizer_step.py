@@ -192,8 +192,6 @@ def run_mode(mode: str, params, args, swap_dir: str | None = None) -> float | No
         return time_steps(opt, args.steps, args.warmup)
     finally:
         dispose([opt])
-        del opt
-        gc.collect()
 
 
 def run_interleaved(modes: list[str], params, args) -> dict[str, float | None]:
@@ -210,9 +208,9 @@ def run_interleaved(modes: list[str], params, args) -> dict[str, float | None]:
                 times[mode].append(timed_step(opts[mode]))
         return {m: statistics.median(times[m]) if m in times else None for m in modes}
     finally:
-        dispose([o for o in opts.values() if o is not None])
+        live_opts = [o for o in opts.values() if o is not None]
         opts.clear()
-        gc.collect()
+        dispose(live_opts)
 
 
 def main() -> None:
