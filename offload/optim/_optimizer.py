@@ -68,11 +68,12 @@ _HOST_PLAIN_SHARD = 1 << 28
 _DRAIN_THREAD = "offload-grad"  # the worker that adds CUDA gradients into host accumulators
 # The rows of a shard (master weights, exp_avg, exp_avg_sq) are streamed side by side by one
 # kernel, and their buffer is on huge pages, so physically contiguous. Rows a large power of
-# two apart contend for the same cache sets and memory banks: measured here, the fused AdamW
-# over a 256M-element shard (rows exactly 1 GiB apart) took 0.22-0.29 s, and 0.09-0.15 s
-# with each row padded to 4 KiB past a multiple of 2 MiB (torch's own states on scattered
-# 4 KiB pages, same rounds: 0.11-0.16 s). Among paddings of 4 KiB to 2 MiB, 68 KiB was
-# measurably slower (7%) over 100M elements; the others were equal within noise.
+# two apart contend for the same cache sets and memory banks. Measured here: one fused AdamW
+# call over a 256M-element shard took 0.22-0.24 s with its rows exactly 1 GiB apart and
+# 0.13-0.14 s padded; over 128M elements, 0.11-0.12 s with exp_avg_sq a whole number of MiB
+# after exp_avg, 0.07-0.10 s with it 4 KiB to 2 MiB further on, and 0.08-0.10 s on torch's
+# own states (scattered 4 KiB pages). Of the paddings tried, 68 KiB was 7% slower than the
+# others over 100M elements; the rest were equal within noise.
 _ROW_STAGGER = 4 << 10
 _READ_AHEAD = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
 
