@@ -193,6 +193,8 @@ class OffloadOptimizer(Optimizer):
     """
 
     _state_rows: tuple[str, ...] = ()
+    # torch optimizers are refused over a wrapped model's streamed parameters (offload.params)
+    serves_offloaded_parameters = True
 
     def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
                  shard_size: int | None = None, loss_scale: str | float | None = "auto",

@@ -25,7 +25,7 @@ import torch
 from .._signals import DEFER
 from ..io import BudgetError
 from ..store import Residency, TensorStore, Tier
-from ._groups import ParamGroup
+from ._groups import ParamGroup, point
 
 __all__ = ["Coordinator"]
 
@@ -53,7 +53,7 @@ class _Pass:
     diverged: bool = False
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd is running a backward on this thread."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() >= 0
@@ -98,6 +98,8 @@ class Coordinator:
         # keeps those itself, out of reach of our saved-tensor hooks)
         self.parked: set[ParamGroup] = set()
         self.on_park: Any = None  # called when a group is parked (the hooks queue the end of backward)
+        self.on_change: Any = None  # called with a group whose bytes the optimizer or a load replaces
+        self.demand_fetches = 0  # groups fetched for a use outside their module (offload.params._demand)
 
     # -- passes ------------------------------------------------------------------------------
     def begin_pass(self, key: str) -> None:
@@ -160,21 +162,30 @@ class Coordinator:
                      total / 2**20)
 
     # -- acquire / release ---------------------------------------------------------------------
-    def acquire(self, group: ParamGroup, phase: str) -> None:
-        """Make ``group`` materialized for compute; called before the module runs."""
+    def acquire(self, group: ParamGroup, phase: str, *, record: bool = True) -> None:
+        """Make ``group`` materialized for compute; called before the module runs.
+
+        ``phase``: "forward", "backward" (released by ``release_backward`` at the latest) or
+        "demand" (a use outside the group's module). ``record``: note the use in the
+        pass's order (uses between passes are not)."""
         if group.resident:
             return
         with DEFER:  # Ctrl-C lands before or after this bookkeeping (or in a wait), not inside
-            self._acquire(group, phase)
+            self._acquire(group, phase, record)
 
-    def _acquire(self, group: ParamGroup, phase: str) -> None:
+    def _acquire(self, group: ParamGroup, phase: str, record: bool = True) -> None:
         self.parked.discard(group)  # held again: its buffer (parked or not) serves this use
-        self._record(group, phase)
+        if record:
+            self._record(group, phase)
+        else:
+            self._log("acquire", group, phase)
         live = self.live[group]
         live.refs += 1
         if phase == "backward":
             live.backward_refs += 1
         if live.flat is None:
+            if phase == "demand":
+                self.demand_fetches += 1
             try:
                 self._materialize(group)
             except BudgetError as err:
@@ -210,7 +221,7 @@ class Coordinator:
             began_phase, began = live.started.pop()
             self.tracer.span(f"{began_phase} {group.key}", "compute", began, self.tracer.now(), "compute")
         if live.refs == 0:
-            if phase == "forward" and _in_backward() and live.flat is not None:
+            if phase != "backward" and in_backward() and live.flat is not None:
                 self.parked.add(group)
                 if self.on_park is not None:
                     self.on_park()
@@ -266,7 +277,7 @@ class Coordinator:
     def forget(self, group: ParamGroup) -> None:
         """The optimizer is about to replace ``group``'s bytes in its home tier: drop what
         the coordinator holds of the old ones (a prefetch, a resident-cache copy)."""
-        if group in self.parked and not _in_backward():  # left by a backward that never ended
+        if group in self.parked and not in_backward():  # left by a backward that never ended
             self.unpark()
         if self.in_use(group):
             raise RuntimeError(f"parameter group {group.key!r} is in use by a forward or backward "
@@ -275,6 +286,8 @@ class Coordinator:
         self.ahead.pop(group, None)
         if self.cached.get(group):
             self.cached[group] = False
+        if self.on_change is not None:
+            self.on_change(group)
 
     def resume_prefetch(self) -> None:
         """Fetch ahead again from the current position (after the optimizer's step)."""
@@ -353,8 +366,7 @@ class Coordinator:
             self.cached[group] = True
             self.ahead.pop(group, None)
         for slot in group.slots:
-            view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            slot.param.data = view
+            point(slot.param, flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
         self.by_storage[flat.untyped_storage().data_ptr()] = group
 
     # -- several ranks: gathering whole groups -----------------------------------------------
@@ -480,7 +492,7 @@ class Coordinator:
         flat, live.release = got
         live.flat = flat
         for slot in group.slots:
-            slot.param.data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            point(slot.param, flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
         self.by_storage[flat.untyped_storage().data_ptr()] = group
         return True
 
@@ -491,14 +503,14 @@ class Coordinator:
             self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
             live.flat = None
             for slot in group.slots:
-                slot.param.data = self.placeholder(slot.dtype, slot.shape)
+                point(slot.param, self.placeholder(slot.dtype, slot.shape))
             release()
             return
         if live.flat is not None:
             self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
             live.flat = None
             for slot in group.slots:
-                slot.param.data = self.placeholder(slot.dtype, slot.shape)
+                point(slot.param, self.placeholder(slot.dtype, slot.shape))
             if live.gathered is not None:
                 device = self.store.tiers[Tier.DEVICE]
                 if hasattr(device, "fence"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ParamSlot", "ParamGroup", "build_groups"]
+__all__ = ["ParamSlot", "ParamGroup", "build_groups", "point"]
 
 _ALIGN = 256  # bytes: every parameter starts aligned for any dtype and vector loads
 
@@ -114,3 +114,10 @@ def build_groups(model: nn.Module, *, dtype: torch.dtype | None, resident_bytes:
         if used:
             needs[module] = used
     return groups, needs
+
+
+def point(param: nn.Parameter, data: torch.Tensor) -> None:
+    """``param.data = data``, past the parameter class's ``__torch_function__`` (a managed
+    parameter's would take it for a user's write, see ``_demand``)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        param.data = data

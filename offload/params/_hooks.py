@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._coordinator import Coordinator
+from ._demand import owner_of_param
 from ._groups import ParamGroup
 
 __all__ = ["ModuleHooks", "graph_task"]
@@ -41,9 +42,11 @@ __all__ = ["ModuleHooks", "graph_task"]
 
 @dataclass(frozen=True)
 class _SavedRef:
+    """A saved tensor that lives in a group's buffer: rebuilt from the buffer of the moment."""
+
     group: ParamGroup
     dtype: torch.dtype
-    offset: int
+    offset: int  # bytes from the start of the group's flat buffer
     shape: torch.Size
     stride: tuple[int, ...]
 
@@ -72,6 +75,9 @@ class ModuleHooks:
         self._open_forwards: list[tuple[int, bool]] = []  # (call depth, pushed saved hooks)
         self._backward_queued = False
         self._backward_task: int | None = None
+        # groups fetched in backward for an op whose module's hooks did not fetch them (a
+        # parent used a child's weight): held while the autograd node that needs them runs
+        self._node_holds: list[tuple[Any, ParamGroup]] = []
         coordinator.on_park = self._queue_end_of_backward
 
     # -- attach / remove -----------------------------------------------------------------------
@@ -95,6 +101,15 @@ class ModuleHooks:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         self._open_forwards.clear()
+        self._node_holds.clear()
+
+    def forward_open(self) -> bool:
+        """Whether a forward of the model is running."""
+        return bool(self._open_forwards)
+
+    def saving(self) -> Any:
+        """Saved tensors of what runs in this block go through this model's references."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # -- root: pass boundaries and saved tensors -------------------------------------------------
     def _root_pre(self, module: nn.Module, args: Any) -> None:
@@ -128,27 +143,55 @@ class ModuleHooks:
             self.coordinator.abandon_forward()
         if self._backward_queued and graph_task() != self._backward_task:
             self._backward_queued = False
-            self.coordinator.release_backward()
+            self._release_backward()
             self.coordinator.abandon_pass()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
-            return tensor
-        group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
-        if group is None:
-            return tensor
-        return _SavedRef(group, tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+        if isinstance(tensor, nn.Parameter):  # a managed one is saved as its slot of the group
+            owner = owner_of_param(tensor)
+            if owner is None or owner.group.resident or owner.access.coordinator is not self.coordinator:
+                return tensor
+            slot = owner.slot
+            return _SavedRef(owner.group, slot.dtype, slot.offset, slot.shape, _contiguous(slot.shape))
+        with torch._C.DisableTorchFunctionSubclass():
+            if tensor.device.type == "meta":
+                return tensor
+            group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
+            if group is None:
+                return tensor
+            flat = self.coordinator.live[group].flat
+            offset = tensor.storage_offset() * tensor.element_size() - flat.storage_offset()
+            return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedRef):
             return packed
         live = self.coordinator.live[packed.group]
         if live.flat is None:  # backward reached an op before its module's hook: fetch now
+            self._release_node_holds()
             self.coordinator.acquire(packed.group, "backward")
             self._queue_end_of_backward()
-        storage = live.flat.untyped_storage()
-        out = torch.empty(0, dtype=packed.dtype, device=live.flat.device)
-        return out.set_(storage, packed.offset, packed.shape, packed.stride)
+            self._node_holds.append((torch._C._current_autograd_node(), packed.group))
+        flat = live.flat
+        itemsize = torch.empty((), dtype=packed.dtype).element_size()
+        out = torch.empty(0, dtype=packed.dtype, device=flat.device)
+        return out.set_(flat.untyped_storage(), (flat.storage_offset() + packed.offset) // itemsize,
+                        packed.shape, packed.stride)
+
+    def _release_node_holds(self) -> None:
+        """Release the groups fetched for autograd nodes that have finished: on the thread
+        that runs backward's nodes one at a time, a node other than the current one is done
+        (on CUDA its kernels are queued, and the store fences a freed slot before reuse)."""
+        if not self._node_holds:
+            return
+        current = torch._C._current_autograd_node()
+        keep = []
+        for node, group in self._node_holds:
+            if node is current:
+                keep.append((node, group))
+            else:
+                self.coordinator.release(group, "backward")
+        self._node_holds = keep
 
     # -- modules -----------------------------------------------------------------------------------
     def _pre_forward(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
@@ -169,6 +212,7 @@ class ModuleHooks:
                 tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
 
     def _pre_backward(self, groups: list[ParamGroup]) -> None:
+        self._release_node_holds()
         self._queue_end_of_backward()
         for group in groups:
             self.coordinator.acquire(group, "backward")
@@ -176,7 +220,7 @@ class ModuleHooks:
     def _queue_end_of_backward(self) -> None:
         if self._backward_queued and graph_task() != self._backward_task:
             self._backward_queued = False  # queued by a backward that was interrupted
-            self.coordinator.release_backward()
+            self._release_backward()
         if not self._backward_queued:
             self._backward_queued = True
             self._backward_task = graph_task()
@@ -184,8 +228,12 @@ class ModuleHooks:
 
     def _end_of_backward(self) -> None:
         self._backward_queued = False
-        self.coordinator.release_backward()
+        self._release_backward()
         self.coordinator.end_pass()
+
+    def _release_backward(self) -> None:
+        self._node_holds.clear()  # released with every other backward hold
+        self.coordinator.release_backward()
 
     def _wrap_inputs(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
         positions = [("a", i) for i, a in enumerate(args) if _needs_grad(a)]
@@ -217,6 +265,14 @@ def graph_task() -> int | None:
     """The running backward's graph task (-1 outside backward); None where torch has no such call."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current() if current is not None else None
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _needs_grad(value: Any) -> bool:

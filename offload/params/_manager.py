@@ -16,8 +16,9 @@ from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
 from ..store import MmapTier, Tier, TensorStore, create_store
+from ._access import DemandAccess
 from ._coordinator import Coordinator
-from ._groups import ParamGroup, ParamSlot, build_groups
+from ._groups import ParamGroup, ParamSlot, build_groups, point
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
 
@@ -40,6 +41,10 @@ class ParamManager:
         self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
         self.partition = partition
         self.slots = {id(slot.param): (group, slot) for group in groups for slot in group.slots}
+        # several ranks: the whole group the coordinator materializes -> this rank's slice
+        slices = {id(g.whole or g): g for g in groups}
+        self.access = DemandAccess(coordinator, hooks, partition=partition,
+                                   read_group=lambda whole: self.whole_bytes(slices[id(whole)]))
         self.optimizer_seconds = 0.0
         self.steps = 0
         self.tracer: Tracer | None = None
@@ -115,6 +120,12 @@ class ParamManager:
                 out[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(slot.param.data)
             return out
         return self.store.read_copy(group.key)
+
+    def on_params_written(self, callback: Any) -> None:
+        """Call ``callback(group)`` (a bound method, held weakly) when a write outside the
+        optimizer (``load_state_dict``, ``p.copy_(x)`` ...) changes the parameters of a
+        group (the whole group, with several ranks)."""
+        self.access.on_write(callback)
 
     def write_group(self, group: ParamGroup, data: torch.Tensor) -> None:
         """Replace ``group``'s bytes (host uint8 ``data``) with new values, e.g. after an
@@ -230,6 +241,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
         store.close()
         raise
     _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition)
+    manager.access.attach(model, groups)
     manager.start_step_log()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
     log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s%s",
@@ -250,6 +262,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     manager = manager_of(model)
     try:
+        manager.access.detach()
         manager.hooks.remove()
         manager.coordinator.release_all()
         if manager.partition is not None:  # every rank's slice gathered, group by group
@@ -257,14 +270,14 @@ def unwrap(model: nn.Module) -> nn.Module:
                 whole = manager.whole_bytes(group)
                 for slot in group.whole.slots:
                     data = whole[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-                    slot.param.data = data.to(manager.coordinator.device, copy=True)
+                    point(slot.param, data.to(manager.coordinator.device, copy=True))
             _release(model, manager)
             return model
         for group in manager.groups:
             flat = manager.store.wait(group.key, Tier.DEVICE)
             for slot in group.slots:
                 data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-                slot.param.data = data.clone()  # own memory, not a store buffer
+                point(slot.param, data.clone())  # own memory, not a store buffer
             if not group.resident:
                 manager.store.evict(group.key, Tier.DEVICE)
     except BaseException:
@@ -286,11 +299,12 @@ def close(model: nn.Module) -> None:
     if manager is None:
         return
     try:
+        manager.access.detach()
         manager.hooks.remove()
         for group in manager.groups:
             for slot in group.slots:
                 slot.param.grad = None
-                slot.param.data = torch.empty(0, dtype=slot.dtype, device=slot.param.device)
+                point(slot.param, torch.empty(0, dtype=slot.dtype, device=slot.param.device))
     finally:
         _release(model, manager)
 
@@ -298,6 +312,7 @@ def close(model: nn.Module) -> None:
 def _release(model: nn.Module, manager: ParamManager) -> None:
     """The store's files, threads and buffers released; the model no longer managed."""
     _managers.pop(model, None)
+    manager.access.detach()
     try:
         manager.store.close()
     finally:
@@ -323,7 +338,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
         "read_bytes": s["nvme"]["read_bytes"] if "nvme" in s else 0,
         "write_bytes": s["nvme"]["write_bytes"] if "nvme" in s else 0,
         "stall_seconds": c.stall_seconds, "prefetch_hits": c.prefetch_hits,
-        "prefetch_misses": c.prefetch_misses, "groups": len(manager.groups),
+        "prefetch_misses": c.prefetch_misses, "demand_fetches": c.demand_fetches, "groups": len(manager.groups),
         "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
         "page_cache_bytes": s["nvme"].get("page_cache_bytes", 0) if "nvme" in s else 0,
         "optimizer_seconds": manager.optimizer_seconds,
@@ -336,7 +351,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
 
 _DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
                "gather_seconds",
-               "prefetch_hits", "prefetch_misses")
+               "prefetch_hits", "prefetch_misses", "demand_fetches")
 
 
 def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:

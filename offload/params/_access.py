@@ -1,0 +1,230 @@
+"""One wrapped model's side of demand fetch: fetching a group for a single use, marking a
+written group, ``state_dict()`` / ``load_state_dict()`` of the whole model group by group,
+and refusing torch optimizers over its parameters.
+
+A use inside a pass (a forward of the model, or a backward) is recorded in the pass's
+order like a module's own use, so the next pass prefetches that group at that point; a use
+between passes (printing a weight, a regularization term) is not, so it leaves the
+recorded order alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from typing import Any, Callable
+
+import psutil
+import torch
+from torch import nn
+
+from .._units import format_size
+from ..io import BudgetError
+from ..store import Tier
+from ._coordinator import Coordinator, in_backward
+from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, register, unregister
+from ._groups import ParamGroup
+
+__all__ = ["DemandAccess"]
+
+log = logging.getLogger(__name__)
+_guard: Any = None  # the process-wide optimizer step pre-hook, registered at the first wrap
+
+
+class DemandAccess:
+    """Demand fetch for the parameters of one wrapped model (see ``_demand``)."""
+
+    def __init__(self, coordinator: Coordinator, hooks: Any, *, read_group: Callable[[ParamGroup], torch.Tensor],
+                 partition: Any = None):
+        self.coordinator, self.hooks = coordinator, hooks
+        self.read_group = read_group  # a host copy of a (whole) group's bytes
+        self.partition = partition
+        self.snapshots: dict[int, torch.Tensor] | None = None  # model.state_dict() in progress
+        self._snapshot_group: tuple[ParamGroup, torch.Tensor] | None = None
+        self._batch_open = False  # model.load_state_dict() in progress
+        self._batch_group: ParamGroup | None = None  # the group it wrote last, held for the next write
+        self._listeners: list[weakref.WeakMethod] = []
+        self._params: list[nn.Parameter] = []
+        self._handles: list[Any] = []
+        coordinator.on_change = self._changed
+
+    # -- attach / detach -------------------------------------------------------------------
+    def attach(self, model: nn.Module, groups: list[ParamGroup]) -> None:
+        for group in groups:
+            for slot in group.slots:
+                register(slot.param, Owner(self, group, slot))
+                self._params.append(slot.param)
+        # (torch marks some hooks with an attribute, which a bound method cannot take)
+        self._handles += [model.register_state_dict_pre_hook(functools.partial(DemandAccess._state_dict_pre, self)),
+                          model.register_state_dict_post_hook(functools.partial(DemandAccess._state_dict_post, self)),
+                          model.register_load_state_dict_pre_hook(functools.partial(DemandAccess._load_pre, self)),
+                          model.register_load_state_dict_post_hook(functools.partial(DemandAccess._load_post, self))]
+        _install_guard()
+
+    def detach(self) -> None:
+        self._end_batch()
+        self.snapshots = self._snapshot_group = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for param in self._params:
+            unregister(param)
+        self._params.clear()
+
+    # -- one use ---------------------------------------------------------------------------
+    def materialized(self, group: ParamGroup) -> bool:
+        return group.resident or self.coordinator.live[group].flat is not None
+
+    def acquire(self, group: ParamGroup) -> None:
+        inside = bool(self.hooks.forward_open()) or in_backward()
+        self.coordinator.acquire(group, "demand", record=inside)
+
+    def release(self, group: ParamGroup) -> None:
+        self.coordinator.release(group, "demand")
+
+    def buffer_address(self, group: ParamGroup) -> int:
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.coordinator.live[group].flat.untyped_storage().data_ptr()
+
+    def saving(self) -> Any:
+        """What autograd saves in a demand call goes through the hooks' references."""
+        return self.hooks.saving() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+    def check_writable(self, owner: Owner) -> None:
+        if self.partition is not None and not owner.group.resident:
+            raise RuntimeError(
+                f"in-place write to offloaded parameter {owner.name!r} (module {owner.module!r}) with the model "
+                f"partitioned over {self.partition.world} ranks: each rank holds a slice of it. Load new "
+                "values with offload.load_checkpoint(path, model), or write them before offload.wrap")
+
+    def written(self, group: ParamGroup) -> None:
+        """The caller changed ``group``'s materialized bytes in place."""
+        if not group.resident and not self.coordinator.zero_copy:  # (a mapped view is the home copy)
+            self.coordinator.store.mark_dirty(group.key, Tier.DEVICE)
+        self._changed(group)
+
+    def on_write(self, callback: Callable[[ParamGroup], None]) -> None:
+        """Call ``callback(group)`` (a bound method, held weakly) after a write outside the
+        optimizer changes a group's parameters."""
+        self._listeners.append(weakref.WeakMethod(callback))
+
+    def _changed(self, group: ParamGroup) -> None:
+        self.snapshots, self._snapshot_group = (None, None) if self.snapshots is None else ({}, None)
+        alive = []
+        for ref in self._listeners:
+            callback = ref()
+            if callback is not None:
+                alive.append(ref)
+                callback(group)
+        self._listeners = alive
+
+    # -- model.load_state_dict(): a group fetched once for all its parameters ----------------
+    def keep_for_batch(self, group: ParamGroup) -> bool:
+        """Within load_state_dict, keep the group just written for the parameters after it
+        (their writes would fetch it again); the previous one is released."""
+        if not self._batch_open:
+            return False
+        if self._batch_group is not None and self._batch_group is not group:
+            self.release(self._batch_group)
+        self._batch_group = group
+        return True
+
+    def _end_batch(self) -> None:
+        self._batch_open = False
+        if self._batch_group is not None:
+            group, self._batch_group = self._batch_group, None
+            self.release(group)
+
+    def _load_pre(self, module, state_dict, prefix, local_metadata, *args) -> None:
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("load_state_dict(..., assign=True) would replace the parameters of a model wrapped "
+                               "by offload.wrap with the given tensors, outside its tiers: call it without "
+                               "assign (the values are copied into the tiers), or unwrap the model first")
+        self._end_batch()
+        self._batch_open = True
+
+    def _load_post(self, module, incompatible_keys) -> None:
+        self._end_batch()
+
+    # -- model.state_dict(): copies in host memory, a group read at a time ---------------------
+    def snapshot(self, owner: Owner) -> torch.Tensor:
+        """A copy of a parameter's values, on the CPU (the whole model need not fit on the
+        device), read with the rest of its group; the same tensor for each of its names."""
+        param_id = id(owner.slot.param)
+        if param_id in self.snapshots:
+            return self.snapshots[param_id]
+        cached = self._snapshot_group
+        if cached is None or cached[0] is not owner.group:
+            cached = self._snapshot_group = (owner.group, self.read_group(owner.group))
+        slot = owner.slot.whole or owner.slot
+        raw = cached[1][slot.offset: slot.offset + slot.nbytes]
+        with torch._C.DisableTorchFunctionSubclass():
+            value = raw.view(slot.dtype).view(slot.shape).clone() if slot.nbytes else \
+                torch.empty(slot.shape, dtype=slot.dtype)
+        out = self.snapshots[param_id] = DetachedCopy.of(value, owner)
+        return out
+
+    def _state_dict_pre(self, module, prefix, keep_vars) -> None:
+        if keep_vars:
+            return
+        need = sum(slot.nbytes for slot in _slots(self._params) if not _resident(slot))
+        available = psutil.virtual_memory().available
+        if need > available:
+            raise BudgetError(
+                f"state_dict() of a model wrapped by offload copies every parameter into host memory: "
+                f"{format_size(need)} of offloaded parameters, {format_size(available)} of RAM available. "
+                "Save it with offload.save_checkpoint(path, model) or offload.export(model, directory) "
+                "(safetensors that from_pretrained loads), which stream a group at a time")
+        self.snapshots, self._snapshot_group = {}, None
+
+    def _state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
+        self.snapshots = self._snapshot_group = None
+
+
+def _slots(params: list[nn.Parameter]):
+    for p in params:
+        owner = owner_of_param(p)
+        if owner is not None:
+            yield owner.slot
+
+
+def _resident(slot: Any) -> bool:
+    owner = owner_of_param(slot.param)
+    return owner is not None and owner.group.resident
+
+
+# -- torch optimizers over offloaded parameters ----------------------------------------------------
+def _install_guard() -> None:
+    global _guard
+    if _guard is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _guard = register_optimizer_step_pre_hook(_refuse_torch_optimizer)
+
+
+def _refuse_torch_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A torch optimizer would keep its states on the device, outside every budget, and
+    rewrite each streamed parameter through demand fetch several times a step: refused, with
+    the optimizers that serve these parameters named."""
+    if not any_registered():
+        return
+    inner = optimizer
+    for _ in range(8):  # wrappers (Accelerate's AcceleratedOptimizer ...) keep it in .optimizer
+        if getattr(type(inner), "serves_offloaded_parameters", False):
+            return
+        inner = getattr(inner, "optimizer", None)
+        if inner is None:
+            break
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = owner_of_param(p)
+            if owner is not None and not owner.group.resident:
+                raise TypeError(
+                    f"{type(optimizer).__name__} was given parameters of a model wrapped by offload.wrap (e.g. "
+                    f"{owner.name!r}), which rest in offload's tiers between uses: a torch optimizer would keep "
+                    "its states on the device outside the budgets and fetch and rewrite every parameter group "
+                    "several times per step. Use offload.AdamW, offload.Adam or offload.SGD over "
+                    "model.parameters() (with HF Trainer: optimizers=(offload.AdamW(model.parameters(), "
+                    "lr=...), None)); parameters added after wrap (LoRA adapters) may use any optimizer")

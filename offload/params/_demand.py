@@ -1,0 +1,433 @@
+"""Demand fetch: a streamed parameter shows its real values wherever code touches it.
+
+Between uses a streamed parameter's ``.data`` is a placeholder (stride 0, NaN) and its bytes
+rest in the parameter tier. The hooks materialize a group around its own module's forward
+and backward. Code that reaches a parameter any other way (a parent computing
+``self.proj.weight @ x``, ``F.linear(x, other.weight)``, ``p.detach()``, ``print(p)``,
+``model.state_dict()``, ``load_state_dict()``, ``nn.init``) goes through
+:class:`OffloadedParameter`'s ``__torch_function__``, which fetches the group for the length
+of that one call (see ``_access.DemandAccess`` for the bookkeeping).
+
+Note: why a class swap. ``wrap`` sets the class of each managed parameter to
+:class:`OffloadedParameter` (an ``nn.Parameter`` subclass of the same layout) and ``unwrap``
+sets it back. The object stays the same, so optimizers, tied modules and user references
+keep working, and torch routes every function, method and property of it through
+``__torch_function__``. A placeholder tensor subclass would not do: a parameter's ``.data``
+cannot be set to a tensor of another dispatch class.
+
+Note: results that alias the group's buffer. A view made in such a call (``p.t()``, ``p[0]``,
+``p.detach()``, ``p.data``) would show other bytes once the buffer is reused, so it is
+returned as a copy (:class:`DetachedCopy`) that keeps the autograd graph to the parameter
+and writes an in-place change back to it (``p.data += x``, ``state_dict()[k].copy_(v)``).
+Unlike a view, the copy does not follow later changes of the parameter (an optimizer step).
+What autograd saves for backward goes through the hooks' references (``ModuleHooks``), so
+backward fetches the group again.
+
+Note: writes. An in-place op on the parameter itself (``p.copy_(x)``, ``p.mul_(2)``,
+``nn.init.normal_(p)``, ``p.data = x`` of the same shape, dtype and device, what
+``load_state_dict`` does) runs on the fetched group, which is then marked dirty, so it is
+written home when dropped; optimizers that keep a master copy are told to refresh it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ._groups import ParamGroup, ParamSlot
+
+__all__ = ["OffloadedParameter", "DetachedCopy", "Owner", "owner_of_param", "register", "unregister",
+           "value_of"]
+
+_plain = torch._C.DisableTorchFunctionSubclass
+_T = torch._C.TensorBase
+
+
+class _Kind(enum.Enum):
+    META = "reads no element"  # shape, dtype, grad, hash ...
+    READ = "reads elements"
+    WRITE = "writes elements in place"
+    SET_DATA = "replaces .data"
+    CONVERT = "a conversion that may return the tensor itself"
+    ESCAPE = "hands out memory outside torch's view tracking"
+    REFUSED = "changes the parameter's metadata in place"
+
+
+_NO_DATA = {getattr(_T, name).__get__ for name in (
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim", "layout", "is_cuda",
+    "is_meta", "is_sparse", "is_quantized", "itemsize", "nbytes", "_version", "name", "output_nr", "is_cpu",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "is_nested", "_base")}
+_NO_DATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T._backward_hooks.__set__}
+_NO_DATA |= {getattr(torch.Tensor, name) for name in (
+    "size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "is_signed", "get_device",
+    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
+    "__len__", "nelement", "ndimension", "is_pinned", "is_shared", "_is_view")}
+_SET_DATA = _T.data.__set__
+_DETACH = _T.detach
+_INPLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                   "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                   "__imatmul__"}
+_REFUSED = {"set_", "resize_", "resize_as_", "detach_", "share_memory_", "as_strided_", "t_", "transpose_",
+            "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_"}
+_CONVERT = {"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "contiguous"}
+_ESCAPE = {"numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage", "data_ptr"}
+_kinds: dict[Any, _Kind] = {}
+
+
+def _kind(func: Any) -> _Kind:
+    kind = _kinds.get(func)
+    if kind is None:
+        kind = _kinds[func] = _classify(func)
+    return kind
+
+
+def _classify(func: Any) -> _Kind:
+    if func in _NO_DATA:
+        return _Kind.META
+    if func == _SET_DATA:
+        return _Kind.SET_DATA
+    name = getattr(func, "__name__", "")
+    if name in _REFUSED:
+        return _Kind.REFUSED
+    if name in _CONVERT:
+        return _Kind.CONVERT
+    if name in _ESCAPE:
+        return _Kind.ESCAPE
+    if name in _INPLACE_DUNDER or (name.endswith("_") and not name.startswith("__")):
+        return _Kind.WRITE
+    return _Kind.READ
+
+
+@dataclass(eq=False)
+class Owner:
+    """Where a managed parameter lives: its model's access object, its group and slot."""
+
+    access: Any  # _access.DemandAccess
+    group: ParamGroup
+    slot: ParamSlot
+
+    @property
+    def name(self) -> str:
+        return self.slot.names[0]
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0] or "<root>"
+
+
+_owners: dict[int, Owner] = {}  # id(parameter) -> its owner, while wrapped
+_classes: dict[type, type] = {}  # a parameter class -> its offloaded subclass
+
+
+class OffloadedParameter(nn.Parameter):
+    """The class of a wrapped model's parameters while it is wrapped (module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func not in _NO_DATA:
+            found = _find(args, kwargs)
+            if found:
+                return _serve(func, args, kwargs, found)
+        with _plain():
+            return func(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # pickled as a plain parameter with its real values (torch.save(model), multiprocessing)
+        return (torch._utils._rebuild_parameter, (value_of(self), self.requires_grad, OrderedDict()))
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(value_of(self), self.requires_grad)
+        return memo[id(self)]
+
+
+_CLASSES = {OffloadedParameter}
+
+
+def offloaded_class(cls: type) -> type:
+    """The offloaded subclass of parameter class ``cls`` (one per class, made once)."""
+    if cls is nn.Parameter or cls in _CLASSES:
+        return OffloadedParameter if cls is nn.Parameter else cls
+    made = _classes.get(cls)
+    if made is None:
+        made = _classes[cls] = type(f"Offloaded{cls.__name__}", (OffloadedParameter, cls), {})
+        _CLASSES.add(made)
+    return made
+
+
+def register(param: nn.Parameter, owner: Owner) -> None:
+    """Route ``param``'s uses through demand fetch (at wrap)."""
+    cls = type(param)
+    try:
+        param.__class__ = offloaded_class(cls)
+    except TypeError as err:
+        raise TypeError(f"parameter {owner.name!r} is a {cls.__name__}, whose layout offload cannot extend "
+                        f"to fetch it on use ({err}): convert it to torch.nn.Parameter before wrap") from None
+    _owners[id(param)] = owner
+
+
+def unregister(param: nn.Parameter) -> None:
+    """Give ``param`` its class back (at unwrap or close)."""
+    if _owners.get(id(param)) is not None and _owners[id(param)].slot.param is param:
+        del _owners[id(param)]
+    cls = type(param)
+    if cls in _CLASSES:
+        base = next(b for b in cls.__mro__[1:] if b not in _CLASSES)
+        param.__class__ = base
+
+
+def owner_of_param(param: Any) -> Owner | None:
+    owner = _owners.get(id(param))
+    return owner if owner is not None and owner.slot.param is param else None
+
+
+def any_registered() -> bool:
+    return bool(_owners)
+
+
+def _find(args: tuple, kwargs: dict) -> list[Owner] | None:
+    """The owners of the managed parameters among the call's arguments (one level into lists)."""
+    found = None
+    for values in (args, kwargs.values()):
+        for a in values:
+            if type(a) in _CLASSES:
+                owner = _owners.get(id(a))
+                if owner is not None and owner.slot.param is a:
+                    found = found or []
+                    found.append(owner)
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if type(b) in _CLASSES:
+                        owner = _owners.get(id(b))
+                        if owner is not None and owner.slot.param is b:
+                            found = found or []
+                            found.append(owner)
+    return found
+
+
+def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
+    kind = _kind(func)
+    if kind is _Kind.CONVERT and _returns_itself(func, args, kwargs):
+        return args[0]
+    if func is _DETACH and found[0].access.snapshots is not None:  # model.state_dict() in progress
+        return found[0].access.snapshot(found[0])
+    written = _written(kind, func, args, kwargs)
+    missing = [o for o in _unique(found) if not o.access.materialized(o.group)]
+    if not written and not missing and kind is not _Kind.SET_DATA:
+        with _plain():
+            return func(*args, **kwargs)
+    first = written[0] if written else found[0]
+    if kind is _Kind.REFUSED:
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)}() on offloaded parameter {first.name!r} (module {first.module!r}) "
+            "would change its shape or storage in place, which its group in offload's tiers cannot follow: "
+            "call offload.unwrap(model) first, or make a new tensor instead")
+    if kind is _Kind.SET_DATA:
+        return _set_data(found[0], args[1])
+    for owner in written:
+        owner.access.check_writable(owner)
+    return _run_fetched(func, args, kwargs, kind, missing, written)
+
+
+def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: list[Owner],
+                 written: list[Owner]) -> Any:
+    """Run ``func`` with the groups of ``missing`` fetched; mark those of ``written`` changed."""
+    held: list[Owner] = []
+    keep: set[int] = set()
+    try:
+        for owner in missing:
+            owner.access.acquire(owner.group)
+            held.append(owner)
+        buffers = {o.access.buffer_address(o.group): o for o in held}
+        if kind is _Kind.ESCAPE:  # the result would point into the group's buffer: use a copy
+            with _plain():
+                args = (args[0].detach().clone(),) + tuple(args[1:])
+        accessor = (written or held)[0].access
+        with accessor.saving(), _plain():
+            out = func(*args, **kwargs)
+        for owner in _unique(written):
+            owner.access.written(owner.group)
+            if owner in held and owner.access.keep_for_batch(owner.group):
+                keep.add(id(owner))
+        return _copies_of_aliases(out, buffers) if buffers else out
+    finally:
+        for owner in reversed(held):
+            if id(owner) not in keep:
+                owner.access.release(owner.group)
+
+
+def _copies_of_aliases(out: Any, buffers: dict[int, Owner]) -> Any:
+    def fix(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or type(t) in _CLASSES:
+            return t
+        with _plain():
+            owner = buffers.get(t.untyped_storage().data_ptr())
+            if owner is None:
+                return t
+            copy = t.clone()
+        return DetachedCopy.of(copy, owner)
+
+    return tree_map(fix, out)
+
+
+def _written(kind: _Kind, func: Any, args: tuple, kwargs: dict) -> list[Owner]:
+    """The managed parameters an in-place call writes: its first argument (a list of them for
+    ``torch._foreach_*_``), or its ``out=``."""
+    targets: list[Any] = []
+    if kind is _Kind.WRITE and args:
+        first = args[0]
+        targets += list(first) if type(first) in (list, tuple) else [first]
+    out = kwargs.get("out")
+    if out is not None:
+        targets += list(out) if type(out) in (list, tuple) else [out]
+    return [o for o in (owner_of_param(t) for t in targets) if o is not None]
+
+
+def _unique(owners: list[Owner]) -> list[Owner]:
+    """One owner per group, in order."""
+    seen: set[int] = set()
+    out = []
+    for owner in owners:
+        if id(owner.group) not in seen:
+            seen.add(id(owner.group))
+            out.append(owner)
+    return out
+
+
+def _returns_itself(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a conversion (``to``, ``float``, ``cpu``, ``contiguous`` ...) of a managed
+    parameter returns the parameter itself: same device and dtype (its real bytes are
+    contiguous). ``model.to(device)`` and ``model.float()`` then fetch nothing."""
+    if not args or owner_of_param(args[0]) is None:
+        return False
+    p = args[0]
+    with _plain():
+        dtype, device = p.dtype, p.device
+    name = func.__name__
+    if name == "contiguous":
+        return kwargs.get("memory_format", args[1] if len(args) > 1 else torch.contiguous_format) in \
+            (torch.contiguous_format, torch.preserve_format)
+    wanted = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+    if name in wanted:
+        return wanted[name] == dtype and "memory_format" not in kwargs
+    if name == "cpu":
+        return device.type == "cpu" and "memory_format" not in kwargs
+    if name == "cuda":
+        if device.type != "cuda":
+            return False
+        index = kwargs.get("device", args[1] if len(args) > 1 else None)
+        target = torch.device("cuda", torch.cuda.current_device()) if index is None else torch.device(
+            index if not isinstance(index, int) else f"cuda:{index}")
+        return target.index in (None, device.index) and "memory_format" not in kwargs
+    if kwargs.get("copy") or (len(args) > 3 and args[3] is True):
+        return False
+    try:
+        to_device, to_dtype, _, memory_format = torch._C._nn._parse_to(
+            *args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+    except (TypeError, RuntimeError):
+        return False
+    same_device = to_device is None or (to_device.type == device.type and to_device.index in (None, device.index))
+    return same_device and to_dtype in (None, dtype) and memory_format in (None, torch.preserve_format)
+
+
+def _set_data(owner: Owner, value: Any) -> None:
+    """``param.data = value``: the same shape, dtype and device are a write of the values."""
+    param = owner.slot.param
+    if value is param:
+        return None
+    with _plain():
+        same = isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype \
+            and value.device == param.device
+    if not same:
+        what = f"a {tuple(value.shape)} {value.dtype} tensor on {value.device}" \
+            if isinstance(value, torch.Tensor) else type(value).__name__
+        raise RuntimeError(
+            f"cannot set .data of offloaded parameter {owner.name!r} (module {owner.module!r}) to {what}: "
+            f"it keeps the shape {tuple(owner.slot.shape)}, dtype {owner.slot.dtype} and device it was wrapped "
+            "with. To change them call offload.unwrap(model) first; to run in another dtype set "
+            "OffloadConfig(compute_dtype=...) at wrap")
+    owner.access.check_writable(owner)
+    with torch.no_grad():
+        missing = [] if owner.access.materialized(owner.group) else [owner]
+        _run_fetched(torch.Tensor.copy_, (param, value), {}, _Kind.WRITE, missing, [owner])
+    return None
+
+
+def value_of(param: nn.Parameter) -> torch.Tensor:
+    """A plain copy of a parameter's real values (any parameter: managed or not)."""
+    with torch.no_grad():
+        value = param.detach()
+    with _plain():
+        return value.as_subclass(torch.Tensor).clone() if type(value) is DetachedCopy else value.clone()
+
+
+class DetachedCopy(torch.Tensor):
+    """A copy of (part of) a managed parameter, made where a view would have aliased its
+    group's buffer. It reads like any tensor; an in-place change to it (or to a view of it)
+    is written back to the parameter."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        # (torch calls the first overload among the arguments' classes: a managed parameter
+        # beside a copy is fetched here)
+        out = OffloadedParameter.__torch_function__(func, types, args, kwargs)
+        if func in _NO_DATA:
+            return out
+        kind = _kind(func)
+        copies = {}
+        for values in (args, kwargs.values()):
+            for a in values:
+                if type(a) is cls:
+                    with _plain():
+                        copies[a.untyped_storage().data_ptr()] = a
+        if kind is _Kind.WRITE or kwargs.get("out") is not None:
+            target = kwargs.get("out", args[0] if args else None)
+            for t in (target if type(target) in (list, tuple) else [target]):
+                if type(t) is cls:
+                    t._write_back()
+
+        def keep(t: Any) -> Any:  # views of a copy stay copies of the same parameter
+            if not isinstance(t, torch.Tensor) or type(t) is cls:
+                return t
+            with _plain():
+                source = copies.get(t.untyped_storage().data_ptr())
+            return DetachedCopy.of(t, None, source) if source is not None else t
+
+        return tree_map(keep, out) if copies else out
+
+    @staticmethod
+    def of(copy: torch.Tensor, owner: Owner | None, source: DetachedCopy | None = None) -> DetachedCopy:
+        with _plain():
+            out = copy.as_subclass(DetachedCopy)
+        out._offload_owner = owner if source is None else source._offload_owner
+        out._offload_root = out if source is None else source._offload_root
+        return out
+
+    def _write_back(self) -> None:
+        owner, root = self._offload_owner, self._offload_root
+        if owner is None or owner_of_param(owner.slot.param) is None:
+            return  # the model was unwrapped since: the copy is all there is
+        with _plain():
+            value = root.as_subclass(torch.Tensor).detach()
+            if value.shape != owner.slot.shape:
+                return
+        with torch.no_grad():
+            owner.slot.param.copy_(value)
+
+    def __reduce_ex__(self, protocol):
+        with _plain():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        with _plain():
+            return self.as_subclass(torch.Tensor).__deepcopy__(memo)
