@@ -1,5 +1,10 @@
 """What a model holds, by name, wherever its bytes rest: the parameters (with their tied
-aliases) and persistent buffers, and for a wrapped model the parameter group holding each."""
+aliases) and persistent buffers, and for a parameter of a wrapped model the group holding it.
+
+The model may be wrapped itself or contain wrapped modules (a PeftModel around a wrapped
+base, a wrapped model inside the user's own module): names are always the given module's
+own, so parameters added after ``wrap`` (LoRA adapters) and modules moved since (PEFT's
+``base_layer``) are named as that module names them."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..params._manager import ParamManager, _managers
+from ..params import ParamManager, owner_of
 
 __all__ = ["Tensorish", "Catalog", "catalog"]
 
@@ -26,6 +31,7 @@ class Tensorish:
     tensor: torch.Tensor  # the live parameter (a placeholder when offloaded) or buffer
     group: Any = None  # ParamGroup of a wrapped parameter
     slot: Any = None  # its ParamSlot
+    manager: Any = None  # the ParamManager of its wrapped model
 
     @property
     def names(self) -> list[str]:
@@ -42,13 +48,24 @@ class Tensorish:
 @dataclass
 class Catalog:
     model: nn.Module
-    manager: ParamManager | None
+    managers: list[ParamManager] = field(default_factory=list)  # the wrapped models inside, in order
     params: list[Tensorish] = field(default_factory=list)
     buffers: list[Tensorish] = field(default_factory=list)
     by_id: dict[int, Tensorish] = field(default_factory=dict)
 
+    @property
+    def manager(self) -> ParamManager | None:
+        """The first wrapped model's manager (its pool, engine settings and config serve the
+        streaming); None when nothing is wrapped."""
+        return self.managers[0] if self.managers else None
+
     def all(self) -> list[Tensorish]:
         return self.params + self.buffers
+
+    def groups(self) -> list[tuple[ParamManager, Any]]:
+        """(manager, group) of every wrapped group holding a parameter of the model."""
+        held = {id(t.group) for t in self.params if t.group is not None}
+        return [(m, g) for m in self.managers for g in m.groups if id(g) in held]
 
     def param_name(self, p: torch.Tensor) -> str | None:
         t = self.by_id.get(id(p))
@@ -56,24 +73,25 @@ class Catalog:
 
 
 def catalog(model: nn.Module) -> Catalog:
-    manager = _managers.get(model)
-    cat = Catalog(model, manager)
-    if manager is not None:
-        for group in manager.groups:
-            for slot in group.slots:
-                t = Tensorish(slot.names[0], list(slot.names[1:]), "param", slot.dtype, tuple(slot.shape),
-                              slot.param, group, slot)
-                cat.params.append(t)
-                cat.by_id[id(slot.param)] = t
-    else:
-        for name, p in model.named_parameters(remove_duplicate=False):
-            t = cat.by_id.get(id(p))
-            if t is not None:
-                t.aliases.append(name)
-                continue
+    cat = Catalog(model)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        t = cat.by_id.get(id(p))
+        if t is not None:
+            t.aliases.append(name)
+            continue
+        found = owner_of(p)
+        if found is None:
             t = Tensorish(name, [], "param", p.dtype, tuple(p.shape), p)
-            cat.params.append(t)
-            cat.by_id[id(p)] = t
+        else:
+            manager, group, slot = found
+            t = Tensorish(name, [], "param", slot.dtype, tuple(slot.shape), p, group, slot, manager)
+            if manager not in cat.managers:
+                cat.managers.append(manager)
+        cat.params.append(t)
+        cat.by_id[id(p)] = t
+    if len(cat.managers) > 1 and any(m.partition is not None for m in cat.managers):
+        raise ValueError("the module holds several wrapped models partitioned over ranks: save or load each "
+                         "wrapped model on its own")
     seen: dict[int, Tensorish] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, buf in module._buffers.items():

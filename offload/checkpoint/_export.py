@@ -178,7 +178,7 @@ def _stream(cat, tensors: list[Tensorish], where: dict, fds: list[int], lead: bo
             group = t.group
             buf = pool.acquire(group.nbytes)
             try:
-                manager.store.read_into(group.key, buf.bytes).wait()
+                t.manager.store.read_into(group.key, buf.bytes).wait()
                 for member in members.pop(id(group)):
                     slot = member.slot
                     if not slot.count:

@@ -205,9 +205,8 @@ def _model_items(manifest: dict, cat: Catalog) -> list[ReadItem]:
             by_group.setdefault(id(t.group), []).append((t, entries))
         else:
             loose.append((t, entries))
-    if cat.manager is not None:
-        for group in cat.manager.groups:
-            items.append(_group_item(cat, group, by_group.get(id(group), [])))
+    for manager, group in cat.groups():
+        items.append(_group_item(manager, group, by_group.get(id(group), [])))
     for t, entries in loose:
         for entry in entries:
             def consume(data: torch.Tensor, t=t, entry=entry) -> None:
@@ -224,7 +223,7 @@ def _model_items(manifest: dict, cat: Catalog) -> list[ReadItem]:
     return items
 
 
-def _group_item(cat: Catalog, group: Any, members: list[tuple[Tensorish, list[dict]]]) -> ReadItem:
+def _group_item(manager: Any, group: Any, members: list[tuple[Tensorish, list[dict]]]) -> ReadItem:
     """The group's flat buffer (with several ranks, this rank's slice of it): each saved
     piece of the same dtype that lies within the elements the slot holds is read straight
     into place (one read when the layout matches the saved one); others (another dtype, or
@@ -249,22 +248,32 @@ def _group_item(cat: Catalog, group: Any, members: list[tuple[Tensorish, list[di
             checks.append((entry, at))
             copies.append((t, entry, at, a, b))
             extra = -(-(at + entry["length"]) // ALIGN) * ALIGN
-    manager = cat.manager
+    # parameters of the group that the given module does not hold (it is part of a wrapped
+    # model) keep their bytes: read in place, or copied from the group's current bytes
+    loaded = {id(t.slot) for t, _ in members}
+    kept = [slot for slot in group.slots if id(slot) not in loaded and slot.count]
 
     def consume(data: torch.Tensor) -> None:
+        if kept:
+            current = manager.group_bytes(group)
+            for slot in kept:
+                begin, end = slot.held
+                data[begin: end].copy_(current[begin: end])
         for t, entry, at, a, b in copies:
             s, e = _span(entry)
             source = _as_tensor(data[at: at + entry["length"]], dtype_of(entry["dtype"]), (e - s,))
             begin, end = t.slot.elements(a, b - a)
             data[begin: end].view(t.dtype).copy_(source[a - s: b - s])
         manager.write_group(group, data[: group.nbytes])
+        manager.params_changed(group)
 
     def in_place() -> Any:
         if not group.resident:
             manager.coordinator.forget(group.whole or group)
+        manager.params_changed(group)  # (before the bytes land: the load of the optimizer comes after)
         return manager.store.overwrite_in_place(group.key)
 
-    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=None if copies else in_place)
+    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=None if copies or kept else in_place)
 
 
 def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
@@ -356,6 +365,7 @@ def _offload_optimizer_items(opt: OffloadOptimizer, plan: dict) -> list[ReadItem
 
 def _finish_offload_optimizer(opt: OffloadOptimizer, plan: dict) -> None:
     opt._interrupted = None  # a step stopped half way is undone by the load
+    opt.forget_param_writes()  # its master rows came with the weights
     for shard in opt._shards:
         shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
         for seg in shard.segments:

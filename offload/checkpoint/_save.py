@@ -107,7 +107,7 @@ def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for t in cat.all():
         if t.group is not None:
             if cache is None or cache[0] is not t.group:  # (several ranks: gathered, a collective)
-                cache = (t.group, cat.manager.whole_bytes(t.group))
+                cache = (t.group, t.manager.whole_bytes(t.group))
             slot = t.slot.whole or t.slot
             raw = cache[1][slot.offset: slot.offset + slot.nbytes]
             value = raw.view(t.dtype).reshape(t.shape).clone() if slot.nbytes else \
@@ -132,20 +132,17 @@ def _entry(name: str, t: Tensorish | None = None, **fields: Any) -> dict:
 
 def _model_blobs(cat: Catalog) -> list[Blob]:
     blobs: list[Blob] = []
-    loose: list[Tensorish] = []
-    if cat.manager is not None:
-        store = cat.manager.store
-        by_group: dict[int, list[Tensorish]] = {}
-        for t in cat.params:
+    by_group: dict[int, list[Tensorish]] = {}
+    for t in cat.params:
+        if t.group is not None:
             by_group.setdefault(id(t.group), []).append(t)
-        for group in cat.manager.groups:
-            pieces = [_slot_piece(t) for t in by_group[id(group)] if t.slot.count or not t.slot.nbytes]
-            blobs.append(Blob("model.bin", group.nbytes,
-                              lambda dest, key=group.key: store.read_into(key, dest), pieces,
-                              borrow=lambda key=group.key: store.borrow_host(key)))
-    else:
-        loose += cat.params
-    loose += cat.buffers
+    for manager, group in cat.groups():
+        store = manager.store
+        pieces = [_slot_piece(t) for t in by_group[id(group)] if t.slot.count or not t.slot.nbytes]
+        blobs.append(Blob("model.bin", group.nbytes,
+                          lambda dest, key=group.key, store=store: store.read_into(key, dest), pieces,
+                          borrow=lambda key=group.key, store=store: store.borrow_host(key)))
+    loose = [t for t in cat.params if t.group is None] + cat.buffers
     blobs += _packed("model.bin", [(t, _entry(t.name, t)) for t in loose])
     return blobs
 

@@ -216,6 +216,10 @@ class OffloadOptimizer(Optimizer):
         self._hooked: dict[int, Any] = {}  # id -> owner_of() of the wrapped parameters whose gradients come to us
         self._buckets: dict[int, _Bucket] = {}  # several ranks: groups being gathered for reduction
         self._callback_queued = False
+        # parameter groups written outside the optimizer since the master rows were made
+        # (load_state_dict, p.copy_(...)): their master rows are refreshed before next use
+        self._written_groups: set[int] = set()
+        self._listening: set[int] = set()  # ids of the managers that report such writes to us
         self._drain_pool: ThreadPoolExecutor | None = None
         self._drains: list[Future] = []
         self._d2h_streams: dict[torch.device, Any] = {}
@@ -256,6 +260,9 @@ class OffloadOptimizer(Optimizer):
             owner = _owner_of(p)
             if owner is not None:
                 managers.add(owner[0])
+                if id(owner[0]) not in self._listening:
+                    self._listening.add(id(owner[0]))
+                    owner[0].on_params_written(self._params_written)
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
                     self._hooked[id(p)] = owner
@@ -627,7 +634,10 @@ class OffloadOptimizer(Optimizer):
                              "the same OffloadConfig")
 
     def _ensure_layout(self) -> None:
-        """Lay out (once) the parameters not laid out yet and store their initial states."""
+        """Lay out (once) the parameters not laid out yet and store their initial states;
+        refresh the master rows of groups written outside the optimizer."""
+        if self._written_groups:
+            self._refresh_masters()
         todo: list[tuple[int, torch.Tensor, Any]] = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -661,6 +671,29 @@ class OffloadOptimizer(Optimizer):
         self._shards.extend(new)
         for _, p, _ in todo:
             self._laid_out.add(id(p))
+
+    def _params_written(self, group: Any) -> None:
+        self._written_groups.add(id(group))
+
+    def _refresh_masters(self) -> None:
+        """Master rows of parameter groups written outside the optimizer take the new values
+        (as a torch optimizer, which has no master copy, would compute from them)."""
+        written, self._written_groups = self._written_groups, set()
+        for shard in self._shards:
+            if not shard.master or not shard.wrapped:
+                continue
+            segs = [seg for seg in shard.segments if id(seg.owner[1].whole or seg.owner[1]) in written]
+            if not segs:
+                continue
+            rows = self._read_state(shard)
+            for seg in segs:
+                rows[0, seg.offset: seg.offset + seg.length].copy_(self._current_values(seg))
+            self._write_state(shard, rows)
+
+    def forget_param_writes(self) -> None:
+        """The master rows were just loaded (a checkpoint): writes to the parameters before
+        that are superseded."""
+        self._written_groups.clear()
 
     def _plan_grad_room(self, wrapped: list) -> None:
         """How many gradient bytes of the parameters being laid out may rest in host memory,

@@ -48,7 +48,7 @@ class DemandAccess:
         self._listeners: list[weakref.WeakMethod] = []
         self._params: list[nn.Parameter] = []
         self._handles: list[Any] = []
-        coordinator.on_change = self._changed
+        coordinator.on_change = self._drop_snapshots  # the optimizer or a load replaces a group
 
     # -- attach / detach -------------------------------------------------------------------
     def attach(self, model: nn.Module, groups: list[ParamGroup]) -> None:
@@ -103,15 +103,20 @@ class DemandAccess:
         """The caller changed ``group``'s materialized bytes in place."""
         if not group.resident and not self.coordinator.zero_copy:  # (a mapped view is the home copy)
             self.coordinator.store.mark_dirty(group.key, Tier.DEVICE)
-        self._changed(group)
+        self.notify(group)
 
     def on_write(self, callback: Callable[[ParamGroup], None]) -> None:
         """Call ``callback(group)`` (a bound method, held weakly) after a write outside the
         optimizer changes a group's parameters."""
         self._listeners.append(weakref.WeakMethod(callback))
 
-    def _changed(self, group: ParamGroup) -> None:
-        self.snapshots, self._snapshot_group = (None, None) if self.snapshots is None else ({}, None)
+    def _drop_snapshots(self, group: ParamGroup | None = None) -> None:
+        if self.snapshots is not None:
+            self.snapshots, self._snapshot_group = {}, None
+
+    def notify(self, group: ParamGroup) -> None:
+        """Tell the listeners (optimizers with master copies) that ``group`` was written."""
+        self._drop_snapshots()
         alive = []
         for ref in self._listeners:
             callback = ref()
@@ -123,19 +128,21 @@ class DemandAccess:
     # -- model.load_state_dict(): a group fetched once for all its parameters ----------------
     def keep_for_batch(self, group: ParamGroup) -> bool:
         """Within load_state_dict, keep the group just written for the parameters after it
-        (their writes would fetch it again); the previous one is released."""
+        (their writes would fetch it again), until another group is fetched."""
         if not self._batch_open:
             return False
-        if self._batch_group is not None and self._batch_group is not group:
-            self.release(self._batch_group)
+        self.drop_batch_group()
         self._batch_group = group
         return True
 
-    def _end_batch(self) -> None:
-        self._batch_open = False
+    def drop_batch_group(self) -> None:
         if self._batch_group is not None:
             group, self._batch_group = self._batch_group, None
             self.release(group)
+
+    def _end_batch(self) -> None:
+        self._batch_open = False
+        self.drop_batch_group()
 
     def _load_pre(self, module, state_dict, prefix, local_metadata, *args) -> None:
         if local_metadata.get("assign_to_params_buffers"):

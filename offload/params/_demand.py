@@ -68,7 +68,9 @@ _NO_DATA |= {getattr(torch.Tensor, name) for name in (
     "size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "is_signed", "get_device",
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
     "__len__", "nelement", "ndimension", "is_pinned", "is_shared", "_is_view")}
+_NO_DATA |= {torch._has_compatible_shallow_copy_type}
 _SET_DATA = _T.data.__set__
+_REPR = torch.Tensor.__repr__
 _DETACH = _T.detach
 _INPLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                    "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
@@ -223,7 +225,7 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
     missing = [o for o in _unique(found) if not o.access.materialized(o.group)]
     if not written and not missing and kind is not _Kind.SET_DATA:
         with _plain():
-            return func(*args, **kwargs)
+            return _call(func, args, kwargs)
     first = written[0] if written else found[0]
     if kind is _Kind.REFUSED:
         raise RuntimeError(
@@ -244,6 +246,7 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: lis
     keep: set[int] = set()
     try:
         for owner in missing:
+            owner.access.drop_batch_group()  # (load_state_dict: the previous group is done)
             owner.access.acquire(owner.group)
             held.append(owner)
         buffers = {o.access.buffer_address(o.group): o for o in held}
@@ -252,7 +255,7 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: lis
                 args = (args[0].detach().clone(),) + tuple(args[1:])
         accessor = (written or held)[0].access
         with accessor.saving(), _plain():
-            out = func(*args, **kwargs)
+            out = _call(func, args, kwargs)
         for owner in _unique(written):
             owner.access.written(owner.group)
             if owner in held and owner.access.keep_for_batch(owner.group):
@@ -262,6 +265,13 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: lis
         for owner in reversed(held):
             if id(owner) not in keep:
                 owner.access.release(owner.group)
+
+
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func is _REPR:  # printed like the tensor it stands for, not as a subclass
+        t = args[0]
+        return _REPR(torch.Tensor._make_subclass(torch.Tensor, t.detach(), t.requires_grad), **kwargs)
+    return func(*args, **kwargs)
 
 
 def _copies_of_aliases(out: Any, buffers: dict[int, Owner]) -> Any:
@@ -282,8 +292,8 @@ def _written(kind: _Kind, func: Any, args: tuple, kwargs: dict) -> list[Owner]:
     """The managed parameters an in-place call writes: its first argument (a list of them for
     ``torch._foreach_*_``), or its ``out=``."""
     targets: list[Any] = []
-    if kind is _Kind.WRITE and args:
-        first = args[0]
+    if kind is _Kind.WRITE:  # (nn.init passes its tensor by keyword)
+        first = args[0] if args else next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
         targets += list(first) if type(first) in (list, tuple) else [first]
     out = kwargs.get("out")
     if out is not None:
@@ -327,7 +337,7 @@ def _returns_itself(func: Any, args: tuple, kwargs: dict) -> bool:
         target = torch.device("cuda", torch.cuda.current_device()) if index is None else torch.device(
             index if not isinstance(index, int) else f"cuda:{index}")
         return target.index in (None, device.index) and "memory_format" not in kwargs
-    if kwargs.get("copy") or (len(args) > 3 and args[3] is True):
+    if kwargs.get("copy") or any(a is True for a in args[3:]):  # (non_blocking=True reads as copy: fetched)
         return False
     try:
         to_device, to_dtype, _, memory_format = torch._C._nn._parse_to(
@@ -391,7 +401,7 @@ class DetachedCopy(torch.Tensor):
                     with _plain():
                         copies[a.untyped_storage().data_ptr()] = a
         if kind is _Kind.WRITE or kwargs.get("out") is not None:
-            target = kwargs.get("out", args[0] if args else None)
+            target = kwargs.get("out", args[0] if args else kwargs.get("tensor", kwargs.get("input")))
             for t in (target if type(target) in (list, tuple) else [target]):
                 if type(t) is cls:
                     t._write_back()
@@ -427,6 +437,10 @@ class DetachedCopy(torch.Tensor):
     def __reduce_ex__(self, protocol):
         with _plain():
             return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __repr__(self, *, tensor_contents=None):
+        with _plain():
+            return repr(self.as_subclass(torch.Tensor))
 
     def __deepcopy__(self, memo):
         with _plain():

@@ -127,6 +127,11 @@ class ParamManager:
         group (the whole group, with several ranks)."""
         self.access.on_write(callback)
 
+    def params_changed(self, group: ParamGroup) -> None:
+        """``group``'s parameters were replaced by a caller other than the optimizer (a
+        checkpoint load): optimizers keeping master copies refresh them."""
+        self.access.notify(group.whole or group)
+
     def write_group(self, group: ParamGroup, data: torch.Tensor) -> None:
         """Replace ``group``'s bytes (host uint8 ``data``) with new values, e.g. after an
         optimizer step; the old copies on the device are dropped."""
