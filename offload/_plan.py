@@ -124,7 +124,7 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     With several ranks (``config.world_size``, or an initialised torch.distributed) it is
     the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
     bytes of padding) and the whole groups gathered on the device while in use."""
-    from .params._groups import build_groups
+    from .params import device_layout
 
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
@@ -136,25 +136,23 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    small = 0 if config.param_tier == "device" or world > 1 else config.resident_bytes
-    groups, _ = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes, resident_bytes=small)
+    layout = device_layout(model, config, partitioned=world > 1, check=False)
+    groups = layout.groups
     if world > 1:
         from .distributed import Partition, slice_groups
 
         groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
-    elif config.param_tier == "device":
-        for group in groups:
-            group.resident = True
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
     return plan_groups(groups, config, optimizer=kind, ram_credit=host_param_bytes(model) // world,
-                       world=world)
+                       world=world, room=layout.room(config.device_budget))
 
 
 def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
-                ram_credit: int = 0, world: int = 1) -> MemoryPlan:
+                ram_credit: int = 0, world: int = 1, room: int | None = None) -> MemoryPlan:
     """The plan for parameter groups already built (``wrap`` calls this); with ``world``
-    ranks, ``groups`` are this rank's slices."""
+    ranks, ``groups`` are this rank's slices. ``room``: what the device budget leaves for
+    the prefetch window (offload.params.device_layout)."""
     p = MemoryPlan(config=config, ram_credit=ram_credit, world=world)
     cuda = config.torch_device.type == "cuda"
     resident = sum(g.nbytes for g in groups if g.resident)
@@ -162,7 +160,9 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
     total = resident + sum(streamed)
     largest = max(streamed, default=0)
     median = sorted(streamed)[len(streamed) // 2] if streamed else 0
-    window = config.prefetch_limit(largest, median) if streamed else 0
+    if room is None:
+        room = max(0, config.device_budget - largest)
+    window = config.prefetch_limit(room, median) if streamed else 0
 
     # -- parameters ----------------------------------------------------------------------
     if resident:

@@ -43,17 +43,22 @@ class OffloadConfig:
         device_budget: most bytes of managed parameters on the device at once, prefetch included.
         host_budget: most bytes of host buffers (pinned on CUDA) the runtime may hold.
         prefetch_bytes: bytes fetched ahead of use; ``"auto"``: four median-sized groups,
-            between 64 and 256 MiB, within the device budget less the largest group.
+            between 64 and 256 MiB, within what the device budget leaves after the resident
+            parameters and the groups a pass holds at once.
         compute_dtype: run parameters in this dtype (``"bf16"``, ``"fp16"``, ``"fp32"``);
             ``None`` keeps the model's.
         resident_bytes: parameters of a module below this stay on the device, counted in
-            the device budget (norms, biases).
+            the device budget (norms, biases). ``"auto"`` (default): 64 KiB, lowered as far as
+            needed for the device budget to hold them and the groups in use at once; a value
+            set explicitly is kept (and refused when the budget cannot hold it).
         group_bytes: consecutive modules are merged into one parameter group up to this size
             (fewer, larger transfers); 0 (default) keeps one group per module, which read
             fewer bytes per token in the inference benchmark (docs/benchmarks.md).
         cache_bytes: device bytes that keep parameter groups resident across passes (the
             most used first), so they are not read again every step or token; ``"auto"``:
-            what the device budget leaves after the prefetch window and the largest group.
+            what the device budget leaves after the resident parameters, the groups in use
+            at once and the prefetch window. A value set explicitly must fit next to the
+            first two.
         io: where the file engine's settings come from when ``block_size``, ``io_threads``
             or ``queue_depth`` is not given: ``"auto"`` (default) reads the profile that
             ``offload-profile --path DIR`` cached for ``nvme_path`` (DIR is ``nvme_path`` or
@@ -91,7 +96,7 @@ class OffloadConfig:
     host_budget: int | str = "16GiB"
     prefetch_bytes: int | str = "auto"
     compute_dtype: str | None = None
-    resident_bytes: int | str = "64KiB"
+    resident_bytes: int | str = "auto"
     group_bytes: int | str = 0
     cache_bytes: int | str = "auto"
     io: str = "auto"
@@ -113,7 +118,8 @@ class OffloadConfig:
             set_(name, parse_size(getattr(self, name), name=name))
         if self.block_size is not None:
             set_("block_size", parse_size(self.block_size, name="block_size"))
-        set_("resident_bytes", parse_size(self.resident_bytes, name="resident_bytes", allow_zero=True))
+        if self.resident_bytes != "auto":
+            set_("resident_bytes", parse_size(self.resident_bytes, name="resident_bytes", allow_zero=True))
         set_("group_bytes", parse_size(self.group_bytes, name="group_bytes", allow_zero=True))
         if self.prefetch_bytes != "auto":
             set_("prefetch_bytes", parse_size(self.prefetch_bytes, name="prefetch_bytes", allow_zero=True))
@@ -232,19 +238,19 @@ class OffloadConfig:
     def dtype(self) -> torch.dtype | None:
         return None if self.compute_dtype is None else _DTYPES[str(self.compute_dtype).lower()]
 
-    def prefetch_limit(self, largest_group: int = 0, typical_group: int = 0) -> int:
-        """Bytes the prefetcher may have in flight or resident ahead of use.
+    def prefetch_limit(self, room: int, typical_group: int = 0) -> int:
+        """Bytes the prefetcher may have in flight or resident ahead of use, given the
+        ``room`` the device budget leaves after what a pass holds at once.
 
         ``"auto"``: four typical (median) groups, at least 64 MiB and at most 256 MiB, and
-        never more than the device budget less the largest group (the one in use). Enough
-        to keep the disk's queue full; what the budget leaves beyond it keeps groups
-        resident across passes, which reads fewer bytes per step (docs/benchmarks.md: a 64
-        MiB window generated 1.2 tok/s where 256 MiB gave 0.9).
+        never more than ``room``. Enough to keep the disk's queue full; what the budget
+        leaves beyond it keeps groups resident across passes, which reads fewer bytes per
+        step (docs/benchmarks.md: a 64 MiB window generated 1.2 tok/s where 256 MiB gave 0.9).
         """
         if self.prefetch_bytes != "auto":
             return int(self.prefetch_bytes)
         window = min(max(4 * typical_group, _AUTO_WINDOW_MIN), _AUTO_WINDOW_MAX)
-        return max(0, min(window, self.device_budget - largest_group))
+        return max(0, min(window, room))
 
     def replace(self, **changes: Any) -> OffloadConfig:
         """A copy with ``changes``; engine settings that were not given are resolved again

@@ -63,7 +63,7 @@ class Coordinator:
     def __init__(self, store: TensorStore, groups: list[ParamGroup], *, device: torch.device,
                  prefetch_limit: int, device_budget: int, cache_bytes: int | str = 0,
                  events: list | None = None, zero_copy: bool = False, partition: Any = None,
-                 home: Tier | None = None):
+                 home: Tier | None = None, layout: Any = None):
         self.store, self.device = store, device
         # several ranks (offload.distributed): the store holds this rank's slice of each group
         # (key = the group's key); materializing all-gathers the whole group into a device
@@ -79,6 +79,9 @@ class Coordinator:
         self.groups = [g for g in groups if not g.resident]
         self.prefetch_limit, self.device_budget = prefetch_limit, device_budget
         self.cache_bytes = cache_bytes
+        # what a pass needs besides the cache and the prefetch window: the resident groups
+        # and the most groups held at once (offload.params._sizing.DeviceLayout)
+        self.layout = layout
         self.cached: dict[ParamGroup, bool] = {}  # kept resident across passes -> loaded yet
         self.events = events  # when a list, every fetch/acquire/release is appended
         self.tracer: Any = None  # an offload._trace.Tracer: compute and stall spans
@@ -137,25 +140,25 @@ class Coordinator:
     def _choose_cached(self, trace: list[ParamGroup]) -> None:
         """Pick the groups to keep resident across passes: most uses per pass first (a tied
         embedding is used twice), then the largest, within the cache budget. Whatever is
-        left streams; room stays for the prefetch window and the largest streamed group."""
+        left streams; room stays for what a pass holds at once besides the cached groups
+        and, with ``cache_bytes="auto"``, the prefetch window."""
         uses: dict[ParamGroup, int] = {}
         for group in trace:
             uses[group] = uses.get(group, 0) + 1
         candidates = sorted(uses, key=lambda g: (-uses[g], -g.nbytes))
-        by_size = sorted(uses, key=lambda g: -g.nbytes)  # streamed groups, largest first
+        device = self.store.tiers[Tier.DEVICE]
         chosen: list[ParamGroup] = []
         total = 0
         for group in candidates:
-            rest = next((g.nbytes for g in by_size if g is not group), 0)  # largest left streaming
+            size = device.slot_size(group.nbytes)
+            reserve = self.layout.need_with_cached(chosen + [group]) if self.layout is not None else 0
             if self.cache_bytes == "auto":
-                fits = total + group.nbytes + self.prefetch_limit + rest <= self.device_budget
+                fits = total + size + self.prefetch_limit + reserve <= self.device_budget
             else:
-                fits = total + group.nbytes <= self.cache_bytes and \
-                    total + group.nbytes + rest <= self.device_budget
+                fits = total + size <= self.cache_bytes and total + size + reserve <= self.device_budget
             if fits:
                 chosen.append(group)
-                by_size.remove(group)
-                total += group.nbytes
+                total += size
         self.cached = {g: False for g in chosen}
         if chosen:
             log.info("keeping %d parameter groups (%.1f MiB) resident across passes", len(chosen),

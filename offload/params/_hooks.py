@@ -73,6 +73,7 @@ class ModuleHooks:
         self._handles: list[Any] = []
         self._saved_hooks: list[Any] = []
         self._open_forwards: list[tuple[int, bool]] = []  # (call depth, pushed saved hooks)
+        self._calls: list[tuple[list, bool]] = []  # modules running with grad: (groups, inputs need grad)
         self._backward_queued = False
         self._backward_task: int | None = None
         # groups fetched in backward for an op whose module's hooks did not fetch them (a
@@ -101,6 +102,7 @@ class ModuleHooks:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         self._open_forwards.clear()
+        self._calls.clear()
         self._node_holds.clear()
 
     def forward_open(self) -> bool:
@@ -140,6 +142,7 @@ class ModuleHooks:
                 self._saved_hooks.pop().__exit__(None, None, None)
             dropped = True
         if dropped and not self._open_forwards:
+            self._calls.clear()
             self.coordinator.abandon_forward()
         if self._backward_queued and graph_task() != self._backward_task:
             self._backward_queued = False
@@ -199,12 +202,23 @@ class ModuleHooks:
             self.coordinator.acquire(group, "forward")
         if not torch.is_grad_enabled():
             return None
-        return self._wrap_inputs(groups, args, kwargs)
+        wrapped = self._wrap_inputs(groups, args, kwargs)
+        self._calls.append((groups, wrapped is not None))
+        return wrapped
 
     def _post_forward(self, groups: list[ParamGroup], output: Any) -> None:
         for group in groups:
             self.coordinator.release(group, "forward")
         if not torch.is_grad_enabled():
+            return
+        inputs_need_grad = True
+        if self._calls and self._calls[-1][0] is groups:
+            inputs_need_grad = self._calls.pop()[1]
+        if not inputs_need_grad:
+            # Note: no input needs a gradient (an embedding of token ids): nothing would mark
+            # the end of this module's backward, so the group would stay held to the end of
+            # the whole backward. Its backward needs the group only through saved tensors,
+            # which fetch it for their autograd node (_unpack).
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:

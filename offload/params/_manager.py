@@ -18,9 +18,10 @@ from ..io import BudgetError
 from ..store import MmapTier, Tier, TensorStore, create_store
 from ._access import DemandAccess
 from ._coordinator import Coordinator
-from ._groups import ParamGroup, ParamSlot, build_groups, point
+from ._groups import ParamGroup, ParamSlot, point
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
+from ._sizing import check_partitioned, device_layout
 
 __all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of", "owner_of"]
 
@@ -204,25 +205,23 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
             raise ValueError(f"parameters {meta[:5]}{'...' if len(meta) > 5 else ''} are on the meta "
                              "device: pass checkpoint=PATH so wrap() can load their values")
     # several ranks: every group is partitioned, none stays whole on the device
-    small = 0 if config.param_tier == "device" or partition is not None else config.resident_bytes
-    groups, needs = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
-                                 resident_bytes=small)
-    if config.param_tier == "device" and partition is None:
-        for group in groups:
-            group.resident = True
+    layout = device_layout(model, config, partitioned=partition is not None)
+    groups, needs = layout.groups, layout.needs
     mine = groups if partition is None else distributed.slice_groups(groups, partition)
-    _check_budgets(groups, config, mine)
+    if partition is not None:
+        check_partitioned(groups, config, mine)
     from .._plan import host_param_bytes, plan_groups
 
     memory_plan = plan_groups(mine, config, optimizer=None, ram_credit=host_param_bytes(model),
-                              world=partition.world if partition is not None else 1)
+                              world=partition.world if partition is not None else 1,
+                              room=layout.room(config.device_budget))
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
     nvme_bytes = _nvme_bytes(mine, config)
     store = _make_store(config, nvme_bytes)
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
-        largest, median = (streamed[-1], streamed[len(streamed) // 2]) if streamed else (0, 0)
+        median = streamed[len(streamed) // 2] if streamed else 0
         # views of the mapped files instead of copies: only where the tier's data stays in
         # the page cache (a view of an uncached page faults it in 4 KiB at a time: 0.08
         # tok/s cold against 1.8 for direct I/O, docs/benchmarks.md); else mmap copies
@@ -231,8 +230,9 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
             isinstance(nvme_tier, MmapTier) and sum(streamed) <= nvme_tier.cache_limit
         zero_copy = zero_copy and partition is None  # a gathered group is a copy anyway
         coordinator = Coordinator(store, groups, device=device,
-                                  prefetch_limit=config.prefetch_limit(largest, median),
+                                  prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes,
+                                  layout=layout,
                                   events=events, zero_copy=zero_copy, partition=partition,
                                   home=_HOME[config.param_tier])
         _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition)
@@ -390,46 +390,6 @@ def reset_peak_stats(model: nn.Module) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _check_budgets(groups: list[ParamGroup], config: OffloadConfig, mine: list[ParamGroup] | None = None) -> None:
-    """``mine``: with several ranks, this rank's slices of ``groups``: a group in use takes its
-    slice and the whole gathered group on the device; the host tier holds only slices."""
-    mine = groups if mine is None else mine
-    resident = sum(g.nbytes for g in groups if g.resident)
-    streamed = [g for g in groups if not g.resident]
-    largest = max(streamed, key=lambda g: g.nbytes, default=None)
-    need = resident + (largest.nbytes if largest else 0)
-    if mine is not groups:
-        slices = sum(g.nbytes for g in mine) if config.param_tier == "device" else \
-            max((g.nbytes for g in mine), default=0)
-        need += slices
-        if need > config.device_budget:
-            raise BudgetError(
-                f"device_budget {format_size(config.device_budget)} cannot hold parameter group "
-                f"{largest.key!r} gathered ({format_size(largest.nbytes)}) next to "
-                + ("this rank's slices of every group" if config.param_tier == "device" else "its slice")
-                + f" ({format_size(slices)}): set device_budget >= {format_size(need)}")
-        if config.param_tier == "host" and sum(g.nbytes for g in mine) > config.host_budget:
-            raise BudgetError(f"param_tier='host' needs {format_size(sum(g.nbytes for g in mine))} of host "
-                              f"memory on each rank but host_budget is {format_size(config.host_budget)}: "
-                              "raise host_budget or set param_tier='nvme'")
-        return
-    if need > config.device_budget:
-        if largest is not None and largest.nbytes + resident > config.device_budget:
-            raise BudgetError(
-                f"device_budget {format_size(config.device_budget)} cannot hold parameter group "
-                f"{largest.key!r} ({format_size(largest.nbytes)}) next to the "
-                f"{format_size(resident)} of parameters that stay resident: set device_budget >= "
-                f"{format_size(need)}")
-        raise BudgetError(f"device_budget {format_size(config.device_budget)} is below the "
-                          f"{format_size(resident)} of resident parameters")
-    if config.param_tier == "host":
-        total = sum(g.nbytes for g in streamed)
-        if total > config.host_budget:
-            raise BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but "
-                              f"host_budget is {format_size(config.host_budget)}: raise host_budget "
-                              "or set param_tier='nvme'")
-
-
 def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
     """The parameters the store will keep on NVMe (what io_backend="auto" weighs: whether
     an optimizer will add states is not known yet; one that does warns when they make an

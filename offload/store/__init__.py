@@ -19,8 +19,15 @@ from ._tiers import CudaTier, Done, FakeTier, HostMemoryTier, NvmeTier, TierBack
 __all__ = [
     "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted", "BudgetError",
     "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier", "Done",
-    "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier",
+    "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size",
 ]
+
+
+def device_slot_size(device: str | torch.device, nbytes: int) -> int:
+    """Bytes of device budget a tensor of ``nbytes`` takes on ``device``'s DEVICE tier (its
+    slots are rounded), for sizing before a store exists."""
+    align = CudaTier.SLOT_ALIGN if torch.device(device).type == "cuda" else HostMemoryTier.SLOT_ALIGN
+    return -(-max(nbytes, 1) // align) * align
 
 
 def create_store(*, device: str | torch.device = "cpu", device_budget: int | str = "4GiB",

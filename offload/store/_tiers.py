@@ -164,13 +164,14 @@ class HostMemoryTier(TierBackend):
     """
 
     addressable = True
+    SLOT_ALIGN = 4096  # pool buffers are whole pages
 
     def __init__(self, tier: Tier, pool: BufferPool):
         super().__init__(tier, pool.budget)
         self.pool = pool
 
     def slot_size(self, nbytes: int) -> int:
-        return round_up(max(nbytes, 1), 4096)
+        return round_up(max(nbytes, 1), self.SLOT_ALIGN)
 
     def allocate(self, nbytes: int) -> HostBuffer | None:
         buf = self.pool.try_acquire(nbytes)
@@ -256,6 +257,8 @@ class CudaTier(TierBackend):
     copy while compute kernels may still read it.
     """
 
+    SLOT_ALIGN = 512
+
     def __init__(self, device: torch.device, budget: int):
         super().__init__(Tier.DEVICE, budget)
         self.device = device
@@ -264,7 +267,7 @@ class CudaTier(TierBackend):
         self._watcher = _EventWatcher()
 
     def slot_size(self, nbytes: int) -> int:
-        return round_up(max(nbytes, 1), 512)
+        return round_up(max(nbytes, 1), self.SLOT_ALIGN)
 
     def allocate(self, nbytes: int) -> _CudaSlot | None:
         size = self.slot_size(nbytes)

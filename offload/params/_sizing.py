@@ -1,0 +1,205 @@
+"""How a wrapped model's parameters use the device budget: which groups stay resident, how
+many streamed bytes are held at once, and the refusals (with the budget that runs) when the
+budget cannot hold them.
+
+Note: held at once. A module's groups stay materialized while it runs, and its children run
+inside it, so the device holds, at a module, its groups and those of every module around it
+(a Mamba mixer's own ``A_log`` and ``D`` while ``in_proj`` loads; a tied ``lm_head`` needs the
+embedding's group). Each group is a slot of the device tier, rounded up (4 KiB pages on a
+CPU device, 512 bytes on CUDA). What the budget must hold is the resident groups plus the
+largest such nest; the prefetch window and the cache take only what is left.
+
+Note: defaults yield. ``resident_bytes="auto"`` (the default) keeps modules under 64 KiB on
+the device only as far as the budget allows: the largest resident groups are streamed
+instead until the rest fits. A value set explicitly is kept, and refused when it cannot fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .._units import format_size
+from ..config import OffloadConfig
+from ..io import BudgetError
+from ..store import device_slot_size
+from ._groups import ParamGroup, build_groups
+
+__all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned"]
+
+AUTO_RESIDENT = 64 << 10  # what resident_bytes="auto" starts from
+
+
+class Nests:
+    """The sets of streamed groups held at once (one per module: its groups and those of
+    the modules around it), in device bytes; what a pass needs when some groups are kept
+    on the device anyway (cached) and so need no room of their own."""
+
+    def __init__(self, sizes: dict[int, int]):
+        self.sizes = sizes  # id(group) -> device bytes
+        self.totals: list[int] = []
+        self.where: dict[int, list[int]] = {}  # id(group) -> the nests holding it
+        self.names: list[str] = []
+        self.members: list[frozenset[int]] = []
+
+    def add(self, name: str, groups: frozenset[int]) -> None:
+        index = len(self.totals)
+        self.totals.append(sum(self.sizes[g] for g in groups))
+        self.names.append(name or "<root>")
+        self.members.append(groups)
+        for g in groups:
+            self.where.setdefault(g, []).append(index)
+
+    def largest(self, cached: frozenset[int] = frozenset()) -> tuple[int, str]:
+        """The most bytes held at once besides the ``cached`` groups, and where."""
+        if not self.totals:
+            return 0, ""
+        totals = list(self.totals)
+        for g in cached:
+            for i in self.where.get(g, ()):
+                totals[i] -= self.sizes[g]
+        best = max(range(len(totals)), key=totals.__getitem__)
+        return totals[best], self.names[best]
+
+
+@dataclass
+class DeviceLayout:
+    """The groups of a model and what they take of the device budget."""
+
+    groups: list[ParamGroup]
+    needs: dict[nn.Module, list[ParamGroup]]
+    resident_bytes: int  # the threshold used: groups below it stay on the device
+    resident: int  # device bytes the resident groups take (rounded to the tier's slots)
+    held: int  # most device bytes of streamed groups in use at once (rounded)
+    held_at: str  # the module where that many are held
+    nests: Nests | None = None
+
+    def need_with_cached(self, cached: list[ParamGroup]) -> int:
+        """Device bytes a pass needs besides the ``cached`` groups (kept on the device)."""
+        if self.nests is None:
+            return self.resident + self.held
+        return self.resident + self.nests.largest(frozenset(id(g) for g in cached))[0]
+
+    @property
+    def need(self) -> int:
+        """Device bytes that must fit in the budget for a pass to run."""
+        return self.resident + self.held
+
+    def room(self, budget: int) -> int:
+        """What the budget leaves for the prefetch window and the cache."""
+        return max(0, budget - self.need)
+
+
+def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool = False,
+                  check: bool = True) -> DeviceLayout:
+    """The groups ``wrap`` makes of ``model`` under ``config``, with the resident threshold
+    chosen (``resident_bytes="auto"``) or checked (set explicitly) against the device budget.
+    With ``check`` a budget that cannot run is refused with the budget that would."""
+    fixed = config.param_tier == "device" or partitioned  # every group resident, or none
+    explicit = config.resident_bytes != "auto"
+    threshold = 0 if fixed else (int(config.resident_bytes) if explicit else AUTO_RESIDENT)
+    layout = _measure(model, config, threshold)
+    if not fixed and not explicit:
+        while layout.need > config.device_budget and layout.resident:
+            threshold = max(g.nbytes for g in layout.groups if g.resident)  # it and larger stream
+            layout = _measure(model, config, threshold)
+    if config.param_tier == "device" and not partitioned:
+        for group in layout.groups:
+            group.resident = True
+        layout.resident = sum(device_slot_size(config.device, g.nbytes) for g in layout.groups)
+        layout.held, layout.held_at = 0, ""
+    if check and not partitioned:
+        _check(model, config, layout, explicit)
+    return layout
+
+
+def _measure(model: nn.Module, config: OffloadConfig, threshold: int) -> DeviceLayout:
+    groups, needs = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
+                                 resident_bytes=threshold)
+    resident = sum(device_slot_size(config.device, g.nbytes) for g in groups if g.resident)
+    nests = _nests(model, needs, config)
+    held, where = nests.largest()
+    return DeviceLayout(groups, needs, threshold, resident, held, where, nests)
+
+
+def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], config: OffloadConfig) -> Nests:
+    """The streamed groups held at each module that adds some: its own and its enclosing modules'."""
+    nests = Nests({id(g): device_slot_size(config.device, g.nbytes)
+                   for groups in needs.values() for g in groups if not g.resident})
+
+    def visit(module: nn.Module, name: str, held: frozenset[int]) -> None:
+        new = {id(g) for g in needs.get(module, []) if not g.resident} - held
+        if new:
+            held = held | new
+            nests.add(name, held)
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, held)
+
+    visit(model, "", frozenset())
+    return nests
+
+
+def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool) -> None:
+    budget = config.device_budget
+    if config.param_tier == "device":
+        if layout.resident > budget:
+            raise BudgetError(f"param_tier='device' keeps every parameter on the device ({format_size(layout.resident)} "
+                              f"in the device tier's slots) but device_budget is {format_size(budget)}: set "
+                              f"device_budget >= {format_size(layout.resident)} or param_tier='host' or 'nvme'")
+    elif layout.need > budget:
+        held = _describe_held(layout, config)
+        if explicit and layout.resident:
+            least = _measure(model, config, 0).need
+            raise BudgetError(
+                f"device_budget {format_size(budget)} cannot hold the {format_size(layout.resident)} of parameters "
+                f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)}) and {held}: set "
+                f"device_budget >= {format_size(layout.need)}, or lower resident_bytes (with resident_bytes=0 "
+                f"or 'auto', device_budget >= {format_size(least)})")
+        raise BudgetError(f"device_budget {format_size(budget)} cannot hold {held}"
+                          + (f" next to {format_size(layout.resident)} of resident parameters" if layout.resident
+                             else "") + f": set device_budget >= {format_size(layout.need)}")
+    if config.param_tier == "host":
+        total = sum(g.nbytes for g in layout.groups if not g.resident)
+        if total > config.host_budget:
+            raise BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but host_budget is "
+                              f"{format_size(config.host_budget)}: raise host_budget or set param_tier='nvme'")
+    room = layout.room(budget)
+    if config.cache_bytes != "auto" and config.cache_bytes > room:
+        raise BudgetError(f"cache_bytes={format_size(config.cache_bytes)} does not fit: device_budget "
+                          f"{format_size(budget)} leaves {format_size(room)} after the {format_size(layout.need)} "
+                          "a pass holds at once: lower cache_bytes, leave it 'auto', or raise device_budget")
+
+
+def _describe_held(layout: DeviceLayout, config: OffloadConfig) -> str:
+    index = layout.nests.names.index(layout.held_at)
+    by_id = {id(g): g for g in layout.groups}
+    groups = [by_id[g] for g in layout.nests.members[index]]
+    raw = sum(g.nbytes for g in groups)
+    rounded = f"{format_size(layout.held)} in the device tier's slots" if layout.held != raw else ""
+    if len(groups) == 1:
+        return f"parameter group {groups[0].key!r} ({format_size(raw)}{'; ' + rounded if rounded else ''})"
+    keys = ", ".join(repr(g.key) for g in groups[:6]) + (", ..." if len(groups) > 6 else "")
+    return (f"the {format_size(raw)} of parameter groups in use at once in module {layout.held_at!r} "
+            f"(its own and those of the modules it runs inside: {keys}{'; ' + rounded if rounded else ''})")
+
+
+def check_partitioned(groups: list[ParamGroup], config: OffloadConfig, mine: list[ParamGroup]) -> None:
+    """Several ranks: a group in use takes its slice and the whole gathered group on the
+    device; the host tier holds only slices (``mine``)."""
+    streamed = [g for g in groups if not g.resident]
+    largest = max(streamed, key=lambda g: g.nbytes, default=None)
+    need = largest.nbytes if largest else 0
+    slices = sum(g.nbytes for g in mine) if config.param_tier == "device" else \
+        max((g.nbytes for g in mine), default=0)
+    need += slices
+    if need > config.device_budget:
+        raise BudgetError(
+            f"device_budget {format_size(config.device_budget)} cannot hold parameter group "
+            f"{largest.key!r} gathered ({format_size(largest.nbytes)}) next to "
+            + ("this rank's slices of every group" if config.param_tier == "device" else "its slice")
+            + f" ({format_size(slices)}): set device_budget >= {format_size(need)}")
+    if config.param_tier == "host" and sum(g.nbytes for g in mine) > config.host_budget:
+        raise BudgetError(f"param_tier='host' needs {format_size(sum(g.nbytes for g in mine))} of host memory on "
+                          f"each rank but host_budget is {format_size(config.host_budget)}: raise host_budget "
+                          "or set param_tier='nvme'")
