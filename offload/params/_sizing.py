@@ -153,9 +153,9 @@ def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explic
             least = _measure(model, config, 0).need
             raise BudgetError(
                 f"device_budget {format_size(budget)} cannot hold the {format_size(layout.resident)} of parameters "
-                f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)}) and {held}: set "
-                f"device_budget >= {format_size(layout.need)}, or lower resident_bytes (with resident_bytes=0 "
-                f"or 'auto', device_budget >= {format_size(least)})")
+                f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)})"
+                + (f" and {held}" if layout.held else "") + f": set device_budget >= {format_size(layout.need)}, "
+                f"or lower resident_bytes (with resident_bytes=0 or 'auto', device_budget >= {format_size(least)})")
         raise BudgetError(f"device_budget {format_size(budget)} cannot hold {held}"
                           + (f" next to {format_size(layout.resident)} of resident parameters" if layout.resident
                              else "") + f": set device_budget >= {format_size(layout.need)}")
@@ -172,6 +172,8 @@ def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explic
 
 
 def _describe_held(layout: DeviceLayout, config: OffloadConfig) -> str:
+    if not layout.held:
+        return "no streamed parameter group"
     index = layout.nests.names.index(layout.held_at)
     by_id = {id(g): g for g in layout.groups}
     groups = [by_id[g] for g in layout.nests.members[index]]
