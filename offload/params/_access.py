@@ -11,7 +11,6 @@ recorded order alone.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from typing import Any, Callable
@@ -57,10 +56,10 @@ class DemandAccess:
                 register(slot.param, Owner(self, group, slot))
                 self._params.append(slot.param)
         # (torch marks some hooks with an attribute, which a bound method cannot take)
-        self._handles += [model.register_state_dict_pre_hook(functools.partial(DemandAccess._state_dict_pre, self)),
-                          model.register_state_dict_post_hook(functools.partial(DemandAccess._state_dict_post, self)),
-                          model.register_load_state_dict_pre_hook(functools.partial(DemandAccess._load_pre, self)),
-                          model.register_load_state_dict_post_hook(functools.partial(DemandAccess._load_post, self))]
+        self._handles += [model.register_state_dict_pre_hook(lambda *a: self._state_dict_pre(*a)),
+                          model.register_state_dict_post_hook(lambda *a: self._state_dict_post(*a)),
+                          model.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
+                          model.register_load_state_dict_post_hook(lambda *a: self._load_post(*a))]
         _install_guard()
 
     def detach(self) -> None:

@@ -31,7 +31,6 @@ written home when dropped; optimizers that keep a master copy are told to refres
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -40,70 +39,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ._calls import DETACH, NO_DATA, REPR, SET_DATA, Kind, kind_of, returns_itself
 from ._groups import ParamGroup, ParamSlot
 
 __all__ = ["OffloadedParameter", "DetachedCopy", "Owner", "owner_of_param", "register", "unregister",
            "value_of"]
 
 _plain = torch._C.DisableTorchFunctionSubclass
-_T = torch._C.TensorBase
-
-
-class _Kind(enum.Enum):
-    META = "reads no element"  # shape, dtype, grad, hash ...
-    READ = "reads elements"
-    WRITE = "writes elements in place"
-    SET_DATA = "replaces .data"
-    CONVERT = "a conversion that may return the tensor itself"
-    ESCAPE = "hands out memory outside torch's view tracking"
-    REFUSED = "changes the parameter's metadata in place"
-
-
-_NO_DATA = {getattr(_T, name).__get__ for name in (
-    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim", "layout", "is_cuda",
-    "is_meta", "is_sparse", "is_quantized", "itemsize", "nbytes", "_version", "name", "output_nr", "is_cpu",
-    "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "is_nested", "_base")}
-_NO_DATA |= {_T.grad.__set__, _T.requires_grad.__set__, _T._backward_hooks.__set__}
-_NO_DATA |= {getattr(torch.Tensor, name) for name in (
-    "size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "is_signed", "get_device",
-    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-    "__len__", "nelement", "ndimension", "is_pinned", "is_shared", "_is_view")}
-_NO_DATA |= {torch._has_compatible_shallow_copy_type}
-_SET_DATA = _T.data.__set__
-_REPR = torch.Tensor.__repr__
-_DETACH = _T.detach
-_INPLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                   "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
-                   "__imatmul__"}
-_REFUSED = {"set_", "resize_", "resize_as_", "detach_", "share_memory_", "as_strided_", "t_", "transpose_",
-            "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_"}
-_CONVERT = {"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "contiguous"}
-_ESCAPE = {"numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage", "data_ptr"}
-_kinds: dict[Any, _Kind] = {}
-
-
-def _kind(func: Any) -> _Kind:
-    kind = _kinds.get(func)
-    if kind is None:
-        kind = _kinds[func] = _classify(func)
-    return kind
-
-
-def _classify(func: Any) -> _Kind:
-    if func in _NO_DATA:
-        return _Kind.META
-    if func == _SET_DATA:
-        return _Kind.SET_DATA
-    name = getattr(func, "__name__", "")
-    if name in _REFUSED:
-        return _Kind.REFUSED
-    if name in _CONVERT:
-        return _Kind.CONVERT
-    if name in _ESCAPE:
-        return _Kind.ESCAPE
-    if name in _INPLACE_DUNDER or (name.endswith("_") and not name.startswith("__")):
-        return _Kind.WRITE
-    return _Kind.READ
 
 
 @dataclass(eq=False)
@@ -134,7 +76,7 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if func not in _NO_DATA:
+        if func not in NO_DATA:
             found = _find(args, kwargs)
             if found:
                 return _serve(func, args, kwargs, found)
@@ -216,30 +158,31 @@ def _find(args: tuple, kwargs: dict) -> list[Owner] | None:
 
 
 def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
-    kind = _kind(func)
-    if kind is _Kind.CONVERT and _returns_itself(func, args, kwargs):
+    kind = kind_of(func)
+    if kind is Kind.CONVERT and owner_of_param(args[0] if args else None) is not None \
+            and returns_itself(func, args, kwargs):
         return args[0]
-    if func is _DETACH and found[0].access.snapshots is not None:  # model.state_dict() in progress
+    if func is DETACH and found[0].access.snapshots is not None:  # model.state_dict() in progress
         return found[0].access.snapshot(found[0])
     written = _written(kind, func, args, kwargs)
     missing = [o for o in _unique(found) if not o.access.materialized(o.group)]
-    if not written and not missing and kind is not _Kind.SET_DATA:
+    if not written and not missing and kind is not Kind.SET_DATA:
         with _plain():
             return _call(func, args, kwargs)
     first = written[0] if written else found[0]
-    if kind is _Kind.REFUSED:
+    if kind is Kind.REFUSED:
         raise RuntimeError(
             f"{getattr(func, '__name__', func)}() on offloaded parameter {first.name!r} (module {first.module!r}) "
             "would change its shape or storage in place, which its group in offload's tiers cannot follow: "
             "call offload.unwrap(model) first, or make a new tensor instead")
-    if kind is _Kind.SET_DATA:
+    if kind is Kind.SET_DATA:
         return _set_data(found[0], args[1])
     for owner in written:
         owner.access.check_writable(owner)
     return _run_fetched(func, args, kwargs, kind, missing, written)
 
 
-def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: list[Owner],
+def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list[Owner],
                  written: list[Owner]) -> Any:
     """Run ``func`` with the groups of ``missing`` fetched; mark those of ``written`` changed."""
     held: list[Owner] = []
@@ -250,7 +193,7 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: lis
             owner.access.acquire(owner.group)
             held.append(owner)
         buffers = {o.access.buffer_address(o.group): o for o in held}
-        if kind is _Kind.ESCAPE:  # the result would point into the group's buffer: use a copy
+        if kind is Kind.ESCAPE:  # the result would point into the group's buffer: use a copy
             with _plain():
                 args = (args[0].detach().clone(),) + tuple(args[1:])
         accessor = (written or held)[0].access
@@ -268,9 +211,9 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: _Kind, missing: lis
 
 
 def _call(func: Any, args: tuple, kwargs: dict) -> Any:
-    if func is _REPR:  # printed like the tensor it stands for, not as a subclass
+    if func is REPR:  # printed like the tensor it stands for, not as a subclass
         t = args[0]
-        return _REPR(torch.Tensor._make_subclass(torch.Tensor, t.detach(), t.requires_grad), **kwargs)
+        return REPR(torch.Tensor._make_subclass(torch.Tensor, t.detach(), t.requires_grad), **kwargs)
     return func(*args, **kwargs)
 
 
@@ -288,11 +231,11 @@ def _copies_of_aliases(out: Any, buffers: dict[int, Owner]) -> Any:
     return tree_map(fix, out)
 
 
-def _written(kind: _Kind, func: Any, args: tuple, kwargs: dict) -> list[Owner]:
+def _written(kind: Kind, func: Any, args: tuple, kwargs: dict) -> list[Owner]:
     """The managed parameters an in-place call writes: its first argument (a list of them for
     ``torch._foreach_*_``), or its ``out=``."""
     targets: list[Any] = []
-    if kind is _Kind.WRITE:  # (nn.init passes its tensor by keyword)
+    if kind is Kind.WRITE:  # (nn.init passes its tensor by keyword)
         first = args[0] if args else next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
         targets += list(first) if type(first) in (list, tuple) else [first]
     out = kwargs.get("out")
@@ -310,42 +253,6 @@ def _unique(owners: list[Owner]) -> list[Owner]:
             seen.add(id(owner.group))
             out.append(owner)
     return out
-
-
-def _returns_itself(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a conversion (``to``, ``float``, ``cpu``, ``contiguous`` ...) of a managed
-    parameter returns the parameter itself: same device and dtype (its real bytes are
-    contiguous). ``model.to(device)`` and ``model.float()`` then fetch nothing."""
-    if not args or owner_of_param(args[0]) is None:
-        return False
-    p = args[0]
-    with _plain():
-        dtype, device = p.dtype, p.device
-    name = func.__name__
-    if name == "contiguous":
-        return kwargs.get("memory_format", args[1] if len(args) > 1 else torch.contiguous_format) in \
-            (torch.contiguous_format, torch.preserve_format)
-    wanted = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
-    if name in wanted:
-        return wanted[name] == dtype and "memory_format" not in kwargs
-    if name == "cpu":
-        return device.type == "cpu" and "memory_format" not in kwargs
-    if name == "cuda":
-        if device.type != "cuda":
-            return False
-        index = kwargs.get("device", args[1] if len(args) > 1 else None)
-        target = torch.device("cuda", torch.cuda.current_device()) if index is None else torch.device(
-            index if not isinstance(index, int) else f"cuda:{index}")
-        return target.index in (None, device.index) and "memory_format" not in kwargs
-    if kwargs.get("copy") or any(a is True for a in args[3:]):  # (non_blocking=True reads as copy: fetched)
-        return False
-    try:
-        to_device, to_dtype, _, memory_format = torch._C._nn._parse_to(
-            *args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
-    except (TypeError, RuntimeError):
-        return False
-    same_device = to_device is None or (to_device.type == device.type and to_device.index in (None, device.index))
-    return same_device and to_dtype in (None, dtype) and memory_format in (None, torch.preserve_format)
 
 
 def _set_data(owner: Owner, value: Any) -> None:
@@ -367,7 +274,7 @@ def _set_data(owner: Owner, value: Any) -> None:
     owner.access.check_writable(owner)
     with torch.no_grad():
         missing = [] if owner.access.materialized(owner.group) else [owner]
-        _run_fetched(torch.Tensor.copy_, (param, value), {}, _Kind.WRITE, missing, [owner])
+        _run_fetched(torch.Tensor.copy_, (param, value), {}, Kind.WRITE, missing, [owner])
     return None
 
 
@@ -391,20 +298,20 @@ class DetachedCopy(torch.Tensor):
         # (torch calls the first overload among the arguments' classes: a managed parameter
         # beside a copy is fetched here)
         out = OffloadedParameter.__torch_function__(func, types, args, kwargs)
-        if func in _NO_DATA:
+        if func in NO_DATA:
             return out
-        kind = _kind(func)
+        kind = kind_of(func)
         copies = {}
         for values in (args, kwargs.values()):
             for a in values:
                 if type(a) is cls:
                     with _plain():
                         copies[a.untyped_storage().data_ptr()] = a
-        if kind is _Kind.WRITE or kwargs.get("out") is not None:
+        if kind is Kind.WRITE or kwargs.get("out") is not None:
             target = kwargs.get("out", args[0] if args else kwargs.get("tensor", kwargs.get("input")))
             for t in (target if type(target) in (list, tuple) else [target]):
                 if type(t) is cls:
-                    t._write_back()
+                    t.write_back()
 
         def keep(t: Any) -> Any:  # views of a copy stay copies of the same parameter
             if not isinstance(t, torch.Tensor) or type(t) is cls:
@@ -419,12 +326,12 @@ class DetachedCopy(torch.Tensor):
     def of(copy: torch.Tensor, owner: Owner | None, source: DetachedCopy | None = None) -> DetachedCopy:
         with _plain():
             out = copy.as_subclass(DetachedCopy)
-        out._offload_owner = owner if source is None else source._offload_owner
-        out._offload_root = out if source is None else source._offload_root
+        out.offload_owner = owner if source is None else source.offload_owner
+        out.offload_root = out if source is None else source.offload_root
         return out
 
-    def _write_back(self) -> None:
-        owner, root = self._offload_owner, self._offload_root
+    def write_back(self) -> None:
+        owner, root = self.offload_owner, self.offload_root
         if owner is None or owner_of_param(owner.slot.param) is None:
             return  # the model was unwrapped since: the copy is all there is
         with _plain():

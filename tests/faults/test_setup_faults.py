@@ -30,7 +30,7 @@ def _rss() -> int:
 # -- budgets ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("settings, match", [
     (dict(device_budget="16KiB"),
-     r"device_budget 16.00 KiB cannot hold parameter group '.*' \(.*\).*set device_budget >= "),
+     r"device_budget 16.00 KiB cannot hold .*parameter group '.*' \(.*\).*set device_budget >= "),
     (dict(param_tier="host", host_budget="64KiB"),
      r"param_tier='host' needs .* of host memory but host_budget is 64.00 KiB: raise host_budget or "
      r"set param_tier='nvme'"),
