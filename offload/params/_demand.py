@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._calls import DETACH, NO_DATA, REPR, SET_DATA, Kind, kind_of, returns_itself
 from ._groups import ParamGroup, ParamSlot
@@ -201,9 +201,10 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list
             out = _call(func, args, kwargs)
         for owner in _unique(written):
             owner.access.written(owner.group)
-            if owner in held and owner.access.keep_for_batch(owner.group):
-                keep.add(id(owner))
-        return _copies_of_aliases(out, buffers) if buffers else out
+            fetched = next((h for h in held if h.group is owner.group), None)
+            if fetched is not None and owner.access.keep_for_batch(owner.group):
+                keep.add(id(fetched))
+        return _copies_of_aliases(func, args, kwargs, out, buffers) if buffers else out
     finally:
         for owner in reversed(held):
             if id(owner) not in keep:
@@ -217,14 +218,32 @@ def _call(func: Any, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-def _copies_of_aliases(out: Any, buffers: dict[int, Owner]) -> Any:
-    def fix(t: Any) -> Any:
+def _copies_of_aliases(func: Any, args: tuple, kwargs: dict, out: Any, buffers: dict[int, Owner]) -> Any:
+    """``out`` with every tensor that views a fetched group's buffer replaced by a copy.
+
+    A view of the parameter itself (``p.detach()``, ``p.data``, ``p[0]``, ``p.T``) is made
+    again on a copy of the whole parameter, so an in-place change to it can be written back
+    (``DetachedCopy``); any other alias is copied on its own."""
+    def aliases(t: Any) -> bool:
         if not isinstance(t, torch.Tensor) or type(t) in _CLASSES:
+            return False
+        with _plain():
+            return t.untyped_storage().data_ptr() in buffers
+
+    flat = tree_flatten(out)[0]
+    if not any(aliases(t) for t in flat):
+        return out
+    first = owner_of_param(args[0]) if args else None
+    if first is not None and any(o is first or o.group is first.group for o in buffers.values()):
+        with _plain():
+            root = DetachedCopy.of(args[0].clone(), first)
+        out = DetachedCopy.__torch_function__(func, (DetachedCopy,), (root,) + tuple(args[1:]), kwargs)
+
+    def fix(t: Any) -> Any:
+        if not aliases(t):
             return t
         with _plain():
-            owner = buffers.get(t.untyped_storage().data_ptr())
-            if owner is None:
-                return t
+            owner = buffers[t.untyped_storage().data_ptr()]
             copy = t.clone()
         return DetachedCopy.of(copy, owner)
 
@@ -337,7 +356,11 @@ class DetachedCopy(torch.Tensor):
         with _plain():
             value = root.as_subclass(torch.Tensor).detach()
             if value.shape != owner.slot.shape:
-                return
+                raise RuntimeError(
+                    f"in-place write to a copy of part of offloaded parameter {owner.name!r} (module "
+                    f"{owner.module!r}): outside its module's forward, views of it are copies and this one "
+                    "cannot be written back. Write the parameter itself under torch.no_grad() "
+                    "(p[...] = value, p.copy_(...)) or use model.load_state_dict(...)")
         with torch.no_grad():
             owner.slot.param.copy_(value)
 

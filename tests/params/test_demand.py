@@ -126,6 +126,8 @@ def test_uses_between_passes_see_and_change_the_real_values(tmp_path, no_leaks):
                 m[0].bias.data += 1  # through .data: a copy that writes back
                 nn.init.constant_(m[1].bias, 0.5)  # nn.init passes the tensor by keyword
                 m[1].weight.data[0].zero_()  # a view of .data
+                m[1].weight[1].fill_(0.25)  # a view of the parameter itself
+                m[0].weight.T[2].mul_(0.5)  # a view of a view
                 m[1].weight.copy_(m[1].weight * 3)
         x = torch.randn(2, 16)
         torch.testing.assert_close(model(x), ref(x))
