@@ -25,6 +25,7 @@ class Kind(enum.Enum):
     SET_DATA = "replaces .data"
     CONVERT = "a conversion that may return the tensor itself"
     ESCAPE = "hands out memory outside torch's view tracking"
+    ADDRESS = "returns the address of the elements"
     REFUSED = "changes the parameter's metadata in place"
 
 
@@ -46,8 +47,11 @@ _INPLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruedi
                    "__imatmul__"}
 _REFUSED = {"set_", "resize_", "resize_as_", "detach_", "share_memory_", "as_strided_", "t_", "transpose_",
             "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_"}
-_CONVERT = {"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "contiguous"}
-_ESCAPE = {"numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage", "data_ptr"}
+# (contiguous() is an ordinary read: it returns the tensor itself, whose bytes a fetch for
+# this call only lends; an extension kernel handed it would see the placeholder)
+_CONVERT = {"to", "cpu", "cuda", "float", "half", "bfloat16", "double"}
+_ESCAPE = {"numpy", "__array__", "__dlpack__", "untyped_storage", "storage", "_typed_storage"}
+_ADDRESS = {"data_ptr"}
 _kinds: dict[Any, Kind] = {}
 
 
@@ -70,22 +74,21 @@ def _classify(func: Any) -> Kind:
         return Kind.CONVERT
     if name in _ESCAPE:
         return Kind.ESCAPE
+    if name in _ADDRESS:
+        return Kind.ADDRESS
     if name in _INPLACE_DUNDER or (name.endswith("_") and not name.startswith("__")):
         return Kind.WRITE
     return Kind.READ
 
 
 def returns_itself(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a conversion (``to``, ``float``, ``cpu``, ``contiguous`` ...) of a managed
-    parameter returns the parameter itself: same device and dtype (its real bytes are
-    contiguous). ``model.to(device)`` and ``model.float()`` then fetch nothing."""
+    """Whether a conversion (``to``, ``float``, ``cpu`` ...) of a managed parameter returns
+    the parameter itself: same device and dtype. ``model.to(device)`` and ``model.float()``
+    then fetch nothing."""
     p = args[0]
     with _plain():
         dtype, device = p.dtype, p.device
     name = func.__name__
-    if name == "contiguous":
-        return kwargs.get("memory_format", args[1] if len(args) > 1 else torch.contiguous_format) in \
-            (torch.contiguous_format, torch.preserve_format)
     wanted = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
     if name in wanted:
         return wanted[name] == dtype and "memory_format" not in kwargs

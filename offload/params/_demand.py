@@ -170,6 +170,11 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
         with _plain():
             return _call(func, args, kwargs)
     first = written[0] if written else found[0]
+    if kind is Kind.ADDRESS:  # the bytes would be gone when the caller used the address
+        raise RuntimeError(
+            f"{func.__name__}() of offloaded parameter {first.name!r} (module {first.module!r}) outside its "
+            "module's forward: its bytes are not in memory there, so no address would stay valid. Take it "
+            "inside the module's forward, or of a copy (p.detach().data_ptr())")
     if kind is Kind.REFUSED:
         raise RuntimeError(
             f"{getattr(func, '__name__', func)}() on offloaded parameter {first.name!r} (module {first.module!r}) "
@@ -204,7 +209,9 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list
             fetched = next((h for h in held if h.group is owner.group), None)
             if fetched is not None and owner.access.keep_for_batch(owner.group):
                 keep.add(id(fetched))
-        return _copies_of_aliases(func, args, kwargs, out, buffers) if buffers else out
+        if not buffers or kind is Kind.WRITE:  # (an in-place op returns the parameter itself)
+            return out
+        return _copies_of_aliases(func, args, kwargs, out, buffers)
     finally:
         for owner in reversed(held):
             if id(owner) not in keep:
@@ -224,8 +231,13 @@ def _copies_of_aliases(func: Any, args: tuple, kwargs: dict, out: Any, buffers: 
     A view of the parameter itself (``p.detach()``, ``p.data``, ``p[0]``, ``p.T``) is made
     again on a copy of the whole parameter, so an in-place change to it can be written back
     (``DetachedCopy``); any other alias is copied on its own."""
+    fetched = {id(o.group) for o in buffers.values()}
+
     def aliases(t: Any) -> bool:
-        if not isinstance(t, torch.Tensor) or type(t) in _CLASSES:
+        if type(t) in _CLASSES:  # the parameter itself (contiguous()), fetched only for this call
+            owner = owner_of_param(t)
+            return owner is not None and id(owner.group) in fetched
+        if not isinstance(t, torch.Tensor):
             return False
         with _plain():
             return t.untyped_storage().data_ptr() in buffers
@@ -243,7 +255,7 @@ def _copies_of_aliases(func: Any, args: tuple, kwargs: dict, out: Any, buffers: 
         if not aliases(t):
             return t
         with _plain():
-            owner = buffers[t.untyped_storage().data_ptr()]
+            owner = owner_of_param(t) if type(t) in _CLASSES else buffers[t.untyped_storage().data_ptr()]
             copy = t.clone()
         return DetachedCopy.of(copy, owner)
 
