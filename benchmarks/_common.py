@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
 import threading
 import time
 
@@ -97,3 +99,14 @@ def saved_gpt2(root: str, name: str, shape: tuple[int, int, int]) -> str:
         model.save_pretrained(path, max_shard_size="2GB")
         del model
     return path
+
+
+def run_json_worker(cmd: list[str], what: str) -> dict | None:
+    """Run a benchmark worker process; its last stdout line is its JSON result. A failed
+    worker is logged with the end of its stderr and gives None."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        logging.getLogger("bench").warning("%s worker failed (exit %d):\n%s", what, out.returncode,
+                                           out.stderr[-3000:])
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import saved_gpt2  # noqa: E402
+from _common import run_json_worker, saved_gpt2  # noqa: E402
 
 log = logging.getLogger("bench.demand")
 SHAPE = (24, 1024, 16)  # GPT-2 medium: 355M parameters
@@ -169,11 +168,7 @@ def call_cost(n: int = 200_000) -> dict:
 def run_worker(mode: str, off: bool, path: str, args) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--steps", str(args.steps),
            "--tokens", str(args.tokens), "--path", args.path] + (["--off"] if off else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        log.warning("%s worker failed:\n%s", mode, out.stderr[-3000:])
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_worker(cmd, mode)
 
 
 def main() -> None:

@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_json_worker  # noqa: E402
+
 log = logging.getLogger("store_bandwidth")
 CHUNK = 32 << 20  # bytes per stored tensor: a transformer layer group of a ~1B-parameter model
 FIO_CONFIGS = [("1M", 8), ("1M", 32), ("8M", 8), ("8M", 32)]
@@ -120,11 +123,7 @@ def _peak_rss() -> int:
 def run_worker(name: str, path: str, size: int, args: argparse.Namespace) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--path", path, "--size", str(size),
            "--host-budget", args.host_budget, "--device-budget", args.device_budget]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        log.warning("%s worker failed:\n%s", name, out.stderr[-3000:])
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_worker(cmd, name)
 
 
 def run_fio(path: str, size: int, rw: str, bs: str, depth: int) -> float:

@@ -35,7 +35,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, engine_bandwidth, saved_gpt2  # noqa: E402
+from _common import PeakRss, engine_bandwidth, run_json_worker, saved_gpt2  # noqa: E402
 from _common import gpt2_config as _gpt2_config  # noqa: E402
 
 log = logging.getLogger("bench.train")
@@ -147,11 +146,7 @@ def run_worker(mode: str, path: str, args) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--steps", str(args.steps),
            "--batch", str(args.batch), "--seq", str(args.seq), "--host-budget", args.host_budget, "--path", args.path,
            "--lr", str(args.lr)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        log.warning("%s worker failed:\n%s", mode, out.stderr[-3000:])
-        return None
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_worker(cmd, mode)
 
 
 def main() -> None:

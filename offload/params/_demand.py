@@ -142,18 +142,13 @@ def _find(args: tuple, kwargs: dict) -> list[Owner] | None:
     found = None
     for values in (args, kwargs.values()):
         for a in values:
-            if type(a) in _CLASSES:
-                owner = _owners.get(id(a))
-                if owner is not None and owner.slot.param is a:
-                    found = found or []
-                    found.append(owner)
-            elif type(a) in (list, tuple):
-                for b in a:
-                    if type(b) in _CLASSES:
-                        owner = _owners.get(id(b))
-                        if owner is not None and owner.slot.param is b:
-                            found = found or []
-                            found.append(owner)
+            for b in a if type(a) in (list, tuple) else (a,):
+                if type(b) in _CLASSES:
+                    owner = _owners.get(id(b))
+                    if owner is not None and owner.slot.param is b:
+                        if found is None:
+                            found = []
+                        found.append(owner)
     return found
 
 

@@ -109,7 +109,7 @@ def build(name):
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_architecture_trains_and_generates_like_the_reference(name, tmp_path, no_leaks):
+def test_architecture_trains_and_generates_like_the_reference(name, tmp_path, train_like_reference, no_leaks):
     _, _, inputs, generates = ARCHITECTURES[name]
     ref = build(name)
     model = copy.deepcopy(ref)
@@ -120,37 +120,12 @@ def test_architecture_trains_and_generates_like_the_reference(name, tmp_path, no
         device_budget=budget, host_budget="64MiB", file_size="8MiB",
         resident_bytes=0))  # every group streams: each way a model reaches its weights is exercised
     try:
-        batch = inputs(ids())
-        out, expected = model(**batch), ref(**batch)
-        torch.testing.assert_close(out.logits, expected.logits)
-        torch.testing.assert_close(out.loss, expected.loss)
-        out.loss.backward()
-        expected.loss.backward()
-        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p.grad, q.grad, msg=n)
-            p.grad = q.grad = None
-        # Note: conditioning. The hooks add identity nodes to the autograd graph, so a
-        # gradient summed from several uses (q, k and v read one input) may be summed in
-        # another order: equal to rounding (checked above). Adam's first steps turn a
-        # gradient near eps into an update of lr * g / (|g| + eps), which magnifies such
-        # rounding; eps 1e-6, lr 1e-3 and torch's fused kernel (offload.AdamW's) in the
-        # reference keep that under the tolerance, while a wrong gradient moves weights
-        # by about lr.
-        opt = offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01, fused=True)
-        for step in range(3):
-            batch = inputs(ids(seed=10 + step))
-            loss, ref_loss = model(**batch).loss, ref(**batch).loss
-            torch.testing.assert_close(loss, ref_loss)
-            loss.backward()
-            ref_loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        weights = offload.state_dict(model)
-        for n, q in ref.state_dict().items():
-            torch.testing.assert_close(weights[n], q, msg=n)
+        def run(m, batch):
+            out = m(**batch)
+            return {"logits": out.logits, "loss": out.loss}
+
+        batches = [inputs(ids(seed=seed)) for seed in (1, 10, 11, 12)]
+        train_like_reference(model, ref, batches, run)
         if generates:
             prompt = ids(batch=1, seq=5, seed=7)
             with torch.no_grad():
@@ -160,6 +135,5 @@ def test_architecture_trains_and_generates_like_the_reference(name, tmp_path, no
         stats = offload.stats(model)
         assert stats["device_peak_bytes"] <= budget
         assert stats["read_bytes"] > 0  # the parameters did stream from NVMe
-        opt.close()
     finally:
         offload.close(model)
