@@ -128,6 +128,11 @@ class BufferPool:
         self._free: dict[int, list[HostBuffer]] = {}
         self._held = 0  # bytes of all live buffers: in use + cached
         self._cached = 0
+        # bytes in use beyond what was asked for (cached buffers reused for smaller requests),
+        # and the most of them allowed: None, no limit
+        self._inflation = 0
+        self.max_inflation: int | None = None
+        self._asked: dict[int, int] = {}  # id(buffer) -> bytes asked, for reused larger ones
         self.peak_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -174,6 +179,9 @@ class BufferPool:
 
     def release(self, buf: HostBuffer) -> None:
         with DEFER, self._cond:
+            asked = self._asked.pop(id(buf), None)
+            if asked is not None:
+                self._inflation -= buf.nbytes - asked
             if self._closed:
                 self._held -= buf.nbytes
                 buf.close()
@@ -212,9 +220,17 @@ class BufferPool:
             # and a pool full of the wrong sizes would do it on every request: measured 680
             # maps in 8 generated tokens), reuse the smallest cached one that fits, up to 2x
             # the request. The caller is charged the buffer's real size.
-            fits = [s for s in self._free if size <= s <= 2 * size]
+            # (within max_inflation: what a user of the pool sized its requests for must
+            # still fit; a buffer larger than asked takes room from later requests)
+            limit = self.max_inflation
+            fits = [s for s in self._free if size <= s <= 2 * size
+                    and (limit is None or self._inflation + s - size <= limit)]
             if fits:
-                return self._pop_cached(min(fits))
+                buf = self._pop_cached(min(fits))
+                if buf.nbytes > size:
+                    self._asked[id(buf)] = size
+                    self._inflation += buf.nbytes - size
+                return buf
             self._drop_cached(self._held + size - self.budget)
         if self._held + size > self.budget:
             return None

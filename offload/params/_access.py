@@ -11,7 +11,9 @@ recorded order alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -22,7 +24,7 @@ from torch import nn
 from .._units import format_size
 from ..io import BudgetError
 from ..store import Tier
-from ._coordinator import Coordinator, in_backward
+from ._coordinator import Coordinator, in_backward, refuse_copy
 from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, register, unregister
 from ._groups import ParamGroup
 
@@ -40,6 +42,7 @@ class DemandAccess:
         self.coordinator, self.hooks = coordinator, hooks
         self.read_group = read_group  # a host copy of a (whole) group's bytes
         self.partition = partition
+        self.thread = threading.get_ident()  # the thread that wrapped the model, and trains it
         self.snapshots: dict[int, torch.Tensor] | None = None  # model.state_dict() in progress
         self._snapshot_group: tuple[ParamGroup, torch.Tensor] | None = None
         self._batch_open = False  # model.load_state_dict() in progress
@@ -48,6 +51,7 @@ class DemandAccess:
         self._params: list[nn.Parameter] = []
         self._handles: list[Any] = []
         coordinator.on_change = self._drop_snapshots  # the optimizer or a load replaces a group
+        coordinator.on_written = self.notify  # its module wrote it in place
 
     # -- attach / detach -------------------------------------------------------------------
     def attach(self, model: nn.Module, groups: list[ParamGroup]) -> None:
@@ -55,16 +59,18 @@ class DemandAccess:
             for slot in group.slots:
                 register(slot.param, Owner(self, group, slot))
                 self._params.append(slot.param)
-        # (torch marks some hooks with an attribute, which a bound method cannot take)
-        self._handles += [model.register_state_dict_pre_hook(lambda *a: self._state_dict_pre(*a)),
-                          model.register_state_dict_post_hook(lambda *a: self._state_dict_post(*a)),
-                          model.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
-                          model.register_load_state_dict_post_hook(lambda *a: self._load_post(*a))]
+        # (partials: torch marks some hooks with an attribute, which a bound method cannot
+        # take; and a copy or pickle of the model meets this object, which refuses it)
+        self._handles += [
+            model.register_forward_pre_hook(functools.partial(DemandAccess._end_sessions_hook, self), prepend=True),
+            model.register_state_dict_pre_hook(functools.partial(DemandAccess._state_dict_pre, self)),
+            model.register_state_dict_post_hook(functools.partial(DemandAccess._state_dict_post, self)),
+            model.register_load_state_dict_pre_hook(functools.partial(DemandAccess._load_pre, self)),
+            model.register_load_state_dict_post_hook(functools.partial(DemandAccess._load_post, self))]
         _install_guard()
 
     def detach(self) -> None:
-        self._end_batch()
-        self.snapshots = self._snapshot_group = None
+        self._end_sessions()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -72,10 +78,44 @@ class DemandAccess:
             unregister(param)
         self._params.clear()
 
+    def __deepcopy__(self, memo):
+        refuse_copy()
+
+    def __reduce_ex__(self, protocol):
+        refuse_copy()
+
+    def _end_sessions_hook(self, module: nn.Module, args: Any) -> None:
+        self._end_sessions()
+
+    def _end_sessions(self) -> None:
+        """A state_dict() or load_state_dict() stopped by an exception leaves nothing behind
+        (called again at every forward)."""
+        self._end_batch()
+        self.snapshots = self._snapshot_group = None
+
     # -- one use ---------------------------------------------------------------------------
+    def owns(self, param: Any) -> bool:
+        owner = owner_of_param(param)
+        return owner is not None and owner.access is self
+
     def materialized(self, group: ParamGroup) -> bool:
         return group.resident or self.coordinator.live[group].flat is not None
 
+    def maybe_written(self, group: ParamGroup) -> None:
+        """A ``.data`` alias of a materialized group was handed out: in-place writes through
+        it bump no counter offload sees, so the group is stored back when released."""
+        if not group.resident:
+            self.coordinator.live[group].maybe_written = True
+
+    def check_readable(self, owner: Owner) -> None:
+        """With several ranks a fetch is an all-gather, which every rank must join: only the
+        uses inside a forward or backward (the same code on every rank) can be served."""
+        if self.partition is not None and not (self.hooks.forward_open() or in_backward()):
+            raise RuntimeError(
+                f"offloaded parameter {owner.name!r} (module {owner.module!r}) used outside a forward or "
+                f"backward with the model partitioned over {self.partition.world} ranks: fetching it gathers "
+                "it from every rank, which the other ranks would not join. Call offload.state_dict(model) on "
+                "every rank for the weights")
     def acquire(self, group: ParamGroup) -> None:
         inside = bool(self.hooks.forward_open()) or in_backward()
         self.coordinator.acquire(group, "demand", record=inside)
@@ -100,8 +140,11 @@ class DemandAccess:
 
     def written(self, group: ParamGroup) -> None:
         """The caller changed ``group``'s materialized bytes in place."""
-        if not group.resident and not self.coordinator.zero_copy:  # (a mapped view is the home copy)
-            self.coordinator.store.mark_dirty(group.key, Tier.DEVICE)
+        if not group.resident:
+            live = self.coordinator.live[group]
+            if live.release is None:  # (a mapped view is the home copy)
+                self.coordinator.store.mark_dirty(group.key, Tier.DEVICE)
+            self.coordinator.note_written(group)
         self.notify(group)
 
     def on_write(self, callback: Callable[[ParamGroup], None]) -> None:
@@ -175,6 +218,11 @@ class DemandAccess:
     def _state_dict_pre(self, module, prefix, keep_vars) -> None:
         if keep_vars:
             return
+        if self.partition is not None:
+            raise RuntimeError(
+                f"state_dict() of a model partitioned over {self.partition.world} ranks: each rank holds a slice "
+                "of every group. Call offload.state_dict(model) on every rank (it gathers the groups), or save "
+                "with offload.save_checkpoint / offload.export")
         need = sum(slot.nbytes for slot in _slots(self._params) if not _resident(slot))
         available = psutil.virtual_memory().available
         if need > available:
@@ -226,11 +274,12 @@ def _refuse_torch_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             owner = owner_of_param(p)
-            if owner is not None and not owner.group.resident:
+            if owner is not None and not owner.group.resident and p.requires_grad:  # (frozen: torch skips it)
                 raise TypeError(
                     f"{type(optimizer).__name__} was given parameters of a model wrapped by offload.wrap (e.g. "
                     f"{owner.name!r}), which rest in offload's tiers between uses: a torch optimizer would keep "
                     "its states on the device outside the budgets and fetch and rewrite every parameter group "
                     "several times per step. Use offload.AdamW, offload.Adam or offload.SGD over "
                     "model.parameters() (with HF Trainer: optimizers=(offload.AdamW(model.parameters(), "
-                    "lr=...), None)); parameters added after wrap (LoRA adapters) may use any optimizer")
+                    "lr=...), None)); trainable parameters added after wrap (LoRA adapters) may use any optimizer: "
+                    "pass only those, [p for p in model.parameters() if p.requires_grad]")

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Kind", "kind_of", "returns_itself", "NO_DATA", "SET_DATA", "REPR", "DETACH"]
+__all__ = ["Kind", "kind_of", "returns_itself", "write_targets", "NO_DATA", "LAYOUT", "SET_DATA", "DATA", "REPR",
+           "DETACH"]
 
 _plain = torch._C.DisableTorchFunctionSubclass
 _T = torch._C.TensorBase
@@ -39,7 +40,15 @@ NO_DATA |= {getattr(torch.Tensor, name) for name in (
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
     "__len__", "nelement", "ndimension", "is_pinned", "is_shared", "_is_view")}
 NO_DATA |= {torch._has_compatible_shallow_copy_type}
+# new tensors shaped like the argument, whose values are not read (a placeholder is
+# overlapping, so they come out contiguous, as of the real parameter)
+NO_DATA |= {getattr(torch, name) for name in ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                                                "randn_like", "randint_like")}
+NO_DATA |= {getattr(torch.Tensor, name) for name in ("new_empty", "new_zeros", "new_ones", "new_full")}
+# layout questions: answered for the parameter's real (contiguous) layout, without a fetch
+LAYOUT = {torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.storage_offset}
 SET_DATA = _T.data.__set__
+DATA = _T.data.__get__
 REPR = torch.Tensor.__repr__
 DETACH = _T.detach
 _INPLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
@@ -110,3 +119,17 @@ def returns_itself(func: Any, args: tuple, kwargs: dict) -> bool:
         return False
     same_device = to_device is None or (to_device.type == device.type and to_device.index in (None, device.index))
     return same_device and to_dtype in (None, dtype) and memory_format in (None, torch.preserve_format)
+
+
+def write_targets(kind: Kind, args: tuple, kwargs: dict) -> list:
+    """The tensors an in-place call writes: its first argument (a list for
+    ``torch._foreach_*_``; ``nn.init`` passes it by keyword), that of an ``inplace=True``
+    functional, and its ``out=``."""
+    targets: list = []
+    if kind is Kind.WRITE or kwargs.get("inplace") is True:
+        first = args[0] if args else next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
+        targets += list(first) if type(first) in (list, tuple) else [first]
+    out = kwargs.get("out")
+    if out is not None:
+        targets += list(out) if type(out) in (list, tuple) else [out]
+    return targets

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from .._signals import DEFER
+from .._units import format_size
 from ..io import BudgetError
 from ..store import Residency, TensorStore, Tier
 from ._groups import ParamGroup, point
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "in_backward", "refuse_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class _Live:
     gathered: Any = None  # with several ranks: the device slot the whole group was gathered into
     pending: Any = None  # with several ranks: (work, slot, tensor) of an all-gather issued ahead of use
     started: list = field(default_factory=list)  # with a tracer: (phase, time) per acquisition
+    versions: tuple = ()  # its parameters' version counters when materialized (in-place writes bump them)
+    maybe_written: bool = False  # a parameter's .data was handed out while materialized
+    written: int = 0  # bumped by every write to the group's bytes (in place, optimizer, load)
 
 
 @dataclass
@@ -82,6 +86,8 @@ class Coordinator:
         # what a pass needs besides the cache and the prefetch window: the resident groups
         # and the most groups held at once (offload.params._sizing.DeviceLayout)
         self.layout = layout
+        if layout is not None:  # reused larger buffers only from the room the layout leaves
+            store.tiers[Tier.DEVICE].limit_slack(layout.room(device_budget))
         self.cached: dict[ParamGroup, bool] = {}  # kept resident across passes -> loaded yet
         self.events = events  # when a list, every fetch/acquire/release is appended
         self.tracer: Any = None  # an offload._trace.Tracer: compute and stall spans
@@ -102,6 +108,7 @@ class Coordinator:
         self.parked: set[ParamGroup] = set()
         self.on_park: Any = None  # called when a group is parked (the hooks queue the end of backward)
         self.on_change: Any = None  # called with a group whose bytes the optimizer or a load replaces
+        self.on_written: Any = None  # called with a group written in place while it was materialized
         self.demand_fetches = 0  # groups fetched for a use outside their module (offload.params._demand)
 
     # -- passes ------------------------------------------------------------------------------
@@ -160,6 +167,8 @@ class Coordinator:
                 chosen.append(group)
                 total += size
         self.cached = {g: False for g in chosen}
+        if self.layout is not None:
+            device.limit_slack(self.layout.room(self.device_budget) - total)
         if chosen:
             log.info("keeping %d parameter groups (%.1f MiB) resident across passes", len(chosen),
                      total / 2**20)
@@ -191,20 +200,37 @@ class Coordinator:
                 self.demand_fetches += 1
             try:
                 self._materialize(group)
-            except BudgetError as err:
-                if not self.parked:
-                    raise
-                raise BudgetError(
-                    f"{err}. Of that, {len(self.parked)} parameter groups "
-                    f"({sum(g.nbytes for g in self.parked)} bytes) are held from their recomputation "
-                    "(activation checkpointing) until backward has gone through them: device_budget must "
-                    "hold one checkpointed block's parameters and the group being fetched") from None
+            except BaseException as err:  # not acquired: nothing will release it
+                live.refs -= 1
+                if phase == "backward":
+                    live.backward_refs -= 1
+                if isinstance(err, BudgetError):
+                    raise self._no_room(group, err) from None
+                raise
         self._prefetch()
         if self.partition is not None:
             self._gather_ahead()
         self._log("ready", group, phase)  # compute of the module may start now
         if self.tracer is not None:
             live.started.append((phase, self.tracer.now()))
+
+    def _no_room(self, group: ParamGroup, err: BudgetError) -> BudgetError:
+        """The store has no room for ``group`` while this point of the pass holds what it
+        holds: say what, and the budget that holds it and the group."""
+        if self.partition is not None:
+            return err
+        device = self.store.tiers[Tier.DEVICE]
+        held = [g for g, live in self.live.items() if live.flat is not None or g in self.parked]
+        need = device.used_bytes + device.slot_size(group.nbytes)
+        parked = (f"; {len(self.parked)} of them ({format_size(sum(g.nbytes for g in self.parked))}) are kept "
+                  "from their recomputation (activation checkpointing) until backward has gone through "
+                  "them: the device must hold a whole checkpointed block's parameters") if self.parked else ""
+        return BudgetError(
+            f"device_budget {format_size(self.device_budget)} has no room for parameter group {group.key!r} "
+            f"({format_size(group.nbytes)}): {format_size(device.used_bytes)} are held at this point of the pass "
+            f"by {len(held)} groups in use ({', '.join(repr(g.key) for g in held[:4])}"
+            f"{', ...' if len(held) > 4 else ''}) and the resident parameters{parked}. Set device_budget >= "
+            f"{format_size(need)} ({err})")
 
     def release(self, group: ParamGroup, phase: str) -> None:
         if group.resident:
@@ -289,9 +315,20 @@ class Coordinator:
         self.ahead.pop(group, None)
         if self.cached.get(group):
             self.cached[group] = False
+        self.live[group].written += 1
         if self.on_change is not None:
             self.on_change(group)
 
+    def note_written(self, group: ParamGroup) -> None:
+        """The caller changed ``group``'s materialized bytes in place and marked them (copies
+        taken before are stale; its release need not find the change again)."""
+        live = self.live[group]
+        live.written += 1
+        if live.flat is not None:
+            live.versions = _versions(group)
+
+    def written_version(self, group: ParamGroup) -> int:
+        return self.live[group].written
     def resume_prefetch(self) -> None:
         """Fetch ahead again from the current position (after the optimizer's step)."""
         self._prefetch()
@@ -370,6 +407,7 @@ class Coordinator:
             self.ahead.pop(group, None)
         for slot in group.slots:
             point(slot.param, flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
+        live.versions = _versions(group)
         self.by_storage[flat.untyped_storage().data_ptr()] = group
 
     # -- several ranks: gathering whole groups -----------------------------------------------
@@ -496,11 +534,14 @@ class Coordinator:
         live.flat = flat
         for slot in group.slots:
             point(slot.param, flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
+        live.versions = _versions(group)
         self.by_storage[flat.untyped_storage().data_ptr()] = group
         return True
 
     def _dematerialize(self, group: ParamGroup) -> None:
         live = self.live[group]
+        if live.flat is not None:
+            self._check_written(group, live)
         if live.release is not None:  # a mapped view: give it back, nothing to evict
             release, live.release = live.release, None
             self.by_storage.pop(live.flat.untyped_storage().data_ptr(), None)
@@ -530,6 +571,20 @@ class Coordinator:
             self.ahead[group] = None  # keep the bytes on the device for the coming use
         else:
             self._evict(group)
+
+    def _check_written(self, group: ParamGroup, live: _Live) -> None:
+        """Code inside the group's module changed it in place (a view of a weight, or its
+        ``.data``, which has a version counter of its own): keep the change (the device copy
+        becomes the newest, written home when dropped) and say so."""
+        changed = live.maybe_written or _versions(group) != live.versions
+        live.maybe_written = False
+        if not changed or live.gathered is not None:  # (several ranks: a gathered copy is not stored)
+            return
+        live.written += 1
+        if live.release is None and self.home is not Tier.DEVICE:  # (a mapped view is the home copy)
+            self.store.mark_dirty(group.key, Tier.DEVICE)
+        if self.on_written is not None:
+            self.on_written(group)
 
     def _used(self) -> int:
         """Device bytes in use, as decisions see them: the tier's count, or with several ranks
@@ -624,3 +679,17 @@ class Coordinator:
     def _log(self, event: str, group: ParamGroup, phase: str) -> None:
         if self.events is not None:
             self.events.append((event, group.key, phase))
+
+
+def _versions(group: ParamGroup) -> tuple:
+    """The version counters of the group's parameters (an in-place op bumps its tensor's)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tuple(slot.param._version for slot in group.slots)
+
+
+def refuse_copy() -> None:
+    """copy.deepcopy / pickling of a wrapped model reaches the objects behind its hooks."""
+    raise TypeError("copy.deepcopy or pickling of a model wrapped by offload: its parameters rest in offload's tiers "
+                    "and its hooks hold files and threads. For a copy in memory, build the model again and "
+                    "load_state_dict(offload.state_dict(model)), or offload.unwrap(model) first; to save it, "
+                    "offload.save_checkpoint(path, model) or offload.export(model, directory)")

@@ -17,11 +17,14 @@ cannot be set to a tensor of another dispatch class.
 
 Note: results that alias the group's buffer. A view made in such a call (``p.t()``, ``p[0]``,
 ``p.detach()``, ``p.data``) would show other bytes once the buffer is reused, so it is
-returned as a copy (:class:`DetachedCopy`) that keeps the autograd graph to the parameter
-and writes an in-place change back to it (``p.data += x``, ``state_dict()[k].copy_(v)``).
-Unlike a view, the copy does not follow later changes of the parameter (an optimizer step).
-What autograd saves for backward goes through the hooks' references (``ModuleHooks``), so
-backward fetches the group again.
+made again on a copy of the whole parameter (``_copies.DetachedCopy``: it writes an
+in-place change back, and refuses use once the parameter has changed). What autograd saves
+for backward goes through the hooks' references (``ModuleHooks``), so backward fetches the
+group again.
+
+Note: threads. The coordinator's bookkeeping belongs to the thread that wrapped the model
+(and to backward's threads); a use from another thread could swap a group out from under
+the training thread, so it is refused.
 
 Note: writes. An in-place op on the parameter itself (``p.copy_(x)``, ``p.mul_(2)``,
 ``nn.init.normal_(p)``, ``p.data = x`` of the same shape, dtype and device, what
@@ -31,6 +34,7 @@ written home when dropped; optimizers that keep a master copy are told to refres
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -39,11 +43,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._calls import DETACH, NO_DATA, REPR, SET_DATA, Kind, kind_of, returns_itself
+from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, SET_DATA, Kind, kind_of, returns_itself, write_targets
+from ._coordinator import in_backward
+from ._copies import DetachedCopy, read_only
 from ._groups import ParamGroup, ParamSlot
 
-__all__ = ["OffloadedParameter", "DetachedCopy", "Owner", "owner_of_param", "register", "unregister",
-           "value_of"]
+__all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of"]
 
 _plain = torch._C.DisableTorchFunctionSubclass
 
@@ -84,7 +89,7 @@ class OffloadedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
     def __reduce_ex__(self, protocol):
-        # pickled as a plain parameter with its real values (torch.save(model), multiprocessing)
+        # pickled as a plain parameter with its real values (torch.save of a weight)
         return (torch._utils._rebuild_parameter, (value_of(self), self.requires_grad, OrderedDict()))
 
     def __deepcopy__(self, memo):
@@ -153,17 +158,32 @@ def _find(args: tuple, kwargs: dict) -> list[Owner] | None:
 
 
 def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
+    access = found[0].access
+    if threading.get_ident() != access.thread and not in_backward():
+        raise RuntimeError(
+            f"offloaded parameter {found[0].name!r} used from another thread than the one that wrapped the "
+            "model: its group could be fetched or released under that thread's forward and backward. Use "
+            "the model's parameters on that thread, or take a copy there (offload.state_dict(model))")
     kind = kind_of(func)
     if kind is Kind.CONVERT and owner_of_param(args[0] if args else None) is not None \
             and returns_itself(func, args, kwargs):
         return args[0]
-    if func is DETACH and found[0].access.snapshots is not None:  # model.state_dict() in progress
-        return found[0].access.snapshot(found[0])
-    written = _written(kind, func, args, kwargs)
+    written = [o for o in (owner_of_param(t) for t in write_targets(kind, args, kwargs)) if o is not None]
     missing = [o for o in _unique(found) if not o.access.materialized(o.group)]
     if not written and not missing and kind is not Kind.SET_DATA:
+        if func == DATA:  # a .data alias in the module's forward: writes through it are not seen
+            for owner in found:
+                access.maybe_written(owner.group)
         with _plain():
             return _call(func, args, kwargs)
+    if func in LAYOUT and not written:  # the real layout is the contiguous one of the slot
+        with _plain():
+            meta = torch.empty(found[0].slot.shape, dtype=found[0].slot.dtype, device="meta")
+            return func(meta, *args[1:], **kwargs)
+    if func is DETACH and access.snapshots is not None:  # model.state_dict() in progress
+        return access.snapshot(found[0])
+    for owner in missing:
+        owner.access.check_readable(owner)
     first = written[0] if written else found[0]
     if kind is Kind.ADDRESS:  # the bytes would be gone when the caller used the address
         raise RuntimeError(
@@ -199,6 +219,8 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list
         accessor = (written or held)[0].access
         with accessor.saving(), _plain():
             out = _call(func, args, kwargs)
+        if kind is Kind.ESCAPE:
+            return read_only(out)
         for owner in _unique(written):
             owner.access.written(owner.group)
             fetched = next((h for h in held if h.group is owner.group), None)
@@ -257,19 +279,6 @@ def _copies_of_aliases(func: Any, args: tuple, kwargs: dict, out: Any, buffers: 
     return tree_map(fix, out)
 
 
-def _written(kind: Kind, func: Any, args: tuple, kwargs: dict) -> list[Owner]:
-    """The managed parameters an in-place call writes: its first argument (a list of them for
-    ``torch._foreach_*_``), or its ``out=``."""
-    targets: list[Any] = []
-    if kind is Kind.WRITE:  # (nn.init passes its tensor by keyword)
-        first = args[0] if args else next((kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
-        targets += list(first) if type(first) in (list, tuple) else [first]
-    out = kwargs.get("out")
-    if out is not None:
-        targets += list(out) if type(out) in (list, tuple) else [out]
-    return [o for o in (owner_of_param(t) for t in targets) if o is not None]
-
-
 def _unique(owners: list[Owner]) -> list[Owner]:
     """One owner per group, in order."""
     seen: set[int] = set()
@@ -312,73 +321,4 @@ def value_of(param: nn.Parameter) -> torch.Tensor:
         return value.as_subclass(torch.Tensor).clone() if type(value) is DetachedCopy else value.clone()
 
 
-class DetachedCopy(torch.Tensor):
-    """A copy of (part of) a managed parameter, made where a view would have aliased its
-    group's buffer. It reads like any tensor; an in-place change to it (or to a view of it)
-    is written back to the parameter."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        # (torch calls the first overload among the arguments' classes: a managed parameter
-        # beside a copy is fetched here)
-        out = OffloadedParameter.__torch_function__(func, types, args, kwargs)
-        if func in NO_DATA:
-            return out
-        kind = kind_of(func)
-        copies = {}
-        for values in (args, kwargs.values()):
-            for a in values:
-                if type(a) is cls:
-                    with _plain():
-                        copies[a.untyped_storage().data_ptr()] = a
-        if kind is Kind.WRITE or kwargs.get("out") is not None:
-            target = kwargs.get("out", args[0] if args else kwargs.get("tensor", kwargs.get("input")))
-            for t in (target if type(target) in (list, tuple) else [target]):
-                if type(t) is cls:
-                    t.write_back()
-
-        def keep(t: Any) -> Any:  # views of a copy stay copies of the same parameter
-            if not isinstance(t, torch.Tensor) or type(t) is cls:
-                return t
-            with _plain():
-                source = copies.get(t.untyped_storage().data_ptr())
-            return DetachedCopy.of(t, None, source) if source is not None else t
-
-        return tree_map(keep, out) if copies else out
-
-    @staticmethod
-    def of(copy: torch.Tensor, owner: Owner | None, source: DetachedCopy | None = None) -> DetachedCopy:
-        with _plain():
-            out = copy.as_subclass(DetachedCopy)
-        out.offload_owner = owner if source is None else source.offload_owner
-        out.offload_root = out if source is None else source.offload_root
-        return out
-
-    def write_back(self) -> None:
-        owner, root = self.offload_owner, self.offload_root
-        if owner is None or owner_of_param(owner.slot.param) is None:
-            return  # the model was unwrapped since: the copy is all there is
-        with _plain():
-            value = root.as_subclass(torch.Tensor).detach()
-            if value.shape != owner.slot.shape:
-                raise RuntimeError(
-                    f"in-place write to a copy of part of offloaded parameter {owner.name!r} (module "
-                    f"{owner.module!r}): outside its module's forward, views of it are copies and this one "
-                    "cannot be written back. Write the parameter itself under torch.no_grad() "
-                    "(p[...] = value, p.copy_(...)) or use model.load_state_dict(...)")
-        with torch.no_grad():
-            owner.slot.param.copy_(value)
-
-    def __reduce_ex__(self, protocol):
-        with _plain():
-            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
-
-    def __repr__(self, *, tensor_contents=None):
-        with _plain():
-            return repr(self.as_subclass(torch.Tensor))
-
-    def __deepcopy__(self, memo):
-        with _plain():
-            return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+DetachedCopy.route = OffloadedParameter.__torch_function__

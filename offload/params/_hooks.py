@@ -7,13 +7,17 @@ post-backward       an identity autograd function on the module's inputs, whose 
                     runs once the module's backward is done, releases them; what it cannot
                     see (inputs without gradients) is released at the end of backward
 
-Note: saved tensors. Autograd keeps what an operation saved for backward: sometimes the
-parameter itself (fine: its ``.data`` is materialized again before backward reaches it),
-but often a view of its data (``weight.t()`` for a linear layer). That view would point at
-a device buffer that has since been released and reused for another group. While a
-managed forward runs, ``saved_tensors_hooks`` replace any saved tensor that lives in a
-materialized group buffer by a reference (group, offset, shape, strides) and rebuild the
-view from the group's buffer of the moment when backward unpacks it.
+Note: saved tensors. Autograd keeps what an operation saved for backward: the parameter
+itself (``layer_norm``, a parent's ``w @ x``) or a view of its data (``weight.t()`` for a
+linear layer). Between forward and backward its group's buffer is released and reused for
+another group. While a managed forward (or a demand call) runs, ``saved_tensors_hooks``
+replace a managed parameter, and any saved tensor that lives in a materialized group
+buffer, by a reference (group, byte offset, shape, strides, the group's write count) and
+rebuild the view from the group's buffer of the moment when backward unpacks it. A group
+written in place since the forward is refused there, as torch refuses a modified saved
+tensor; so is a second-order backward (``create_graph=True``), which would record the
+rebuilt views, not the parameters, in its graph. A module's output that is a view of its
+group's buffer is replaced by a copy before the group is released.
 
 Note: interrupted passes. A KeyboardInterrupt (any BaseException) skips torch's
 ``always_call`` hooks, so a forward stopped by Ctrl-C never releases what it acquired, and a
@@ -31,9 +35,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
-from ._coordinator import Coordinator
+from ._coordinator import Coordinator, in_backward, refuse_copy
 from ._demand import owner_of_param
 from ._groups import ParamGroup
 
@@ -49,6 +53,7 @@ class _SavedRef:
     offset: int  # bytes from the start of the group's flat buffer
     shape: torch.Size
     stride: tuple[int, ...]
+    version: int  # the group's write count when saved
 
 
 class _PostBackward(torch.autograd.Function):
@@ -94,6 +99,12 @@ class ModuleHooks:
                 lambda m, args, kwargs, gs=managed: self._pre_forward(gs, args, kwargs), with_kwargs=True))
             self._handles.append(module.register_forward_hook(
                 lambda m, args, out, gs=managed: self._post_forward(gs, out), always_call=True))
+
+    def __deepcopy__(self, memo):
+        refuse_copy()
+
+    def __reduce_ex__(self, protocol):
+        refuse_copy()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -155,7 +166,8 @@ class ModuleHooks:
             if owner is None or owner.group.resident or owner.access.coordinator is not self.coordinator:
                 return tensor
             slot = owner.slot
-            return _SavedRef(owner.group, slot.dtype, slot.offset, slot.shape, _contiguous(slot.shape))
+            return _SavedRef(owner.group, slot.dtype, slot.offset, slot.shape, _contiguous(slot.shape),
+                             self.coordinator.written_version(owner.group))
         with torch._C.DisableTorchFunctionSubclass():
             if tensor.device.type == "meta":
                 return tensor
@@ -164,22 +176,40 @@ class ModuleHooks:
                 return tensor
             flat = self.coordinator.live[group].flat
             offset = tensor.storage_offset() * tensor.element_size() - flat.storage_offset()
-            return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride())
+            return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride(),
+                             self.coordinator.written_version(group))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedRef):
             return packed
+        self._check_unpack(packed)
+        if not in_backward():  # read outside backward (grad_fn._saved_*): a copy, fetched for it
+            self.coordinator.acquire(packed.group, "demand", record=False)
+            try:
+                return _rebuild(packed, self.coordinator.live[packed.group].flat).clone()
+            finally:
+                self.coordinator.release(packed.group, "demand")
         live = self.coordinator.live[packed.group]
         if live.flat is None:  # backward reached an op before its module's hook: fetch now
             self._release_node_holds()
             self.coordinator.acquire(packed.group, "backward")
             self._queue_end_of_backward()
             self._node_holds.append((torch._C._current_autograd_node(), packed.group))
-        flat = live.flat
-        itemsize = torch.empty((), dtype=packed.dtype).element_size()
-        out = torch.empty(0, dtype=packed.dtype, device=flat.device)
-        return out.set_(flat.untyped_storage(), (flat.storage_offset() + packed.offset) // itemsize,
-                        packed.shape, packed.stride)
+        return _rebuild(packed, live.flat)
+
+    def _check_unpack(self, packed: _SavedRef) -> None:
+        if self.coordinator.written_version(packed.group) != packed.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: parameter group {packed.group.key!r} was written after the forward that saved "
+                "it (offload keeps its newest bytes only). Write parameters after backward, or run the "
+                "forward again")
+        if torch.is_grad_enabled() and in_backward():
+            raise RuntimeError(
+                "a second-order backward (create_graph=True, e.g. a gradient penalty) through a model "
+                "wrapped by offload: the graph it records would hold the rebuilt parameter views, not the "
+                "parameters, so its gradients would be wrong. Compute it without offload, or unwrap the "
+                "model first")
 
     def _release_node_holds(self) -> None:
         """Release the groups fetched for autograd nodes that have finished: on the thread
@@ -206,11 +236,12 @@ class ModuleHooks:
         self._calls.append((groups, wrapped is not None))
         return wrapped
 
-    def _post_forward(self, groups: list[ParamGroup], output: Any) -> None:
+    def _post_forward(self, groups: list[ParamGroup], output: Any) -> Any:
+        output = self._own_outputs(groups, output)
         for group in groups:
             self.coordinator.release(group, "forward")
         if not torch.is_grad_enabled():
-            return
+            return output
         inputs_need_grad = True
         if self._calls and self._calls[-1][0] is groups:
             inputs_need_grad = self._calls.pop()[1]
@@ -219,11 +250,34 @@ class ModuleHooks:
             # the end of this module's backward, so the group would stay held to the end of
             # the whole backward. Its backward needs the group only through saved tensors,
             # which fetch it for their autograd node (_unpack).
-            return
+            return output
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
+        return output
+
+    def _own_outputs(self, groups: list[ParamGroup], output: Any) -> Any:
+        """Outputs that are views of the module's group buffers (a slice of its weight)
+        become copies: the buffers are released next and may be reused."""
+        buffers = set()
+        for group in groups:
+            flat = self.coordinator.live[group].flat
+            if flat is not None:
+                buffers.add(flat.untyped_storage().data_ptr())
+        if not buffers:
+            return output
+
+        def aliases(t: Any) -> bool:
+            if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+                return False
+            with torch._C.DisableTorchFunctionSubclass():
+                return t.untyped_storage().data_ptr() in buffers
+
+        flat_out = tree_flatten(output)[0]
+        if not any(aliases(t) for t in flat_out):
+            return output
+        return tree_map(lambda t: t.clone() if aliases(t) else t, output)
 
     def _pre_backward(self, groups: list[ParamGroup]) -> None:
         self._release_node_holds()
@@ -279,6 +333,14 @@ def graph_task() -> int | None:
     """The running backward's graph task (-1 outside backward); None where torch has no such call."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current() if current is not None else None
+
+
+def _rebuild(packed: _SavedRef, flat: torch.Tensor) -> torch.Tensor:
+    """The saved tensor, as a view of the group's buffer of the moment."""
+    itemsize = torch.empty((), dtype=packed.dtype).element_size()
+    out = torch.empty(0, dtype=packed.dtype, device=flat.device)
+    return out.set_(flat.untyped_storage(), (flat.storage_offset() + packed.offset) // itemsize,
+                    packed.shape, packed.stride)
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

@@ -133,11 +133,22 @@ def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], config: O
         if new:
             held = held | new
             nests.add(name, held)
+        if _checkpointed(module):  # recomputed in backward: its groups are all kept until it is done
+            inside = {id(g) for m in module.modules() for g in needs.get(m, []) if not g.resident}
+            nests.add(f"{name} (checkpointed)", held | inside)
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name, held)
 
     visit(model, "", frozenset())
     return nests
+
+
+def _checkpointed(module: nn.Module) -> bool:
+    """A transformers layer with gradient checkpointing on (``gradient_checkpointing_enable()``
+    before ``wrap``). Checkpointing set up otherwise is met at run time, where a refusal names
+    the budget that holds what that point of the pass needs."""
+    return getattr(module, "gradient_checkpointing", False) is True and \
+        any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
 def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool) -> None:
@@ -182,8 +193,12 @@ def _describe_held(layout: DeviceLayout, config: OffloadConfig) -> str:
     if len(groups) == 1:
         return f"parameter group {groups[0].key!r} ({format_size(raw)}{'; ' + rounded if rounded else ''})"
     keys = ", ".join(repr(g.key) for g in groups[:6]) + (", ..." if len(groups) > 6 else "")
-    return (f"the {format_size(raw)} of parameter groups in use at once in module {layout.held_at!r} "
-            f"(its own and those of the modules it runs inside: {keys}{'; ' + rounded if rounded else ''})")
+    if layout.held_at.endswith(" (checkpointed)"):
+        where = (f"by module {layout.held_at.removesuffix(' (checkpointed)')!r}, recomputed in backward with "
+                 "activation checkpointing (all of its groups and those of the modules it runs inside")
+    else:
+        where = f"in module {layout.held_at!r} (its own and those of the modules it runs inside"
+    return f"the {format_size(raw)} of parameter groups in use at once {where}: {keys}{'; ' + rounded if rounded else ''})"
 
 
 def check_partitioned(groups: list[ParamGroup], config: OffloadConfig, mine: list[ParamGroup]) -> None:

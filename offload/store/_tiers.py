@@ -128,6 +128,10 @@ class TierBackend(abc.ABC):
         """Bytes of budget a slot for ``nbytes`` takes."""
         return nbytes
 
+    def limit_slack(self, nbytes: int) -> None:
+        """Hold at most ``nbytes`` beyond the slot sizes asked for (a tier whose slots may be
+        larger than asked: reused pool buffers); what was sized from ``slot_size`` must fit."""
+
     def fence(self, slot: Any) -> None:
         """The caller is done writing the slot on its stream; later reads must wait for that."""
 
@@ -172,6 +176,9 @@ class HostMemoryTier(TierBackend):
 
     def slot_size(self, nbytes: int) -> int:
         return round_up(max(nbytes, 1), self.SLOT_ALIGN)
+
+    def limit_slack(self, nbytes: int) -> None:
+        self.pool.max_inflation = max(0, nbytes)
 
     def allocate(self, nbytes: int) -> HostBuffer | None:
         buf = self.pool.try_acquire(nbytes)
