@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
-from ..params._hooks import graph_task
+from ..params import graph_task
 from ..store import Residency, Tier, TensorStore, create_store
 
 __all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]

@@ -10,7 +10,8 @@ pass, and keeps the new order for the next one.
 Materializing a group points each of its parameters' ``.data`` at a view of the group's
 flat device buffer; releasing points it back at a placeholder: a stride-0 tensor of the
 right shape holding NaN (or 0 for integer parameters), so code that reads shapes outside
-forward works and any use of a released parameter shows up instead of computing quietly.
+forward works. Uses of a released parameter go through demand fetch (``_demand``), which
+fetches the group for them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from .._signals import DEFER
 from .._units import format_size
 from ..io import BudgetError
 from ..store import Residency, TensorStore, Tier
+from ._gathering import Gathering
 from ._groups import ParamGroup, point
 
-__all__ = ["Coordinator", "in_backward", "refuse_copy"]
+__all__ = ["Coordinator", "graph_task", "in_backward", "refuse_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +59,19 @@ class _Pass:
     diverged: bool = False
 
 
+def graph_task() -> int | None:
+    """The running backward's graph task (-1 outside backward); None where torch has no such call."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else None
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward on this thread."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() >= 0
+    task = graph_task()
+    return task is not None and task >= 0
 
 
-class Coordinator:
+class Coordinator(Gathering):
     def __init__(self, store: TensorStore, groups: list[ParamGroup], *, device: torch.device,
                  prefetch_limit: int, device_budget: int, cache_bytes: int | str = 0,
                  events: list | None = None, zero_copy: bool = False, partition: Any = None,
@@ -409,117 +417,6 @@ class Coordinator:
             point(slot.param, flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
         live.versions = _versions(group)
         self.by_storage[flat.untyped_storage().data_ptr()] = group
-
-    # -- several ranks: gathering whole groups -----------------------------------------------
-    def _gather(self, group: ParamGroup, live: _Live, mine: torch.Tensor) -> torch.Tensor:
-        """All ranks' slices of ``group`` into one device buffer: its whole flat bytes."""
-        size = mine.numel() * self.partition.world
-        device = self.store.tiers[Tier.DEVICE]
-        while self.ahead and self._used() + device.slot_size(size) > self.device_budget:
-            self._drop_ahead(next(reversed(self.ahead)))
-        if self._used() + device.slot_size(size) > self.device_budget:
-            raise BudgetError(
-                f"device_budget {self.device_budget} bytes cannot hold parameter group {group.key!r} "
-                f"gathered from {self.partition.world} ranks ({size} bytes) next to the "
-                f"{self._used()} bytes in use: raise device_budget")
-        live.gathered, whole = self._gather_buffer(group, size)
-        started = time.perf_counter()
-        self.partition.all_gather(whole, mine)
-        self.gather_seconds += time.perf_counter() - started
-        return whole
-
-    def _gather_buffer(self, group: ParamGroup, size: int) -> tuple[Any, torch.Tensor]:
-        """(slot, tensor) of ``size`` bytes on the device for a gathered group: a device-tier
-        slot, counted in the budget. Room is decided by the coordinator's own count, the same
-        on every rank; where the tier holds more at that moment (a copy evicted while loading
-        frees its room when it lands, a reused pool buffer may be larger than asked), the
-        buffer is allocated beside the tier, logged once and counted in
-        ``gather_over_budget_bytes``: the ranks must issue the same collectives."""
-        device = self.store.tiers[Tier.DEVICE]
-        slot = device.allocate(size)
-        if slot is not None:
-            return slot, device.tensor(slot)[:size]
-        self.gather_over_budget_bytes = max(self.gather_over_budget_bytes, size)
-        if "over_budget" not in self._warned:
-            self._warned.add("over_budget")
-            log.warning("offload: gathering parameter group %r (%d bytes) beside the device tier, which "
-                        "holds %d of %d bytes now (pool rounding or copies still loading); further cases "
-                        "are counted in stats()['gather_over_budget_bytes']", group.key, size,
-                        device.used_bytes, self.device_budget)
-        return None, torch.empty(size, dtype=torch.uint8, device=self.device)
-
-    def _gather_ahead(self) -> None:
-        """Several ranks: start the all-gather of the next group of the recorded order, so it
-        runs while this module computes. Whether to start it depends only on what every rank
-        agrees on (the recorded order, the coordinator's own bookkeeping, the budget), never
-        on how fast a read or a peer was, so the ranks issue their collectives in one order."""
-        p = self.current
-        trace = self.traces.get(p.key) if p is not None and not p.diverged else None
-        if not trace or p.cursor >= len(trace):
-            return  # not past the end of the pass: the optimizer may change the next pass's bytes
-        nxt = trace[p.cursor]
-        live = self.live[nxt]
-        if live.flat is not None or live.pending is not None or nxt in self.parked:
-            return
-        device = self.store.tiers[Tier.DEVICE]
-        size = self.partition.slice_bytes(nxt.nbytes) * self.partition.world
-        # room by our own count, with as much again to spare (the tier's buffers may be
-        # larger than asked: pool reuse); else it is gathered when used
-        if self._accounted_device_bytes() + 2 * device.slot_size(size) + \
-                (0 if self._holds_slice(nxt) else device.slot_size(size // self.partition.world)) \
-                > self.device_budget:
-            return
-        if not self._holds_slice(nxt):
-            self._log("fetch", nxt, "prefetch")
-            self.store.fetch(nxt.key, Tier.DEVICE, priority=0)
-            self.ahead[nxt] = None
-        mine = self.store.wait(nxt.key, Tier.DEVICE)
-        slot, whole = self._gather_buffer(nxt, size)
-        work = self.partition.all_gather(whole, mine, async_op=True)
-        live.pending = (work, slot, whole)
-        self.gathered_ahead += 1
-
-    def _holds_slice(self, group: ParamGroup) -> bool:
-        return self.home is Tier.DEVICE or group in self.ahead or bool(self.cached.get(group)) \
-            or self.live[group].flat is not None
-
-    def _accounted_device_bytes(self) -> int:
-        """Device bytes the coordinator's own bookkeeping says are held: slices it fetched and
-        has not dropped, whole groups gathered or being gathered."""
-        device = self.store.tiers[Tier.DEVICE]
-        world = self.partition.world
-        total = 0
-        for group, live in self.live.items():
-            part = self.partition.slice_bytes(group.nbytes)
-            if self._holds_slice(group):
-                total += device.slot_size(part)
-            if live.flat is not None or live.pending is not None:  # a whole group gathered
-                total += device.slot_size(part * world)
-        return total
-
-    def _take_pending(self, group: ParamGroup, live: _Live) -> None:
-        """Use the all-gather issued ahead for ``group``."""
-        work, slot, whole = live.pending
-        live.pending = None
-        self.prefetch_hits += 1
-        self.ahead.pop(group, None)
-        started = time.perf_counter()
-        work.wait()
-        self.gather_seconds += time.perf_counter() - started
-        live.gathered = slot
-        self._point(group, live, whole)
-
-    def _drop_pending(self, group: ParamGroup) -> None:
-        """Discard a gather issued ahead (its group's bytes changed, or the order did); the
-        collective itself was issued by every rank and completes."""
-        live = self.live[group]
-        if live.pending is None:
-            return
-        work, slot, _ = live.pending
-        live.pending = None
-        work.wait()
-        if slot is not None:
-            self.store.tiers[Tier.DEVICE].free(slot)
 
     def _map(self, group: ParamGroup, live: _Live) -> bool:
         """Point the group's parameters at a view of its bytes in the mapped swap file."""

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, SET_DATA, Kind, kind_of, returns_itself, write_targets
+from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
 from ._coordinator import in_backward
 from ._copies import DetachedCopy, read_only
 from ._groups import ParamGroup, ParamSlot

@@ -37,11 +37,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._coordinator import Coordinator, in_backward, refuse_copy
+from ._coordinator import Coordinator, graph_task, in_backward, refuse_copy
 from ._demand import owner_of_param
 from ._groups import ParamGroup
 
-__all__ = ["ModuleHooks", "graph_task"]
+__all__ = ["ModuleHooks"]
 
 
 @dataclass(frozen=True)
@@ -327,12 +327,6 @@ def _call_depth() -> int:
         depth += 1
         frame = frame.f_back
     return depth
-
-
-def graph_task() -> int | None:
-    """The running backward's graph task (-1 outside backward); None where torch has no such call."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else None
 
 
 def _rebuild(packed: _SavedRef, flat: torch.Tensor) -> torch.Tensor:

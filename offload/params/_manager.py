@@ -14,7 +14,6 @@ from torch import nn
 from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
-from ..io import BudgetError
 from ..store import MmapTier, Tier, TensorStore, create_store
 from ._access import DemandAccess
 from ._coordinator import Coordinator

@@ -108,7 +108,7 @@ def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool 
         for group in layout.groups:
             group.resident = True
         layout.resident = sum(device_slot_size(config.device, g.nbytes) for g in layout.groups)
-        layout.held, layout.held_at = 0, ""
+        layout.held, layout.held_at, layout.nests = 0, "", None
     if check and not partitioned:
         _check(model, config, layout, explicit)
     return layout
