@@ -223,7 +223,8 @@ class DemandAccess:
                 f"state_dict() of a model partitioned over {self.partition.world} ranks: each rank holds a slice "
                 "of every group. Call offload.state_dict(model) on every rank (it gathers the groups), or save "
                 "with offload.save_checkpoint / offload.export")
-        need = sum(slot.nbytes for slot in _slots(self._params) if not _resident(slot))
+        owners = (owner_of_param(p) for p in self._params)
+        need = sum(o.slot.nbytes for o in owners if o is not None and not o.group.resident)
         available = psutil.virtual_memory().available
         if need > available:
             raise BudgetError(
@@ -235,18 +236,6 @@ class DemandAccess:
 
     def _state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
         self.snapshots = self._snapshot_group = None
-
-
-def _slots(params: list[nn.Parameter]):
-    for p in params:
-        owner = owner_of_param(p)
-        if owner is not None:
-            yield owner.slot
-
-
-def _resident(slot: Any) -> bool:
-    owner = owner_of_param(slot.param)
-    return owner is not None and owner.group.resident
 
 
 # -- torch optimizers over offloaded parameters ----------------------------------------------------

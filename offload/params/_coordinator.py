@@ -475,7 +475,14 @@ class Coordinator(Gathering):
         becomes the newest, written home when dropped) and say so."""
         changed = live.maybe_written or _versions(group) != live.versions
         live.maybe_written = False
-        if not changed or live.gathered is not None:  # (several ranks: a gathered copy is not stored)
+        if not changed:
+            return
+        if live.gathered is not None:  # several ranks: the gathered copy is not what is stored
+            if _versions(group) != live.versions:
+                raise RuntimeError(
+                    f"parameter group {group.key!r} was written in place inside its module's forward with the "
+                    "model partitioned over ranks: each rank stores a slice, not the gathered copy that was "
+                    "written. Write parameters before offload.wrap, or load them with offload.load_checkpoint")
             return
         live.written += 1
         if live.release is None and self.home is not Tier.DEVICE:  # (a mapped view is the home copy)

@@ -237,7 +237,10 @@ class ModuleHooks:
         return wrapped
 
     def _post_forward(self, groups: list[ParamGroup], output: Any) -> Any:
-        output = self._own_outputs(groups, output)
+        leaves = tree_flatten(output)[0]
+        if self._aliases_of(groups, leaves):
+            output = self._own_outputs(groups, output)
+            leaves = tree_flatten(output)[0]
         for group in groups:
             self.coordinator.release(group, "forward")
         if not torch.is_grad_enabled():
@@ -251,33 +254,46 @@ class ModuleHooks:
             # the whole backward. Its backward needs the group only through saved tensors,
             # which fetch it for their autograd node (_unpack).
             return output
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
         return output
 
-    def _own_outputs(self, groups: list[ParamGroup], output: Any) -> Any:
-        """Outputs that are views of the module's group buffers (a slice of its weight)
-        become copies: the buffers are released next and may be reused."""
-        buffers = set()
+    def _buffers(self, groups: list[ParamGroup]) -> set[int]:
+        out = set()
         for group in groups:
             flat = self.coordinator.live[group].flat
             if flat is not None:
-                buffers.add(flat.untyped_storage().data_ptr())
-        if not buffers:
-            return output
+                out.add(flat.untyped_storage().data_ptr())
+        return out
 
-        def aliases(t: Any) -> bool:
+    def _aliases_of(self, groups: list[ParamGroup], leaves: list) -> bool:
+        """Whether an output is a view of the module's group buffers (a slice of its weight)."""
+        buffers = None
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                buffers = self._buffers(groups) if buffers is None else buffers
+                if not buffers:
+                    return False
+                with torch._C.DisableTorchFunctionSubclass():
+                    if t.untyped_storage().data_ptr() in buffers:
+                        return True
+        return False
+
+    def _own_outputs(self, groups: list[ParamGroup], output: Any) -> Any:
+        """Outputs that view the module's group buffers become copies: the buffers are
+        released next and may be reused."""
+        buffers = self._buffers(groups)
+
+        def own(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
-                return False
+                return t
             with torch._C.DisableTorchFunctionSubclass():
-                return t.untyped_storage().data_ptr() in buffers
+                alias = t.untyped_storage().data_ptr() in buffers
+            return t.clone() if alias else t
 
-        flat_out = tree_flatten(output)[0]
-        if not any(aliases(t) for t in flat_out):
-            return output
-        return tree_map(lambda t: t.clone() if aliases(t) else t, output)
+        return tree_map(own, output)
 
     def _pre_backward(self, groups: list[ParamGroup]) -> None:
         self._release_node_holds()
