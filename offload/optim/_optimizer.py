@@ -54,7 +54,8 @@ from torch.optim import Optimizer
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
-from ..params import graph_task
+from ..params import graph_task, hold_gradients, release_gradients
+from ._grads import GradientBook
 from ..store import Residency, Tier, TensorStore, create_store
 
 __all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]
@@ -89,6 +90,10 @@ class _Segment:
     owner: Any = None  # (manager, ParamGroup, ParamSlot) for a wrapped parameter
     has_grad: bool = False  # a gradient arrived since zero_grad()
     shard: "_Shard | None" = None
+    # noted when the accumulator was written (wrapped only): what p.grad's norms answer
+    sumsq: float = 0.0
+    maxabs: float = 0.0
+    scale: float = 1.0  # p.grad.mul_(c) since (torch's clip_grad_norm_): applied in step()
 
 
 @dataclass(eq=False)
@@ -224,6 +229,7 @@ class OffloadOptimizer(Optimizer):
         self._drains: list[Future] = []
         self._d2h_streams: dict[torch.device, Any] = {}
         self._clip_coef = 1.0
+        self._grads = GradientBook(self)  # p.grad of the wrapped parameters whose gradients we hold
         self._backward_task: int | None = None
         self._interrupted: str | None = None  # how far a step() stopped by an exception got
         # update_during_backward(): this cycle's shards are updated as their gradients become
@@ -263,7 +269,8 @@ class OffloadOptimizer(Optimizer):
                 if id(owner[0]) not in self._listening:
                     self._listening.add(id(owner[0]))
                     owner[0].on_params_written(self._params_written)
-                if p.requires_grad:
+                if p.requires_grad and id(p) not in self._hooked:
+                    hold_gradients(p, self, owner[2].names[0])
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
                     self._hooked[id(p)] = owner
         self._check_managers(managers)
@@ -279,6 +286,9 @@ class OffloadOptimizer(Optimizer):
         if self._interrupted is not None:
             self._refuse_interrupted()
         self._ensure_layout()
+        if self._scaler_enabled and (any(self._has_grads(s) for s in self._shards)):
+            self._check_loss_scaled()
+        self._loss_scaled = False
         if self._scaler_enabled and self._found_inf():
             self._skip_step()
             self._consume_offloaded_grads()
@@ -452,6 +462,7 @@ class OffloadOptimizer(Optimizer):
                 shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
                 for seg in shard.segments:
                     seg.has_grad = False
+        self._grads.consumed()
 
     def synchronize(self) -> None:
         """Wait until the step's write-backs have reached their tier. ``step()`` returns
@@ -474,11 +485,12 @@ class OffloadOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._sync_drains()
         self._buckets.clear()
-        super().zero_grad(set_to_none=set_to_none)
         for shard in self._shards:
             shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
             for seg in shard.segments:
                 seg.has_grad = False
+        self._grads.consumed()
+        super().zero_grad(set_to_none=set_to_none)  # (plain parameters; the wrapped ones show None now)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all this optimizer's parameters to a total norm of
@@ -500,8 +512,10 @@ class OffloadOptimizer(Optimizer):
         sumsq, maxabs = 0.0, 0.0
         for shard in self._shards:
             if shard.wrapped and shard.grad_valid:
-                sumsq += shard.sumsq
-                maxabs = max(maxabs, shard.maxabs)
+                for seg in shard.segments:
+                    if seg.has_grad:  # (scaled through p.grad since: as noted times the factor)
+                        sumsq += seg.sumsq * seg.scale ** 2
+                        maxabs = max(maxabs, seg.maxabs * abs(seg.scale))
         for p in self._plain_params():
             if p.grad is not None:
                 g = p.grad.detach().float()
@@ -520,7 +534,20 @@ class OffloadOptimizer(Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16 dynamic loss scaling); call ``backward()`` on
         the result. Unchanged when loss scaling is off."""
+        self._loss_scaled = True
         return loss * self.loss_scale if self._scaler_enabled else loss
+
+    def _check_loss_scaled(self) -> None:
+        """A step with loss scaling on divides the gradients by the scale: refuse one whose
+        backward did not multiply by it (a loop that never calls scale_loss())."""
+        if self._scaler_enabled and not self._loss_scaled:
+            raise RuntimeError(
+                f"this optimizer scales the loss (loss_scale={'dynamic' if self._dynamic else self.loss_scale}; on "
+                "by default for fp16 parameters) and divides the gradients by {:g} in step(), but this step's "
+                "backward did not go through opt.scale_loss(loss): the update would be {:g}x too small. Call "
+                "opt.scale_loss(loss).backward(); or, when another scaler scales the loss (HF Trainer's "
+                "fp16=True, Accelerate's mixed_precision='fp16', torch.amp.GradScaler), build the optimizer "
+                "with loss_scale=None".format(self.loss_scale, self.loss_scale))
 
     def state_dict(self) -> dict:
         """torch's format: per parameter ``step``, the moment buffers (full tensors in the
@@ -593,6 +620,9 @@ class OffloadOptimizer(Optimizer):
         self._closed = True
         for h in self._hooks:
             h.remove()
+        for group in self.param_groups:
+            for p in group["params"]:
+                release_gradients(p, self)
         for shard in self._shards:
             for key in (shard.state_key, shard.grad_key):
                 if key in shard.store:
@@ -601,6 +631,28 @@ class OffloadOptimizer(Optimizer):
             self._drain_pool.shutdown()
         if self._own_store is not None:
             self._own_store.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def gradient_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param.grad`` of a wrapped parameter whose gradient this optimizer holds (see
+        ``_grads``); None when it holds none."""
+        return self._grads.view(param)
+
+    def set_gradient(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
+        """``param.grad = value`` for a wrapped parameter: None drops what this optimizer
+        holds for it (``model.zero_grad()``), a tensor replaces it."""
+        view = self._grads.view(param)
+        if view is None and value is None:
+            return
+        self._grads.check_param(param)
+        if value is None:
+            if view is not None:
+                self._grads.drop(param)
+        elif value is not view:
+            self._grads.write(param, value)
 
     def __del__(self):
         try:
@@ -1083,9 +1135,13 @@ class OffloadOptimizer(Optimizer):
 
     def _flush(self, shard: _Shard) -> None:
         acc = shard.acc
-        shard.sumsq = float(torch.dot(acc, acc))
-        shard.maxabs = float(torch.linalg.vector_norm(acc, math.inf)) if acc.numel() else 0.0
-        shard.finite = math.isfinite(shard.sumsq)
+        for seg in shard.segments:  # per parameter, for p.grad's norms (_grads)
+            part = acc[seg.offset: seg.offset + seg.length]
+            seg.sumsq = float(torch.dot(part, part))
+            seg.maxabs = float(torch.linalg.vector_norm(part, math.inf)) if seg.length else 0.0
+        shard.sumsq = sum(seg.sumsq for seg in shard.segments)
+        shard.maxabs = max((seg.maxabs for seg in shard.segments), default=0.0)
+        shard.finite = math.isfinite(shard.maxabs)  # (a sum of squares can overflow where no element does)
         if shard.grad_home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)
         else:
@@ -1278,6 +1334,8 @@ class OffloadOptimizer(Optimizer):
             else:
                 params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
             if shard.wrapped:
+                if seg.scale != 1.0:  # p.grad.mul_(c) since backward (torch's clip_grad_norm_)
+                    grads[a:b].mul_(seg.scale)
                 gs.append(grads[a:b])
             else:
                 g = seg.param.grad.reshape(-1)[seg.start: seg.start + seg.length]
@@ -1381,6 +1439,7 @@ class OffloadOptimizer(Optimizer):
                                for g in self.param_groups for p in g["params"])
             loss_scale = "dynamic" if fp16 else None
         self._dynamic = loss_scale == "dynamic"
+        self._loss_scaled = False  # scale_loss() called since the last step
         self._scaler_enabled = loss_scale is not None
         self.loss_scale = 2.0 ** 16 if self._dynamic else float(loss_scale or 1.0)
         self._good_steps = 0

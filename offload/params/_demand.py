@@ -26,6 +26,9 @@ Note: threads. The coordinator's bookkeeping belongs to the thread that wrapped 
 (and to backward's threads); a use from another thread could swap a group out from under
 the training thread, so it is refused.
 
+Note: gradients. ``p.grad`` and ``p.grad = value`` go to the optimizer that holds the
+parameter's gradients when torch's own field is empty (``_gradients``).
+
 Note: writes. An in-place op on the parameter itself (``p.copy_(x)``, ``p.mul_(2)``,
 ``nn.init.normal_(p)``, ``p.data = x`` of the same shape, dtype and device, what
 ``load_state_dict`` does) runs on the fetched group, which is then marked dirty, so it is
@@ -46,11 +49,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
 from ._coordinator import in_backward
 from ._copies import DetachedCopy, read_only
+from ._gradients import get_grad, set_grad
 from ._groups import ParamGroup, ParamSlot
 
 __all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of"]
 
 _plain = torch._C.DisableTorchFunctionSubclass
+_GRAD_GET, _GRAD_SET = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
 
 
 @dataclass(eq=False)
@@ -81,6 +86,10 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if func == _GRAD_GET:  # an optimizer may hold it (_gradients); (method-wrappers: ==, not is)
+            return get_grad(args[0])
+        if func == _GRAD_SET:
+            return set_grad(args[0], args[1])
         if func not in NO_DATA:
             found = _find(args, kwargs)
             if found:

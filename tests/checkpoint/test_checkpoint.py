@@ -305,7 +305,8 @@ def test_wrong_model_lists_the_differences(saved, tmp_path):
 
 
 def test_wrong_optimizer_is_refused(saved):
-    path, m, _ = saved
+    path, m, opt = saved
+    opt.close()  # (one open optimizer per parameter)
     sgd = offload.SGD(m.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(offload.CheckpointError, match="optimizer is offload.optim._optimizer.AdamW"):
         offload.load_checkpoint(str(path), m, sgd)

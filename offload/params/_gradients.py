@@ -1,0 +1,92 @@
+"""Who holds the gradient of a wrapped parameter, so that ``p.grad`` can show it.
+
+An offload optimizer takes each gradient of a wrapped parameter off the device as autograd
+produces it (``p.grad`` is set back to None), so code written for torch that reads or
+clears ``p.grad`` (``clip_grad_norm_``, ``model.zero_grad()``, per-parameter norms in a log)
+would see nothing. The optimizer registers itself here as the *holder* of those gradients;
+:class:`_demand.OffloadedParameter` then asks it for ``p.grad`` whenever torch's own field is
+empty, and hands it ``p.grad = value``.
+
+One holder per parameter: a second optimizer over the same parameters would never see a
+gradient (the first takes them), so it is refused, naming the first.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["GradientHolder", "hold_gradients", "release_gradients", "holder_of", "get_grad", "set_grad"]
+
+_plain = torch._C.DisableTorchFunctionSubclass
+_T = torch._C.TensorBase
+
+
+class GradientHolder(Protocol):
+    closed: bool
+
+    def gradient_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What ``param.grad`` shows while torch's own field is empty."""
+
+    def set_gradient(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
+        """``param.grad = value`` while torch's own field is empty (None drops the gradient)."""
+
+
+# id(parameter) -> weak references to (parameter, holder): neither is kept alive by this
+_holders: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _entry(param: torch.Tensor) -> Any:
+    entry = _holders.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def hold_gradients(param: torch.Tensor, holder: Any, name: str) -> None:
+    """Register ``holder`` for ``param``'s gradients; refuse a second open holder."""
+    first = _entry(param)
+    if first is not None and first is not holder and not first.closed:
+        raise ValueError(
+            f"parameter {name!r} already belongs to an open {type(first).__name__} (id {id(first):#x}), which takes "
+            "its gradients as backward produces them: a second optimizer over it would never see one. Give all "
+            "the parameters to one optimizer (several param groups for different settings), or close() the "
+            "first optimizer before building another")
+    _holders[id(param)] = (weakref.ref(param), weakref.ref(holder))
+
+
+def release_gradients(param: torch.Tensor, holder: Any) -> None:
+    if _entry(param) is holder:
+        del _holders[id(param)]
+
+
+def holder_of(param: torch.Tensor) -> Any:
+    holder = _entry(param)
+    return holder if holder is not None and not holder.closed else None
+
+
+def get_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param.grad``: torch's own field, else what its holder keeps."""
+    with _plain():
+        grad = _T.grad.__get__(param)
+    if grad is None:
+        holder = holder_of(param)
+        if holder is not None:
+            return holder.gradient_of(param)
+    return grad
+
+
+def set_grad(param: torch.Tensor, value: Any) -> None:
+    """``param.grad = value``. While torch's field is empty, the holder's gradient is the one
+    replaced (or dropped); while backward has just put one there (the holder's own hook
+    taking it), torch's field is set as usual."""
+    with _plain():
+        grad = _T.grad.__get__(param)
+    holder = holder_of(param)
+    if grad is None and holder is not None:
+        holder.set_gradient(param, value)
+        return
+    with _plain():
+        _T.grad.__set__(param, value)

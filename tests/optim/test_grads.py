@@ -1,0 +1,151 @@
+"""p.grad of wrapped parameters whose gradients an offload optimizer holds: what torch code
+(clip_grad_norm_, GradScaler, model.zero_grad(), logging) reads and writes, against the
+same model and torch optimizer without offload."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import offload
+
+from .test_optimizer import assert_same_weights, config, lm_batches, make_opt, tiny_gpt2
+
+
+def backward(model, ids, scale=1.0):
+    (model(input_ids=ids, labels=ids).loss * scale).backward()
+
+
+def pair(tmp_path, tier="host", **kw):
+    ref = tiny_gpt2()
+    ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
+    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier=tier, optimizer_tier=tier, **kw))
+    opt = make_opt("adamw", model.parameters(), offloaded=True)
+    return model, opt, ref, ref_opt
+
+
+def close(model, opt):
+    opt.close()
+    offload.unwrap(model)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, no_leaks):
+    """torch.nn.utils.clip_grad_norm_ over the wrapped model (what Accelerate and Trainer
+    call): the same norms and the same clipped trajectory as without offload."""
+    model, opt, ref, ref_opt = pair(tmp_path, tier)
+    for (ids,) in lm_batches(211, steps=3, micro=1):
+        backward(model, ids)
+        backward(ref, ids)
+        limit = 0.5 if norm_type == 2.0 else 0.1
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), limit, norm_type=norm_type)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), limit, norm_type=norm_type)
+        torch.testing.assert_close(got, want)
+        assert float(want) > limit  # the clip changed something
+        opt.step()
+        ref_opt.step()
+        model.zero_grad()
+        ref_opt.zero_grad()
+    assert_same_weights(model, ref)
+    close(model, opt)
+
+
+def test_grad_values_and_inplace_writes(tmp_path, no_leaks):
+    """p.grad reads the accumulated values; an in-place write other than a scale
+    (clip_grad_value_'s clamp) and an assignment are what the step then uses."""
+    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    for _ in range(2):  # two micro-batches: the accumulated sum
+        backward(model, ids)
+        backward(ref, ids)
+    named = dict(model.named_parameters())
+    for n, q in ref.named_parameters():
+        assert named[n].grad is named[n].grad  # one object, as torch's
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, msg=n)
+        assert named[n].grad.shape == q.grad.shape and named[n].grad.is_contiguous()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+    key = "transformer.h.0.mlp.c_fc.weight"
+    named[key].grad = torch.ones_like(named[key].grad)
+    dict(ref.named_parameters())[key].grad = torch.ones_like(named[key].grad)
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, msg=n)
+    opt.step()
+    ref_opt.step()
+    assert_same_weights(model, ref)
+    close(model, opt)
+
+
+def test_zero_grad_between_backward_and_step_drops(tmp_path, no_leaks):
+    """model.zero_grad() (p.grad = None) drops what backward accumulated, as in torch; one
+    parameter's gradient set to None leaves it out of the step."""
+    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    batches = lm_batches(211, steps=2, micro=1)
+    for m in (model, ref):
+        backward(m, batches[0][0])
+        m.zero_grad()
+        backward(m, batches[1][0])
+        dict(m.named_parameters())["transformer.h.1.attn.c_attn.weight"].grad = None
+    assert dict(model.named_parameters())["transformer.h.1.attn.c_attn.weight"].grad is None
+    opt.step()
+    ref_opt.step()
+    assert_same_weights(model, ref)
+    close(model, opt)
+
+
+def test_grad_scaler_unscale_and_skip(tmp_path, no_leaks):
+    """torch.amp.GradScaler over the offload optimizer (loss_scale=None: the scaler scales):
+    unscale_, clipping and the overflow skip as with torch's optimizer."""
+    ref = tiny_gpt2()
+    ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
+    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier="host", optimizer_tier="host"))
+    opt = make_opt("adamw", model.parameters(), offloaded=True, loss_scale=None)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+    batches = lm_batches(211, steps=3, micro=1)
+    for step, (ids,) in enumerate(batches):
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            loss = m(input_ids=ids, labels=ids).loss
+            scaler.scale(loss * (math.inf if step == 1 else 1.0)).backward()  # step 1 overflows
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 512.0
+    assert_same_weights(model, ref)
+    close(model, opt)
+
+
+def test_refusals(tmp_path, no_leaks):
+    model, opt, ref, ref_opt = pair(tmp_path)
+    with pytest.raises(ValueError, match="already belongs to an open AdamW"):
+        offload.SGD(model.parameters(), lr=0.1)
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    backward(model, ids)
+    grad = next(model.parameters()).grad
+    opt.step()
+    assert next(model.parameters()).grad is None  # the step consumed it
+    with pytest.raises(RuntimeError, match="consumed"):
+        grad.norm()
+    opt.close()
+    second = offload.SGD(model.parameters(), lr=0.1)  # the first closed: allowed
+    second.close()
+    offload.unwrap(model)
+
+
+def test_fp16_step_without_scale_loss_refused(tmp_path, no_leaks):
+    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier="host", optimizer_tier="host",
+                                             compute_dtype="fp16"))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    backward(model, ids)
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    opt.zero_grad()
+    opt.scale_loss(model(input_ids=ids, labels=ids).loss).backward()
+    opt.step()
+    assert opt.stats["steps"] == 1
+    close(model, opt)
