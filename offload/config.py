@@ -111,6 +111,9 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("nvme_path", "log_path", "trace_path"):  # str or os.PathLike
+            if getattr(self, name) is not None:
+                set_(name, os.fspath(getattr(self, name)))
         set_("device", _check_device(self.device))
         set_("param_tier", _check_choice("param_tier", self.param_tier, _TIERS_PARAM))
         set_("optimizer_tier", _check_choice("optimizer_tier", self.optimizer_tier, _TIERS_OPTIM))
@@ -264,8 +267,9 @@ class OffloadConfig:
 
     # -- files -----------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str) -> OffloadConfig:
+    def from_file(cls, path: str | os.PathLike) -> OffloadConfig:
         """Load from JSON (or YAML when PyYAML is installed). Unknown keys are an error."""
+        path = os.fspath(path)
         try:
             with open(path) as fh:
                 text = fh.read()

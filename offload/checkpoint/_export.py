@@ -21,7 +21,7 @@ __all__ = ["export"]
 log = logging.getLogger(__name__)
 
 
-def export(model: nn.Module, path: str, format: str = "safetensors", shard_size: int | str = "5GiB") -> list[str]:
+def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors", shard_size: int | str = "5GiB") -> list[str]:
     """Write ``model``'s parameters and persistent buffers to the directory ``path`` as
     safetensors shards of at most ``shard_size`` (with ``model.safetensors.index.json`` when
     there are several), the layout ``transformers``' ``from_pretrained`` reads; a
@@ -37,6 +37,7 @@ def export(model: nn.Module, path: str, format: str = "safetensors", shard_size:
     all see): rank 0 creates the files, each rank writes the elements its slices hold into
     them, and rank 0 puts them in place once every rank has written.
     """
+    path = os.fspath(path)
     if format != "safetensors":
         raise ValueError(f"export format {format!r} is not supported: use format='safetensors'")
     limit = parse_size(shard_size, name="shard_size")

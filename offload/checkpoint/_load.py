@@ -4,6 +4,7 @@ into whatever tiers the model and optimizer use now, each piece verified by its 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -12,9 +13,10 @@ from torch import nn
 
 from .._units import format_size
 from ..io import BufferPool
-from ..optim._optimizer import OffloadOptimizer
+from ..optim import OffloadOptimizer
 from ._catalog import Catalog, Tensorish, catalog
 from ._format import ALIGN, CheckpointError, dtype_of, read_manifest
+from ._optimizers import innermost_optimizer
 from ._save import resources
 from ._stream import BlobReader, ReadItem, ReadRun, merge_runs
 
@@ -23,7 +25,7 @@ __all__ = ["load_checkpoint", "load_state_dict_from"]
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (wrapped with any
     tier layout and budget, or plain) and ``optimizer``; returns the ``extra`` it was saved with.
 
@@ -38,6 +40,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     one saved by a single process loads into several ranks. With several ranks every rank
     calls it, and every rank raises if any rank failed.
     """
+    path = os.fspath(path)
+    optimizer = innermost_optimizer(optimizer, "load_checkpoint")
     cat = catalog(model)
     part = cat.manager.partition if cat.manager is not None else None
     if part is None:
@@ -96,10 +100,10 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
     return manifest.get("extra")
 
 
-def load_state_dict_from(path: str) -> dict[str, torch.Tensor]:
+def load_state_dict_from(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint as plain CPU tensors by name (tied parameters under
     each name), verified, for ``model.load_state_dict`` on a model that is not wrapped."""
-    manifest = read_manifest(path)
+    manifest = read_manifest(os.fspath(path))
     out: dict[str, torch.Tensor] = {}
     items = []
     for entry in _model_entries(manifest):

@@ -14,10 +14,11 @@ from torch import nn
 
 from .._units import format_size
 from ..io import BufferPool
-from ..optim._optimizer import OffloadOptimizer
+from ..optim import OffloadOptimizer
 from ._catalog import Catalog, Tensorish, catalog, host_bytes
 from ._format import (FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, dtype_name,
                       fault_point, write_json)
+from ._optimizers import innermost_optimizer
 from ._stream import Blob, BlobWriter, Piece
 
 __all__ = ["save_checkpoint", "state_dict", "resources"]
@@ -27,7 +28,7 @@ _PACK = 64 << 20  # small tensors are packed into blobs of up to this many bytes
 _WINDOW = 512 << 20  # most bytes of save/load buffers held at once
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     extra: dict | None = None) -> None:
     """Save ``model`` (wrapped or not) and ``optimizer`` into the directory ``path``.
 
@@ -47,8 +48,10 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     of the whole, which records the global layout; it loads into any number of ranks.
     """
     started = time.perf_counter()
+    path = os.fspath(path)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    optimizer = innermost_optimizer(optimizer, "save_checkpoint")
     extra_json = _check_extra(extra)
     cat = catalog(model)
     if cat.manager is not None and cat.manager.partition is not None:

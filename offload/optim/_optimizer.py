@@ -48,6 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import psutil
 import torch
 from torch.optim import Optimizer
 
@@ -554,6 +555,14 @@ class OffloadOptimizer(Optimizer):
         parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``."""
         self._sync_drains()
         self._ensure_layout()
+        need = sum(len(self._row_names(s)) * sum(seg.length for seg in s.segments) * 4 for s in self._shards)
+        available = psutil.virtual_memory().available
+        if need > available:
+            raise BudgetError(
+                f"state_dict() of an offload optimizer copies every state into host memory: {format_size(need)} "
+                f"of fp32 states, {format_size(available)} of RAM available. Save it with "
+                "offload.save_checkpoint(path, model, optimizer), which streams a shard at a time (with HF "
+                "Trainer: save_strategy='no' and offload.save_checkpoint in a callback or after train())")
         packed = super().state_dict()  # param_groups with indices; our self.state is empty
         index = {}
         for group in self.param_groups:
@@ -597,13 +606,20 @@ class OffloadOptimizer(Optimizer):
         self._ensure_layout()
         for shard in self._shards:
             rows = torch.zeros(shard.rows, shard.numel, dtype=torch.float32)
+            # a wrapped parameter's master the state dict lacks (torch's, for a model offload
+            # runs in bf16) stays what it is: the model's values, not their rounded copy
+            current = self._read_state(shard) if shard.master else None
             names = self._row_names(shard)
             for seg in shard.segments:
                 entry = loaded.get(id(seg.param), {})
-                seg.step.fill_(float(entry.get("step", 0)))
+                # torch's SGD saves its momentum buffer and no step: a buffer means it has
+                # stepped (step 0 would make the next update overwrite the buffer)
+                stepped = any(entry.get(name) is not None for name in names if name != "master_param")
+                seg.step.fill_(float(entry.get("step", 1 if stepped else 0)))
                 for r, name in enumerate(names):
                     if name == "master_param" and name not in entry:
-                        source = self._current_values(seg)
+                        source = self._current_values(seg) if seg.owner is None else \
+                            current[0, seg.offset: seg.offset + seg.length]
                     elif name in entry:
                         source = entry[name].reshape(-1)[seg.start: seg.start + seg.length]
                     else:
@@ -721,6 +737,10 @@ class OffloadOptimizer(Optimizer):
         for shard in new:
             self._init_state(shard)
         self._shards.extend(new)
+        for shard in new:  # after every new shard has its masters (a group may span shards)
+            for seg in shard.segments:
+                if seg.owner is not None:
+                    seg.owner[0].master_taken(seg.owner[1], seg.owner[2])
         for _, p, _ in todo:
             self._laid_out.add(id(p))
 
@@ -915,15 +935,18 @@ class OffloadOptimizer(Optimizer):
     def _init_state(self, shard: _Shard) -> None:
         rows = torch.zeros(shard.rows, shard.numel, dtype=torch.float32)
         if shard.master:
-            cache: dict[int, torch.Tensor] = {}
+            cache: dict[int, tuple] = {}
             for seg in shard.segments:
                 if seg.owner is None:
                     rows[0, seg.offset: seg.offset + seg.length].copy_(self._current_values(seg))
                     continue
                 manager, pgroup, slot = seg.owner
-                data = cache.get(id(pgroup))
-                if data is None:
-                    data = cache[id(pgroup)] = manager.group_bytes(pgroup)
+                data, originals = cache.get(id(pgroup)) or cache.setdefault(
+                    id(pgroup), (manager.group_bytes(pgroup), manager.original_values(pgroup)))
+                if originals is not None and id(slot) in originals:  # the model's values before rounding
+                    rows[0, seg.offset: seg.offset + seg.length].copy_(
+                        originals[id(slot)][seg.start: seg.start + seg.length])
+                    continue
                 begin, end = slot.elements(seg.start, seg.length)
                 rows[0, seg.offset: seg.offset + seg.length].copy_(data[begin: end].view(slot.dtype))
         self._write_state(shard, rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import weakref
 from typing import Any
@@ -20,6 +21,7 @@ from ._coordinator import Coordinator
 from ._groups import ParamGroup, ParamSlot, point
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
+from ._originals import Originals, narrows
 from ._sizing import check_partitioned, device_layout
 
 __all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of", "owner_of"]
@@ -34,7 +36,7 @@ class ParamManager:
 
     def __init__(self, model: nn.Module, config: OffloadConfig, store: TensorStore,
                  groups: list[ParamGroup], coordinator: Coordinator, hooks: ModuleHooks,
-                 partition: Any = None):
+                 partition: Any = None, originals: Originals | None = None):
         # groups: what this process's store holds (with several ranks, its slice of each
         # group, see offload.distributed); the coordinator materializes the whole groups
         self.model, self.config, self.store = model, config, store
@@ -45,6 +47,10 @@ class ParamManager:
         slices = {id(g.whole or g): g for g in groups}
         self.access = DemandAccess(coordinator, hooks, partition=partition,
                                    read_group=lambda whole: self.whole_bytes(slices[id(whole)]))
+        # the fp32 values of trained parameters compute_dtype rounded, until an optimizer
+        # takes them as masters; a write outside the optimizer makes them stale
+        self.originals = originals if originals is not None else Originals(store)
+        self.access.on_write(self._written_outside)
         self.optimizer_seconds = 0.0
         self.steps = 0
         self.tracer: Tracer | None = None
@@ -127,6 +133,20 @@ class ParamManager:
         group (the whole group, with several ranks)."""
         self.access.on_write(callback)
 
+    def _written_outside(self, group: ParamGroup) -> None:
+        for mine in self.groups:
+            if (mine.whole or mine) is group:
+                self.originals.forget(mine)
+
+    def original_values(self, group: ParamGroup) -> dict[int, torch.Tensor] | None:
+        """id(slot) -> the model's fp32 values of ``group``'s trained parameters that
+        compute_dtype rounded, while kept (``_originals``); else None."""
+        return self.originals.values(group)
+
+    def master_taken(self, group: ParamGroup, slot: Any) -> None:
+        """An optimizer built ``slot``'s master weights: its kept values may go."""
+        self.originals.taken(group, slot)
+
     def params_changed(self, group: ParamGroup) -> None:
         """``group``'s parameters were replaced by a caller other than the optimizer (a
         checkpoint load): optimizers keeping master copies refresh them."""
@@ -169,7 +189,7 @@ def manager_of(model: nn.Module) -> ParamManager:
         raise ValueError("this model is not wrapped: call offload.wrap(model, config) first") from None
 
 
-def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = None,
+def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLike | None = None,
          events: list | None = None, process_group: Any = None) -> nn.Module:
     """Manage ``model``'s parameters as ``config`` says; returns the same module.
 
@@ -183,6 +203,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     """
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
     if model in _managers:
         raise ValueError("this model is already wrapped: call offload.unwrap(model) first")
     from .. import distributed
@@ -234,7 +255,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
                                   layout=layout,
                                   events=events, zero_copy=zero_copy, partition=partition,
                                   home=_HOME[config.param_tier])
-        _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition)
+        originals = Originals(store)
+        _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
         if partition is not None:  # after loading: it may have replaced meta parameters
             mine = distributed.slice_groups(groups, partition)
         _move_buffers(model, device, reader)
@@ -244,7 +266,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | None = No
     except BaseException:
         store.close()
         raise
-    _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition)
+    _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition, originals)
     manager.access.attach(model, groups)
     manager.start_step_log()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
@@ -377,11 +399,11 @@ def note_step(model: nn.Module, **fields: Any) -> None:
     manager_of(model).note(**fields)
 
 
-def write_trace(model: nn.Module, path: str | None = None) -> str:
+def write_trace(model: nn.Module, path: str | os.PathLike | None = None) -> str:
     """Write the recorded timeline (``OffloadConfig(trace_path=...)``) as a Chrome trace
     (open it in chrome://tracing or ui.perfetto.dev); returns the path. ``unwrap`` writes
     it too."""
-    return manager_of(model).write_trace(path)
+    return manager_of(model).write_trace(os.fspath(path) if path is not None else None)
 
 
 def reset_peak_stats(model: nn.Module) -> None:
@@ -411,18 +433,29 @@ def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:
 
 
 def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
-                 coordinator: Coordinator, home: Tier, reader: Any, partition: Any = None) -> None:
+                 coordinator: Coordinator, home: Tier, reader: Any, partition: Any = None,
+                 originals: Originals | None = None) -> None:
     """Each group's flat bytes into the store, one group in host memory at a time (with
-    several ranks, only this rank's slice of it)."""
+    several ranks, only this rank's slice of it); the fp32 values of trained parameters
+    the compute dtype rounds into ``originals``."""
+    rounded: list[str] = []
     for group in groups:
         for slot in group.slots:
             if slot.param.device.type == "meta":  # a meta tensor cannot take real .data
                 _replace_param(model, slot)
         flat = torch.empty(group.nbytes, dtype=torch.uint8)
+        wide: dict[int, torch.Tensor] = {}
         for slot in group.slots:
             source = reader.tensor(slot) if reader is not None else slot.param.detach()
             view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             view.copy_(source)
+            if narrows(source, slot):
+                wide[id(slot)] = source
+        if wide and partition is None and originals is not None:
+            originals.keep(group, wide)
+        elif wide:
+            rounded.append(group.key)
+        del wide
         if partition is not None:
             size = partition.slice_bytes(group.nbytes)
             mine = torch.zeros(size, dtype=torch.uint8)
@@ -441,6 +474,10 @@ def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
                 slot.param.data = coordinator.placeholder(slot.dtype, slot.shape)
     for group in groups:
         store.wait(group.key, Tier.DEVICE if group.resident else home)
+    if rounded:
+        log.warning("offload: with several ranks the fp32 values that compute_dtype rounds are not kept: the "
+                    "optimizer's master weights of %d groups start from the rounded values (first: %s). Cast the "
+                    "model to the compute dtype before wrap to say so explicitly", len(rounded), rounded[0])
 
 
 def _replace_param(model: nn.Module, slot: Any) -> None:

@@ -69,7 +69,7 @@ def check_target(path: str, size: int, device: str) -> torch.device:
     return dev
 
 
-def run_profile(path: str, size: int, *, device: str = "cpu", mode: str = "quick",
+def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode: str = "quick",
                 progress: Callable[[str], None] | None = None, cache: bool = True,
                 fio: bool = False) -> dict[str, Any]:
     """Measure the disk at ``path`` (through offload's file engine), host memory, the CPU
@@ -78,8 +78,8 @@ def run_profile(path: str, size: int, *, device: str = "cpu", mode: str = "quick
     where ``OffloadConfig(io="auto")`` finds it. With ``fio`` (and fio installed), fio
     measures the best read and write settings again, as the yardstick of the table's share
     column."""
+    path = os.path.abspath(os.fspath(path))
     dev = check_target(path, size, device)
-    path = os.path.abspath(path)
     started = time.perf_counter()
     note = progress or (lambda label: None)
     for stale in remove_stale_test_files(path):

@@ -1,0 +1,93 @@
+"""Accelerate's prepare over an offloaded model and offload.AdamW, against the same loop over
+the plain model and torch's AdamW: clipping through accelerator.clip_grad_norm_, and
+offload.save_checkpoint / load_checkpoint given the prepared (wrapped) optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+
+from .conftest import offload_config, tiny_gpt2, token_batches, weights
+
+accelerate = pytest.importorskip("accelerate")
+
+BATCHES = token_batches(6)
+
+
+def build(tmp_path, offloaded: bool):
+    model = tiny_gpt2()
+    if offloaded:
+        offload.wrap(model, offload_config(tmp_path))
+        opt = offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, fused=True)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, prepared = accelerator.prepare(model, opt)
+    return accelerator, model, prepared, opt
+
+
+def loop(accelerator, model, opt, batches, save=None):
+    losses = []
+    for i, ids in enumerate(batches):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        if save is not None and i == 2:
+            offload.save_checkpoint(save, model, opt)
+    return losses
+
+
+def test_prepared_training_checkpoint_and_resume(tmp_path, no_leaks):
+    acc, model, prepared, _ = build(tmp_path / "ref", False)
+    ref_losses, ref_weights = loop(acc, model, prepared, BATCHES), weights(model)
+
+    acc, model, prepared, opt = build(tmp_path / "a", True)
+    assert type(prepared).__name__ == "AcceleratedOptimizer"
+    losses = loop(acc, model, prepared, BATCHES, save=tmp_path / "ckpt")
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)  # clipped as without offload
+    final = weights(model)
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    opt.close()
+    offload.unwrap(model)
+
+    acc, model, prepared, opt = build(tmp_path / "b", True)
+    offload.load_checkpoint(tmp_path / "ckpt", model, prepared)
+    assert loop(acc, model, prepared, BATCHES[3:]) == losses[3:]  # bit for bit
+    for name, value in weights(model).items():
+        torch.testing.assert_close(value, final[name], rtol=0, atol=0, msg=name)
+    opt.close()
+    offload.unwrap(model)
+
+
+class Holder:
+    """A wrapper of its own (like many training frameworks have) around an optimizer."""
+
+    def __init__(self, opt):
+        self.inner = opt
+        self.param_groups = opt.param_groups
+
+    def step(self):
+        self.inner.step()
+
+
+def test_checkpoint_finds_or_refuses_the_optimizer(tmp_path, no_leaks):
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
+    opt = offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    ids = BATCHES[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    offload.save_checkpoint(tmp_path / "found", model, Holder(opt))  # looked through
+    assert offload.load_checkpoint(tmp_path / "found", model, opt) is None
+    with pytest.raises(offload.CheckpointError, match="cannot be reached"):
+        offload.save_checkpoint(tmp_path / "none", model, object())
+    stray = torch.optim.SGD(model.parameters(), lr=0.1)  # its parameters' state is the AdamW's
+    with pytest.raises(offload.CheckpointError, match="open AdamW"):
+        offload.save_checkpoint(tmp_path / "stray", model, stray)
+    opt.close()
+    offload.unwrap(model)

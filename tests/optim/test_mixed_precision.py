@@ -1,0 +1,104 @@
+"""compute_dtype lower than an fp32 model's: the master weights start from the model's own
+fp32 values (as torch.amp, DeepSpeed's bf16 and Accelerate keep them), against a reference
+that keeps fp32 masters and runs a copy of the model in the compute dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+
+from .test_optimizer import assert_bf16_master_close, config, lm_batches, tiny_gpt2, tiny_llama, train
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("source", ["memory", "checkpoint"])
+def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
+    model = tiny_gpt2()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if source == "checkpoint":
+        model.save_pretrained(tmp_path / "weights")
+        with offload.init_empty_weights():
+            model = type(model)(model.config)
+    offload.wrap(model, config(tmp_path, param_tier=tier, optimizer_tier=tier, compute_dtype="bf16"),
+                 checkpoint=tmp_path / "weights" if source == "checkpoint" else None)
+    assert offload.params.manager_of(model).originals.kept  # until the optimizer takes them
+    opt = offload.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    assert not offload.params.manager_of(model).originals.kept  # taken, and dropped
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # lr 0: the masters stay what they started from
+    names = [n for n, _ in model.named_parameters()]
+    state = opt.state_dict()["state"]
+    for i, name in enumerate(names):
+        torch.testing.assert_close(state[i]["master_param"], original[name], rtol=0, atol=0, msg=name)
+    opt.close()
+    offload.unwrap(model)
+
+
+def test_write_after_wrap_replaces_the_kept_values(tmp_path, no_leaks):
+    """load_state_dict after wrap: the master comes from what was written (rounded to the
+    compute dtype, as the group holds it), not from the values kept at wrap."""
+    model = offload.wrap(tiny_gpt2(), config(tmp_path, compute_dtype="bf16"))
+    other = tiny_gpt2()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    model.load_state_dict(other.state_dict())
+    opt = offload.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    state = opt.state_dict()["state"]
+    for i, p in enumerate(other.parameters()):
+        torch.testing.assert_close(state[i]["master_param"], p.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
+    opt.close()
+    offload.unwrap(model)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, no_leaks):
+    """The trajectory of a model run in bf16 / fp16 (a fixed loss scale of 1024 for fp16)
+    whose fp32 masters start from the fp32 model."""
+    model = tiny_llama()
+    batches = lm_batches(model.config.vocab_size)
+    masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]  # the model's fp32 values
+    work = copy.deepcopy(model)
+    for p in work.parameters():  # as wrap() does: parameters in the compute dtype, buffers as they were
+        p.data = p.data.to(DTYPES[dtype])
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.05, fused=True)
+    scale = 1024.0 if dtype == "fp16" else 1.0
+    ref_losses = []
+    for micro in batches:
+        total = 0.0
+        for ids in micro:
+            loss = work(input_ids=ids, labels=ids).loss.float() / len(micro)
+            (loss * scale).backward()
+            total += float(loss.detach())
+            for m, p in zip(masters, work.parameters()):  # accumulated in fp32, unscaled at the step
+                m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                p.grad = None
+        for m in masters:
+            m.grad /= scale
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, work.parameters()):
+                p.copy_(m)
+        ref_losses.append(total)
+
+    offload.wrap(model, config(tmp_path, compute_dtype=dtype))
+    opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05,
+                        loss_scale=scale if dtype == "fp16" else None)
+    losses = train(model, opt, batches, scale=opt.scale_loss)
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-2, atol=2e-2)
+    state = opt.state_dict()["state"]
+    for i, m in enumerate(masters):
+        assert_bf16_master_close(state[i]["master_param"], m.detach())
+    opt.close()
+    offload.unwrap(model)
