@@ -138,6 +138,15 @@ def setup_distributed(args) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def add_batch_args(group: argparse._ArgumentGroup) -> None:
+    """Steps, batch shape and learning rate (shared with examples/hf_trainer.py)."""
+    group.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    group.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
+    group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    group.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+
+
 def offload_config(args) -> offload.OffloadConfig:
     nvme = "nvme" in (args.param_tier, args.optimizer_tier)
     if nvme:
@@ -155,11 +164,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_model_and_offload_args(parser)
     t = parser.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    t.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
-    t.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
-    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    add_batch_args(t)
     t.add_argument("--warmup", type=int, default=2, help="linear warm-up steps (default 2)")
     t.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm, 0 to disable (default 1.0)")
     t.add_argument("--update-in-backward", action="store_true", help="update each layer's weights during "

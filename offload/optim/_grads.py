@@ -15,7 +15,8 @@ gradient's shape, dtype and device whose elements rest in the accumulators.
   per segment and applied inside the next ``step()``; ``g.zero_()`` and ``p.grad = None``
   drop it; ``p.grad = t`` replaces it.
 - Any other call runs on a copy of its elements (read from the tier); a call that writes
-  them in place has its result written back.
+  them in place has its result written back; a result that views the copy refuses writes
+  (:class:`CopyView`), which would be lost.
 
 It refuses use once ``step()`` or ``zero_grad()`` has consumed the gradient it stood for,
 while a backward is still adding into it, within ``update_during_backward()`` (the update
@@ -41,7 +42,7 @@ _NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm}
 _SCALE = {torch.Tensor.mul_: False, torch.Tensor.__imul__: False, torch.Tensor.div_: True,
           torch.Tensor.__itruediv__: True}
 _UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_  # (GradScaler.unscale_)
-_SELF = {torch.Tensor.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_}
+_SELF = {torch.Tensor.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_, torch._C.TensorBase.data.__get__}
 
 
 class OffloadedGrad(torch.Tensor):
@@ -113,7 +114,38 @@ def _on_copies(func: Any, args: tuple, kwargs: dict, grads: list[OffloadedGrad])
             g._book.write(g._param, copies[id(g)])
     if any(out is copies[id(g)] for g in grads):  # an in-place call returns its target
         return next(g for g in grads if out is copies[id(g)])
-    return out
+    return _guard_views(out, {c.untyped_storage().data_ptr() for c in copies.values()})
+
+
+def _guard_views(out: Any, storages: set[int]) -> Any:
+    """Results that view one of the copies (``p.grad.view(-1)``, ``p.grad[0]``) become
+    :class:`CopyView`: a write through them would change the copy, not the gradient."""
+    def guard(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and type(t) is not OffloadedGrad:
+            with _plain():
+                if t.untyped_storage().data_ptr() in storages:
+                    return t.as_subclass(CopyView)
+        return t
+
+    return tree_map(guard, out)
+
+
+class CopyView(torch.Tensor):
+    """A view of a copy of an offloaded ``p.grad``: read freely; an in-place write raises."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(type(t) is CopyView for t in write_targets(kind_of(func), args, kwargs)):
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)}() writes into a view of an offloaded parameter's p.grad, "
+                "which is a copy of the gradient resting in the optimizer: the write would be lost. Write to "
+                "p.grad itself (p.grad.mul_(c), p.grad.clamp_(...), p.grad = new), or clone() the view")
+        with _plain():
+            storages = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                        if type(t) is CopyView}
+            out = func(*args, **kwargs)
+        return _guard_views(out, storages)
 
 
 def _vector_order(func: Any, args: tuple, kwargs: dict) -> float | None:

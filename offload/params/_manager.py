@@ -21,7 +21,8 @@ from ._coordinator import Coordinator
 from ._groups import ParamGroup, ParamSlot, point
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
-from ._originals import Originals, narrows
+from ._originals import Originals
+from ._placing import load_groups, move_buffers
 from ._sizing import check_partitioned, device_layout
 
 __all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of", "owner_of"]
@@ -256,10 +257,10 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                                   events=events, zero_copy=zero_copy, partition=partition,
                                   home=_HOME[config.param_tier])
         originals = Originals(store)
-        _load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
+        load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
         if partition is not None:  # after loading: it may have replaced meta parameters
             mine = distributed.slice_groups(groups, partition)
-        _move_buffers(model, device, reader)
+        move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon
         hooks = ModuleHooks(model, needs, coordinator)
         hooks.attach()
@@ -430,74 +431,3 @@ def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:
                         host_budget=config.host_budget, nvme_path=nvme, file_size=config.file_size,
                         block_size=config.block_size, threads=config.io_threads,
                         queue_depth=config.queue_depth, io_backend=backend)
-
-
-def _load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
-                 coordinator: Coordinator, home: Tier, reader: Any, partition: Any = None,
-                 originals: Originals | None = None) -> None:
-    """Each group's flat bytes into the store, one group in host memory at a time (with
-    several ranks, only this rank's slice of it); the fp32 values of trained parameters
-    the compute dtype rounds into ``originals``."""
-    rounded: list[str] = []
-    for group in groups:
-        for slot in group.slots:
-            if slot.param.device.type == "meta":  # a meta tensor cannot take real .data
-                _replace_param(model, slot)
-        flat = torch.empty(group.nbytes, dtype=torch.uint8)
-        wide: dict[int, torch.Tensor] = {}
-        for slot in group.slots:
-            source = reader.tensor(slot) if reader is not None else slot.param.detach()
-            view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-            view.copy_(source)
-            if narrows(source, slot):
-                wide[id(slot)] = source
-        if wide and partition is None and originals is not None:
-            originals.keep(group, wide)
-        elif wide:
-            rounded.append(group.key)
-        del wide
-        if partition is not None:
-            size = partition.slice_bytes(group.nbytes)
-            mine = torch.zeros(size, dtype=torch.uint8)
-            begin = partition.rank * size
-            piece = flat[begin: begin + size]
-            mine[: piece.numel()].copy_(piece)
-            flat = mine
-        store.put(group.key, flat, Tier.DEVICE if group.resident else home)
-        del flat
-        if group.resident:
-            out = store.wait(group.key, Tier.DEVICE)
-            for slot in group.slots:
-                slot.param.data = out[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-        else:
-            for slot in group.slots:
-                slot.param.data = coordinator.placeholder(slot.dtype, slot.shape)
-    for group in groups:
-        store.wait(group.key, Tier.DEVICE if group.resident else home)
-    if rounded:
-        log.warning("offload: with several ranks the fp32 values that compute_dtype rounds are not kept: the "
-                    "optimizer's master weights of %d groups start from the rounded values (first: %s). Cast the "
-                    "model to the compute dtype before wrap to say so explicitly", len(rounded), rounded[0])
-
-
-def _replace_param(model: nn.Module, slot: Any) -> None:
-    old = slot.param
-    new = nn.Parameter(torch.empty(0, dtype=slot.dtype), requires_grad=old.requires_grad)
-    for name in slot.names:
-        module_name, _, attr = name.rpartition(".")
-        model.get_submodule(module_name)._parameters[attr] = new
-    slot.param = new
-
-
-def _move_buffers(model: nn.Module, device: torch.device, reader: Any) -> None:
-    for module_name, module in model.named_modules():
-        for name, buf in list(module.named_buffers(recurse=False)):
-            full = f"{module_name}.{name}" if module_name else name
-            if buf.device.type == "meta":
-                if reader is None or not reader.has(full):
-                    raise ValueError(
-                        f"buffer {full!r} is on the meta device and not in the checkpoint: build the "
-                        "model with offload.init_empty_weights() (parameters on meta, buffers real) "
-                        "or include the buffer in the checkpoint")
-                buf = reader.get(full)
-            module._buffers[name] = buf.to(device)

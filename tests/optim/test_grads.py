@@ -149,3 +149,18 @@ def test_fp16_step_without_scale_loss_refused(tmp_path, no_leaks):
     opt.step()
     assert opt.stats["steps"] == 1
     close(model, opt)
+
+
+def test_views_of_a_grad_refuse_writes(tmp_path, no_leaks):
+    model, opt, ref, ref_opt = pair(tmp_path)
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    backward(model, ids)
+    backward(ref, ids)
+    p, q = next(model.parameters()), next(ref.parameters())
+    torch.testing.assert_close(p.grad.view(-1)[:5].sum(), q.grad.view(-1)[:5].sum())  # reads are fine
+    with pytest.raises(RuntimeError, match="would be lost"):
+        p.grad.view(-1)[:5].mul_(2)
+    p.grad.data.mul_(0.5)  # .data is p.grad itself
+    q.grad.data.mul_(0.5)
+    torch.testing.assert_close(p.grad.clone(), q.grad)
+    close(model, opt)

@@ -220,6 +220,8 @@ def test_config_from_json_and_validation(tmp_path):
                                 "device_budget": "1GiB", "host_budget": 2 << 30}))
     c = offload.OffloadConfig.from_file(str(path))
     assert c.device_budget == 1 << 30 and c.host_budget == 2 << 30
+    assert offload.OffloadConfig.from_file(path) == c  # a pathlib.Path as well
+    assert offload.OffloadConfig(device="cpu", nvme_path=tmp_path, log_path=tmp_path / "l").nvme_path == str(tmp_path)
     assert c.prefetch_limit(1 << 30) == 64 << 20  # at least 64 MiB
     assert c.prefetch_limit(1 << 30, 32 << 20) == 128 << 20  # four typical groups
     assert c.prefetch_limit(1 << 30, 200 << 20) == 256 << 20  # at most 256 MiB
