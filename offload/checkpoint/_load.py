@@ -14,6 +14,7 @@ from torch import nn
 from .._units import format_size
 from ..io import BufferPool
 from ..optim import OffloadOptimizer
+from ..params import narrows
 from ._catalog import Catalog, Tensorish, catalog
 from ._format import ALIGN, CheckpointError, dtype_of, read_manifest
 from ._optimizers import innermost_optimizer
@@ -263,13 +264,18 @@ def _group_item(manager: Any, group: Any, members: list[tuple[Tensorish, list[di
             for slot in kept:
                 begin, end = slot.held
                 data[begin: end].copy_(current[begin: end])
+        wide: dict[int, torch.Tensor] = {}  # trained parameters saved wider than they rest now
         for t, entry, at, a, b in copies:
             s, e = _span(entry)
             source = _as_tensor(data[at: at + entry["length"]], dtype_of(entry["dtype"]), (e - s,))
             begin, end = t.slot.elements(a, b - a)
             data[begin: end].view(t.dtype).copy_(source[a - s: b - s])
+            if s == 0 and e == t.slot.numel and manager.partition is None and narrows(source, t.slot):
+                wide[id(t.slot)] = source
         manager.write_group(group, data[: group.nbytes])
         manager.params_changed(group)
+        if wide:  # an optimizer built after this load starts its masters from them
+            manager.keep_originals(group, wide)
 
     def in_place() -> Any:
         if not group.resident:
@@ -370,6 +376,7 @@ def _offload_optimizer_items(opt: OffloadOptimizer, plan: dict) -> list[ReadItem
 def _finish_offload_optimizer(opt: OffloadOptimizer, plan: dict) -> None:
     opt._interrupted = None  # a step stopped half way is undone by the load
     opt.forget_param_writes()  # its master rows came with the weights
+    opt.masters_taken()
     for shard in opt._shards:
         shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
         for seg in shard.segments:

@@ -56,7 +56,7 @@ from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
 from ..params import graph_task, hold_gradients, release_gradients
-from ._grads import GradientBook
+from ._grads import GradientBook, noted_norms, renote
 from ..store import Residency, Tier, TensorStore, create_store
 
 __all__ = ["OffloadOptimizer", "AdamW", "Adam", "SGD"]
@@ -229,7 +229,7 @@ class OffloadOptimizer(Optimizer):
         self._drain_pool: ThreadPoolExecutor | None = None
         self._drains: list[Future] = []
         self._d2h_streams: dict[torch.device, Any] = {}
-        self._clip_coef = 1.0
+        self._clipped = False  # clip_grad_norm_() since the last step
         self._grads = GradientBook(self)  # p.grad of the wrapped parameters whose gradients we hold
         self._backward_task: int | None = None
         self._interrupted: str | None = None  # how far a step() stopped by an exception got
@@ -290,19 +290,18 @@ class OffloadOptimizer(Optimizer):
         if self._scaler_enabled and (any(self._has_grads(s) for s in self._shards)):
             self._check_loss_scaled()
         self._loss_scaled = False
+        self._clipped = False
         if self._scaler_enabled and self._found_inf():
             self._skip_step()
-            self._consume_offloaded_grads()
             self._end_step(started, skipped=True)
             return loss
-        grad_scale = (self.loss_scale if self._scaler_enabled else 1.0) / self._clip_coef
-        self._clip_coef = 1.0
+        # (the gradients stay, as torch's p.grad does, until zero_grad() or p.grad = None)
+        grad_scale = self.loss_scale if self._scaler_enabled else 1.0
         if self._early:
             work = self._finish_early()
         else:
             work = [s for s in self._shards if self._has_grads(s)]
             self._run_pipeline(work, grad_scale)
-        self._consume_offloaded_grads()
         if self._scaler_enabled:
             self._grow_scale()
         self.stats["steps"] += 1
@@ -356,7 +355,7 @@ class OffloadOptimizer(Optimizer):
             raise ValueError("update_during_backward() cannot be used with fp16 loss scaling: an overflow "
                              "must skip the whole step, so every gradient has to be seen first. Use bf16 or "
                              "fp32, or call step() after backward()")
-        if self._clip_coef != 1.0:
+        if self._clipped or any(seg.scale != 1.0 for s in self._shards for seg in s.segments):
             raise ValueError("clip_grad_norm_() was called before update_during_backward(): the clip "
                              "factor must come from this step's gradients; clip without "
                              "update_during_backward() (backward(), clip_grad_norm_(), step())")
@@ -453,18 +452,6 @@ class OffloadOptimizer(Optimizer):
             self._reset_early()
         return done
 
-    def _consume_offloaded_grads(self) -> None:
-        # Note: a step consumes the offloaded gradients. Loops that reset gradients with
-        # model.zero_grad() (transformers' Trainer does) never call our zero_grad(), and
-        # p.grad is already None for these parameters, so the next backward would otherwise
-        # add onto the last step's sums. Plain parameters keep torch's semantics (p.grad).
-        for shard in self._shards:
-            if shard.wrapped:
-                shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
-                for seg in shard.segments:
-                    seg.has_grad = False
-        self._grads.consumed()
-
     def synchronize(self) -> None:
         """Wait until the step's write-backs have reached their tier. ``step()`` returns
         with them in flight, so they overlap the next forward and backward; a fetch of a
@@ -490,15 +477,17 @@ class OffloadOptimizer(Optimizer):
             shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
             for seg in shard.segments:
                 seg.has_grad = False
-        self._grads.consumed()
+        self._grads.cleared()
+        self._clipped = False
         super().zero_grad(set_to_none=set_to_none)  # (plain parameters; the wrapped ones show None now)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all this optimizer's parameters to a total norm of
         ``max_norm`` (like ``torch.nn.utils.clip_grad_norm_``) and return the total norm.
 
-        Offloaded gradients are not touched: their norm comes from what was noted when they
-        were written, and the scaling is applied inside the next ``step()``.
+        Offloaded gradients are not read: their norm comes from what was noted when they
+        were written, and the factor is noted with them (``p.grad`` shows it) and applied
+        inside the next ``step()``.
         """
         norm_type = float(norm_type)
         if self._early:
@@ -520,7 +509,7 @@ class OffloadOptimizer(Optimizer):
         for p in self._plain_params():
             if p.grad is not None:
                 g = p.grad.detach().float()
-                sumsq += float(torch.dot(g.reshape(-1), g.reshape(-1)))
+                sumsq += float(torch.linalg.vector_norm(g)) ** 2
                 maxabs = max(maxabs, float(g.abs().max())) if g.numel() else maxabs
         partition = self._partition()
         if partition is not None:  # every rank holds a slice of the gradients
@@ -529,7 +518,15 @@ class OffloadOptimizer(Optimizer):
         total = math.sqrt(sumsq) if norm_type == 2.0 else maxabs
         if self._scaler_enabled:
             total /= self.loss_scale
-        self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
+        coef = min(1.0, float(max_norm) / (total + 1e-6))
+        for shard in self._shards:
+            for seg in shard.segments:
+                if shard.wrapped and seg.has_grad:
+                    seg.scale *= coef
+        for p in self._plain_params():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        self._clipped = True
         return torch.tensor(total)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -596,6 +593,13 @@ class OffloadOptimizer(Optimizer):
                              f"{len(self.param_groups)}")
         by_index = {}
         for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+            if self._rows_for(merged) != self._rows_for(group):  # the states it keeps would change
+                keys = sorted(k for k in ("amsgrad", "momentum") if k in saved and bool(saved[k]) != bool(group[k]))
+                raise ValueError(
+                    f"parameter group {i} of the state dict has {', '.join(f'{k}={saved[k]!r}' for k in keys)}, this "
+                    f"optimizer {', '.join(f'{k}={group[k]!r}' for k in keys)}: they keep different states. Build "
+                    f"the {type(self).__name__} with the state dict's settings")
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(f"parameter group {i} has {len(group['params'])} parameters, the state "
                                  f"dict's has {len(saved['params'])}")
@@ -737,12 +741,17 @@ class OffloadOptimizer(Optimizer):
         for shard in new:
             self._init_state(shard)
         self._shards.extend(new)
-        for shard in new:  # after every new shard has its masters (a group may span shards)
+        self.masters_taken(new)  # after every new shard has its masters (a group may span shards)
+        for _, p, _ in todo:
+            self._laid_out.add(id(p))
+
+    def masters_taken(self, shards: list[_Shard] | None = None) -> None:
+        """The master rows of ``shards`` (default: all) are built: the wrapped models may
+        drop the original values they kept for them."""
+        for shard in self._shards if shards is None else shards:
             for seg in shard.segments:
                 if seg.owner is not None:
                     seg.owner[0].master_taken(seg.owner[1], seg.owner[2])
-        for _, p, _ in todo:
-            self._laid_out.add(id(p))
 
     def _params_written(self, group: Any) -> None:
         self._written_groups.add(id(group))
@@ -761,6 +770,7 @@ class OffloadOptimizer(Optimizer):
             for seg in segs:
                 rows[0, seg.offset: seg.offset + seg.length].copy_(self._current_values(seg))
             self._write_state(shard, rows)
+        self.masters_taken()
 
     def forget_param_writes(self) -> None:
         """The master rows were just loaded (a checkpoint): writes to the parameters before
@@ -925,9 +935,14 @@ class OffloadOptimizer(Optimizer):
         return (["master_param"] if shard.master else []) + names
 
     def _current_values(self, seg: _Segment) -> torch.Tensor:
+        """The parameter's values as a master starts from: the model's own, before a
+        narrower compute dtype rounded them, while the wrapped model keeps them."""
         if seg.owner is None:
             return seg.param.detach().reshape(-1)[seg.start: seg.start + seg.length].float().cpu()
         manager, pgroup, slot = seg.owner
+        originals = manager.original_values(pgroup)
+        if originals is not None and id(slot) in originals:
+            return originals[id(slot)][seg.start: seg.start + seg.length]
         data = manager.group_bytes(pgroup)
         begin, end = slot.elements(seg.start, seg.length)
         return data[begin: end].view(slot.dtype).float()
@@ -1143,6 +1158,8 @@ class OffloadOptimizer(Optimizer):
             acc = store.wait(shard.grad_key, Tier.HOST)
             if not shard.grad_valid:
                 acc.zero_()
+            else:
+                _settle(shard, acc)
         else:
             shard.acc_buffer = store.staging.acquire(shard.numel * 4)
             acc = shard.acc_buffer.view(torch.float32, (shard.numel,))
@@ -1151,6 +1168,7 @@ class OffloadOptimizer(Optimizer):
                 acc.copy_(store.wait(shard.grad_key, Tier.HOST))
                 store.evict(shard.grad_key, Tier.HOST)
                 self.stats["read_bytes"] += shard.numel * 4
+                _settle(shard, acc)
             else:
                 acc.zero_()
         shard.acc = acc
@@ -1159,9 +1177,7 @@ class OffloadOptimizer(Optimizer):
     def _flush(self, shard: _Shard) -> None:
         acc = shard.acc
         for seg in shard.segments:  # per parameter, for p.grad's norms (_grads)
-            part = acc[seg.offset: seg.offset + seg.length]
-            seg.sumsq = float(torch.dot(part, part))
-            seg.maxabs = float(torch.linalg.vector_norm(part, math.inf)) if seg.length else 0.0
+            seg.sumsq, seg.maxabs = noted_norms(acc[seg.offset: seg.offset + seg.length])
         shard.sumsq = sum(seg.sumsq for seg in shard.segments)
         shard.maxabs = max((seg.maxabs for seg in shard.segments), default=0.0)
         shard.finite = math.isfinite(shard.maxabs)  # (a sum of squares can overflow where no element does)
@@ -1325,16 +1341,24 @@ class OffloadOptimizer(Optimizer):
 
     def _update_shard(self, shard: _Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
                       grad_scale: float, views: dict | None = None) -> None:
-        by_group: dict[int, list[_Segment]] = defaultdict(list)
+        # one fused call per torch param group and gradient factor (p.grad.mul_(c), clipping:
+        # applied as the kernel's grad_scale, the stored sums untouched)
+        by_group: dict[tuple[int, float], list[_Segment]] = defaultdict(list)
         for seg in shard.segments:
             if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
-                by_group[seg.group_index].append(seg)
+                by_group[seg.group_index, seg.scale].append(seg)
         temp = None  # fp32 CPU copies of gradients that are not (plain parameters only)
         tracer = shard.store.tracer
         began = tracer.now() if tracer is not None else 0.0
         try:
-            for gi, segs in by_group.items():
-                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp, views)
+            for (gi, factor), segs in by_group.items():
+                if factor == 0.0:  # p.grad.zero_(): a step with zero gradients, as torch takes it
+                    for seg in segs:
+                        grads[seg.offset: seg.offset + seg.length].zero_()
+                    factor = 1.0
+                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale / factor, temp, views)
+                if shard.wrapped and shard.grad_home is Tier.HOST and grad_scale / factor != 1.0:
+                    _unscaled_in_place(segs, grad_scale / factor, grad_scale)
         finally:
             if temp is not None:
                 shard.store.staging.release(temp)
@@ -1357,8 +1381,6 @@ class OffloadOptimizer(Optimizer):
             else:
                 params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
             if shard.wrapped:
-                if seg.scale != 1.0:  # p.grad.mul_(c) since backward (torch's clip_grad_norm_)
-                    grads[a:b].mul_(seg.scale)
                 gs.append(grads[a:b])
             else:
                 g = seg.param.grad.reshape(-1)[seg.start: seg.start + seg.length]
@@ -1470,7 +1492,6 @@ class OffloadOptimizer(Optimizer):
 
     def _skip_step(self) -> None:
         self.stats["skipped_steps"] += 1
-        self._clip_coef = 1.0
         if self._dynamic:
             self.loss_scale = max(self.loss_scale / 2, 1.0)
             self._good_steps = 0
@@ -1483,6 +1504,31 @@ class OffloadOptimizer(Optimizer):
         if self._good_steps >= self.growth_interval:
             self.loss_scale *= 2
             self._good_steps = 0
+
+
+def _unscaled_in_place(segs: list[_Segment], divisor: float, loss_scale: float) -> None:
+    """The update divided these segments' resting gradient sums by ``divisor`` in place
+    (torch's fused kernels unscale their grads; SGD does the same): p.grad's books follow,
+    so it still shows the clipped, unscaled gradient, and the next backward adds to the
+    loss-scaled sum."""
+    for seg in segs:
+        seg.sumsq /= divisor * divisor
+        seg.maxabs /= abs(divisor)
+        seg.scale = loss_scale
+    renote(segs[0].shard)
+
+
+def _settle(shard: _Shard, acc: torch.Tensor) -> None:
+    """Before a backward adds into a kept sum: the slices of parameters whose gradient was
+    dropped (``p.grad = None``) become zero, and factors noted on it (``p.grad.mul_(c)``,
+    clipping) are applied, as torch's in-place calls would have."""
+    for seg in shard.segments:
+        part = acc[seg.offset: seg.offset + seg.length]
+        if not seg.has_grad:
+            part.zero_()
+        elif seg.scale != 1.0:
+            part.mul_(seg.scale)
+        seg.scale = 1.0
 
 
 def _staggered(numel: int) -> int:
@@ -1563,7 +1609,8 @@ class AdamW(OffloadOptimizer):
                  maximize: bool = False, **kwargs):
         _check_adam_args(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize)
+                        maximize=maximize, decoupled_weight_decay=kwargs.pop("decoupled_weight_decay",
+                                                                            self._decoupled))
         super().__init__(params, defaults, **kwargs)
 
     def _rows_for(self, group: dict) -> tuple[str, ...]:
@@ -1574,7 +1621,9 @@ class AdamW(OffloadOptimizer):
         # here is an fp32 CPU tensor, so its grouping by device and dtype is skipped)
         beta1, beta2 = group["betas"]
         scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32)
-        kernel = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+        # (per group, as torch's Adam: a loaded state dict may change it)
+        decoupled = group.get("decoupled_weight_decay", self._decoupled)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         torch._foreach_add_(steps, 1)
         kernel(params, grads, rows[0], rows[1], rows[2] if group["amsgrad"] else [], steps,
                amsgrad=group["amsgrad"], lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
@@ -1583,14 +1632,16 @@ class AdamW(OffloadOptimizer):
 
 
 class Adam(AdamW):
-    """Adam with L2 weight decay (added to the gradient), as ``torch.optim.Adam``."""
+    """Adam with L2 weight decay (added to the gradient), as ``torch.optim.Adam``;
+    ``decoupled_weight_decay=True`` makes it AdamW, as torch's does."""
 
     _decoupled = False
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, **kwargs):
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 decoupled_weight_decay: bool = False, **kwargs):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, **kwargs)
+                         amsgrad=amsgrad, decoupled_weight_decay=decoupled_weight_decay, **kwargs)
 
 
 class SGD(OffloadOptimizer):
@@ -1613,8 +1664,8 @@ class SGD(OffloadOptimizer):
     def _update(self, group, params, grads, rows, steps, grad_scale) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
         for i, (p, g) in enumerate(zip(params, grads)):
-            if grad_scale != 1.0:
-                g = g / grad_scale
+            if grad_scale != 1.0:  # in place, as torch's fused kernels unscale (_unscaled_in_place)
+                g = g.div_(grad_scale)
             if group["maximize"]:
                 g = -g
             if wd != 0:

@@ -37,6 +37,7 @@ written home when dropped; optimizers that keep a master copy are told to refres
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -49,11 +50,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
 from ._coordinator import in_backward
 from ._copies import DetachedCopy, read_only
-from ._gradients import get_grad, set_grad
+from ._gradients import DEFERRED, get_grad, set_grad
+from ._originals import narrows
 from ._groups import ParamGroup, ParamSlot
 
 __all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of"]
 
+log = logging.getLogger(__name__)
 _plain = torch._C.DisableTorchFunctionSubclass
 _GRAD_GET, _GRAD_SET = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
 
@@ -86,6 +89,8 @@ class OffloadedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if DEFERRED and not DEFERRED.isdisjoint(types):  # e.g. p.add_(p.grad): p.grad's values first
+            return NotImplemented
         if func == _GRAD_GET:  # an optimizer may hold it (_gradients); (method-wrappers: ==, not is)
             return get_grad(args[0])
         if func == _GRAD_SET:
@@ -177,6 +182,10 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
     if kind is Kind.CONVERT and owner_of_param(args[0] if args else None) is not None \
             and returns_itself(func, args, kwargs):
         return args[0]
+    if func is DETACH and access.snapshots is not None:  # model.state_dict() in progress
+        # (a copy even of a resident or cached group: entries that alias one group buffer
+        # would share storage, which safetensors' save_model and Accelerate refuse)
+        return access.snapshot(found[0])
     written = [o for o in (owner_of_param(t) for t in write_targets(kind, args, kwargs)) if o is not None]
     missing = [o for o in _unique(found) if not o.access.materialized(o.group)]
     if not written and not missing and kind is not Kind.SET_DATA:
@@ -189,8 +198,6 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
         with _plain():
             meta = torch.empty(found[0].slot.shape, dtype=found[0].slot.dtype, device="meta")
             return func(meta, *args[1:], **kwargs)
-    if func is DETACH and access.snapshots is not None:  # model.state_dict() in progress
-        return access.snapshot(found[0])
     for owner in missing:
         owner.access.check_readable(owner)
     first = written[0] if written else found[0]
@@ -208,7 +215,25 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
         return _set_data(found[0], args[1])
     for owner in written:
         owner.access.check_writable(owner)
+    if written and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        _note_rounding(written[0], args[1])
     return _run_fetched(func, args, kwargs, kind, missing, written)
+
+
+_warned_rounding: set[int] = set()  # ids of the accesses (models) warned
+
+
+def _note_rounding(owner: Owner, source: torch.Tensor) -> None:
+    """Say so (once per model) when a write rounds a trained parameter's new values to the
+    compute dtype: an optimizer's masters built after it start from the rounded values."""
+    if id(owner.access) in _warned_rounding or not narrows(source, owner.slot):
+        return
+    _warned_rounding.add(id(owner.access))
+    log.warning("offload: %s values written into %r, which rests in %s (compute_dtype), are rounded; an "
+                "optimizer that builds its fp32 master weights after this starts from the rounded values. To keep "
+                "the %s values as masters, load them at wrap (offload.wrap(model, cfg, checkpoint=dir), or "
+                "model.load_state_dict before wrap) or with offload.load_checkpoint", source.dtype, owner.name,
+                owner.slot.dtype, source.dtype)
 
 
 def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list[Owner],

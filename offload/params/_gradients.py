@@ -18,7 +18,17 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["GradientHolder", "hold_gradients", "release_gradients", "holder_of", "get_grad", "set_grad"]
+__all__ = ["GradientHolder", "hold_gradients", "release_gradients", "holder_of", "get_grad", "set_grad",
+           "defer_to", "DEFERRED"]
+
+# Tensor classes that stand for values held elsewhere (the optimizer's p.grad): a call that
+# has one among its arguments is left to that class's __torch_function__ first (it swaps in
+# the values, then calls again), so no other handler runs the call on its placeholder.
+DEFERRED: set[type] = set()
+
+
+def defer_to(cls: type) -> None:
+    DEFERRED.add(cls)
 
 _plain = torch._C.DisableTorchFunctionSubclass
 _T = torch._C.TensorBase

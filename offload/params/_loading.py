@@ -119,6 +119,12 @@ def _checkpoint_files(path: str) -> list[str]:
             weight_map = json.load(fh).get("weight_map", {})
         return sorted({os.path.join(path, f) for f in weight_map.values()})
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files and os.path.exists(os.path.join(path, "manifest.json")):
+        raise FileNotFoundError(
+            f"{path!r} is an offload checkpoint (manifest.json), not safetensors weights: wrap the model (built "
+            "with offload.init_empty_weights() it needs a checkpoint=, so build it normally or give its "
+            "save_pretrained directory), then offload.load_checkpoint(path, model[, optimizer]); or load a plain "
+            "model with model.load_state_dict(offload.load_state_dict_from(path))")
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path!r} (pickle .bin checkpoints are not "
                                 "loaded: they can run code; convert them with save_pretrained(safe_serialization=True))")

@@ -144,6 +144,12 @@ class ParamManager:
         compute_dtype rounded, while kept (``_originals``); else None."""
         return self.originals.values(group)
 
+    def keep_originals(self, group: ParamGroup, sources: dict[int, torch.Tensor]) -> None:
+        """The model's values of ``group``'s trained parameters before the compute dtype
+        rounded them (id(slot) -> tensor), for optimizers built after a load."""
+        self.originals.forget(group)
+        self.originals.keep(group, sources)
+
     def master_taken(self, group: ParamGroup, slot: Any) -> None:
         """An optimizer built ``slot``'s master weights: its kept values may go."""
         self.originals.taken(group, slot)

@@ -127,13 +127,40 @@ def test_refusals(tmp_path, no_leaks):
     backward(model, ids)
     grad = next(model.parameters()).grad
     opt.step()
-    assert next(model.parameters()).grad is None  # the step consumed it
-    with pytest.raises(RuntimeError, match="consumed"):
+    opt.zero_grad()
+    assert next(model.parameters()).grad is None
+    with pytest.raises(RuntimeError, match="dropped"):
         grad.norm()
     opt.close()
     second = offload.SGD(model.parameters(), lr=0.1)  # the first closed: allowed
     second.close()
     offload.unwrap(model)
+
+
+def test_grads_live_like_torchs(tmp_path, no_leaks):
+    """p.grad stays after step() and a backward without zero_grad adds to it (as torch's);
+    a post-accumulate-grad hook reads it final during backward; p.grad.zero_() is a zero
+    gradient that the step still takes (moments decay, weight decay applies)."""
+    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    seen = {"offload": [], "torch": []}
+    for m, key in ((model, "offload"), (ref, "torch")):
+        dict(m.named_parameters())["transformer.h.1.mlp.c_proj.weight"].register_post_accumulate_grad_hook(
+            lambda p, key=key: seen[key].append(float(p.grad.norm())))
+    batches = lm_batches(211, steps=3, micro=1)
+    for i, (ids,) in enumerate(batches):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            backward(m, ids)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            if i == 1:
+                dict(m.named_parameters())["transformer.h.0.attn.c_attn.weight"].grad.zero_()
+            o.step()
+            if i > 0:  # no zero_grad after the first step: the second backward adds
+                o.zero_grad()
+        if i == 0:  # and p.grad is still there after the step
+            torch.testing.assert_close(next(model.parameters()).grad.norm(), next(ref.parameters()).grad.norm())
+    torch.testing.assert_close(seen["offload"], seen["torch"], rtol=1e-5, atol=1e-6)  # (Python floats: fp32 tolerance)
+    assert_same_weights(model, ref)
+    close(model, opt)
 
 
 def test_fp16_step_without_scale_loss_refused(tmp_path, no_leaks):

@@ -79,3 +79,23 @@ def assert_same_states(got: dict, want: dict) -> None:
     for g, w in zip(got["param_groups"], want["param_groups"]):
         for key in ("lr", "weight_decay"):
             assert g[key] == w[key]
+
+
+def test_settings_that_change_the_states_are_refused_and_decoupled_decay_followed(tmp_path, no_leaks):
+    ref = tiny_gpt2()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, amsgrad=True)
+    train(ref, ref_opt, lm_batches(211, steps=1))
+    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="amsgrad=True, this optimizer amsgrad=False"):
+        opt.load_state_dict(ref_opt.state_dict())
+    opt.close()
+    # torch's Adam with decoupled_weight_decay=True is AdamW; so is offload's
+    ref = tiny_gpt2()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, fused=True)
+    opt = offload.Adam(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    batches = lm_batches(211, steps=2)
+    torch.testing.assert_close(train(model, opt, batches), train(ref, ref_opt, batches))
+    assert_same_weights(model, ref)
+    opt.close()
+    offload.unwrap(model)

@@ -102,3 +102,24 @@ def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, no_leak
         assert_bf16_master_close(state[i]["master_param"], m.detach())
     opt.close()
     offload.unwrap(model)
+
+
+def test_fp32_checkpoint_into_a_bf16_run_keeps_fp32_masters(tmp_path, no_leaks):
+    """An fp32 run's checkpoint (its parameters are their own masters: no master rows)
+    loaded into a bf16-compute run: the masters start from the saved fp32 values."""
+    model = offload.wrap(tiny_gpt2(), config(tmp_path / "a"))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, lm_batches(211, steps=1))
+    offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    saved = offload.state_dict(model)
+    opt.close()
+    offload.unwrap(model)
+    model = offload.wrap(tiny_gpt2(), config(tmp_path / "b", compute_dtype="bf16"))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    offload.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert not offload.params.manager_of(model).originals.kept  # taken by the optimizer, dropped
+    state = opt.state_dict()["state"]
+    for i, (name, _) in enumerate(model.named_parameters()):
+        torch.testing.assert_close(state[i]["master_param"], saved[name], rtol=0, atol=0, msg=name)
+    opt.close()
+    offload.unwrap(model)
