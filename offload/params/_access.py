@@ -48,6 +48,9 @@ class DemandAccess:
         self._batch_open = False  # model.load_state_dict() in progress
         self._batch_group: ParamGroup | None = None  # the group it wrote last, held for the next write
         self._listeners: list[weakref.WeakMethod] = []
+        # while a write of one whole parameter runs: (its slot, the source of a copy_ or None),
+        # so that what is kept of that parameter alone is updated (_originals)
+        self.writing: tuple[Any, torch.Tensor | None] | None = None
         self._params: list[nn.Parameter] = []
         self._handles: list[Any] = []
         coordinator.on_change = self._drop_snapshots  # the optimizer or a load replaces a group

@@ -37,7 +37,6 @@ written home when dropped; optimizers that keep a master copy are told to refres
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -51,12 +50,10 @@ from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_
 from ._coordinator import in_backward
 from ._copies import DetachedCopy, read_only
 from ._gradients import DEFERRED, get_grad, set_grad
-from ._originals import narrows
 from ._groups import ParamGroup, ParamSlot
 
 __all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of"]
 
-log = logging.getLogger(__name__)
 _plain = torch._C.DisableTorchFunctionSubclass
 _GRAD_GET, _GRAD_SET = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
 
@@ -215,25 +212,14 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
         return _set_data(found[0], args[1])
     for owner in written:
         owner.access.check_writable(owner)
-    if written and len(args) > 1 and isinstance(args[1], torch.Tensor):
-        _note_rounding(written[0], args[1])
-    return _run_fetched(func, args, kwargs, kind, missing, written)
-
-
-_warned_rounding: set[int] = set()  # ids of the accesses (models) warned
-
-
-def _note_rounding(owner: Owner, source: torch.Tensor) -> None:
-    """Say so (once per model) when a write rounds a trained parameter's new values to the
-    compute dtype: an optimizer's masters built after it start from the rounded values."""
-    if id(owner.access) in _warned_rounding or not narrows(source, owner.slot):
-        return
-    _warned_rounding.add(id(owner.access))
-    log.warning("offload: %s values written into %r, which rests in %s (compute_dtype), are rounded; an "
-                "optimizer that builds its fp32 master weights after this starts from the rounded values. To keep "
-                "the %s values as masters, load them at wrap (offload.wrap(model, cfg, checkpoint=dir), or "
-                "model.load_state_dict before wrap) or with offload.load_checkpoint", source.dtype, owner.name,
-                owner.slot.dtype, source.dtype)
+    if len(_unique(written)) != 1 or len(written) != 1:
+        return _run_fetched(func, args, kwargs, kind, missing, written)
+    whole = func is torch.Tensor.copy_ and args[0] is written[0].slot.param and isinstance(args[1], torch.Tensor)
+    written[0].access.writing = (written[0].slot, args[1] if whole else None)
+    try:
+        return _run_fetched(func, args, kwargs, kind, missing, written)
+    finally:
+        written[0].access.writing = None
 
 
 def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list[Owner],

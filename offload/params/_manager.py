@@ -135,9 +135,13 @@ class ParamManager:
         self.access.on_write(callback)
 
     def _written_outside(self, group: ParamGroup) -> None:
+        writing = self.access.writing  # (a whole parameter written through demand fetch)
         for mine in self.groups:
             if (mine.whole or mine) is group:
-                self.originals.forget(mine)
+                if writing is not None and any(s is writing[0] for s in mine.slots):
+                    self.originals.replace(mine, writing[0], writing[1])
+                else:
+                    self.originals.forget(mine)
 
     def original_values(self, group: ParamGroup) -> dict[int, torch.Tensor] | None:
         """id(slot) -> the model's fp32 values of ``group``'s trained parameters that

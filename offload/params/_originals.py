@@ -5,12 +5,13 @@ compute dtype, so the stored values are rounded. torch.amp, DeepSpeed's bf16 and
 keep the model's fp32 values as the master weights the optimizer updates; an optimizer
 that built its masters from the rounded copies would start elsewhere (and, with a small
 learning rate, never get back). So ``wrap`` keeps the fp32 values of parameters that
-require a gradient, one fp32 tensor per group, in the slowest tier the store has (NVMe
+require a gradient, one fp32 tensor per parameter, in the slowest tier the store has (NVMe
 when there is one, else host memory within the host budget), until an optimizer has taken
-them as its masters; then they are dropped. A write into a group through demand fetch
-(``load_state_dict``, ``p.copy_``) makes its kept values stale: they are dropped, and the
-master comes from the written values, as an optimizer built after that write would see
-them without offload.
+them as its masters; then they are dropped. A write of a whole parameter through demand
+fetch (``model.load_state_dict``, ``p.copy_(x)``) replaces its kept values with the
+written ones when they are wider (an fp32 state dict into a bf16 run), and drops them
+otherwise; any other write into a group (in place, a checkpoint load) drops the group's
+(``checkpoint`` keeps a load's wider values itself).
 """
 
 from __future__ import annotations
@@ -36,62 +37,63 @@ def narrows(source: torch.Tensor, slot: ParamSlot) -> bool:
 
 
 class Originals:
-    """The kept fp32 values, per group, until every trained slot's master is taken."""
+    """The kept fp32 values, one stored tensor per slot, until an optimizer takes them."""
 
     def __init__(self, store: TensorStore):
         self.store = store
         self.tier = Tier.NVME if Tier.NVME in store.tiers else Tier.HOST
-        self._offsets: dict[int, dict[int, int]] = {}  # id(group) -> id(slot) -> first fp32 element
-        self._pending: dict[int, set[int]] = {}  # id(group) -> ids of slots whose masters are not taken yet
-
-    @staticmethod
-    def key(group: ParamGroup) -> str:
-        return f"{group.key}/original"
+        self._kept: dict[int, dict[int, str]] = {}  # id(group) -> id(slot) -> store key
 
     def keep(self, group: ParamGroup, sources: dict[int, torch.Tensor]) -> None:
         """Keep ``sources`` (id(slot) -> the model's tensor) for ``group``'s narrowed slots."""
-        slots = [s for s in group.slots if id(s) in sources]
-        total = sum(s.numel for s in slots)
-        flat = torch.empty(total, dtype=torch.float32)
-        offsets, at = {}, 0
-        for slot in slots:
-            flat[at: at + slot.numel].copy_(sources[id(slot)].reshape(-1))
-            offsets[id(slot)] = at
-            at += slot.numel
-        try:
-            self.store.put(self.key(group), flat, self.tier)
-        except BudgetError as err:
-            raise BudgetError(
-                f"compute_dtype rounds the parameters of group {group.key!r}, so wrap keeps their "
-                f"{format_size(total * 4)} of fp32 values until an optimizer takes them as master weights, and "
-                f"the {self.tier.value} tier has no room for them ({err}). Raise host_budget, give an "
-                "nvme_path (they are kept there), or cast the model to the compute dtype before wrap (the "
-                "masters then start from those values)") from None
-        self._offsets[id(group)] = offsets
-        self._pending[id(group)] = set(offsets)
+        for index, slot in enumerate(group.slots):
+            if id(slot) in sources:
+                self._put(group, index, slot, sources[id(slot)])
+
+    def replace(self, group: ParamGroup, slot: ParamSlot, source: torch.Tensor | None) -> None:
+        """``slot`` was written: keep ``source`` for it when it is wider than the slot, else
+        forget what was kept for it (the written values are the masters' start)."""
+        self._drop(group, slot)
+        if source is not None and narrows(source, slot):
+            self._put(group, group.slots.index(slot), slot, source)
 
     def values(self, group: ParamGroup) -> dict[int, torch.Tensor] | None:
-        """id(slot) -> fp32 flat values of ``group``'s kept slots (a host copy), or None."""
-        offsets = self._offsets.get(id(group))
-        if offsets is None:
+        """id(slot) -> fp32 flat values of ``group``'s kept slots (host copies), or None."""
+        kept = self._kept.get(id(group))
+        if not kept:
             return None
-        flat = self.store.read_copy(self.key(group))
-        return {sid: flat[at: at + next(s.numel for s in group.slots if id(s) == sid)]
-                for sid, at in offsets.items()}
+        return {sid: self.store.read_copy(key) for sid, key in kept.items()}
 
     def taken(self, group: ParamGroup, slot: ParamSlot) -> None:
         """An optimizer built ``slot``'s master from the kept values."""
-        pending = self._pending.get(id(group))
-        if pending is not None:
-            pending.discard(id(slot))
-            if not pending:
-                self.forget(group)
+        self._drop(group, slot)
 
     def forget(self, group: ParamGroup) -> None:
-        if self._offsets.pop(id(group), None) is not None:
-            self._pending.pop(id(group), None)
-            self.store.delete(self.key(group))
+        for key in self._kept.pop(id(group), {}).values():
+            self.store.delete(key)
 
     @property
     def kept(self) -> int:
-        return len(self._offsets)
+        return sum(len(k) for k in self._kept.values())
+
+    def _put(self, group: ParamGroup, index: int, slot: ParamSlot, source: torch.Tensor) -> None:
+        key = f"{group.key}/original/{index}"
+        flat = source.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        try:
+            self.store.put(key, flat, self.tier)
+        except BudgetError as err:
+            raise BudgetError(
+                f"compute_dtype rounds parameter {slot.names[0]!r}, so offload keeps its {format_size(flat.numel() * 4)} "
+                "of fp32 values until an optimizer takes them as master weights, and the "
+                f"{self.tier.value} tier has no room for them ({err}). Raise host_budget, give an nvme_path (they "
+                "are kept there), or cast the model to the compute dtype before wrap (the masters then start from "
+                "those values)") from None
+        self._kept.setdefault(id(group), {})[id(slot)] = key
+
+    def _drop(self, group: ParamGroup, slot: ParamSlot) -> None:
+        kept = self._kept.get(id(group))
+        key = kept.pop(id(slot), None) if kept else None
+        if key is not None:
+            self.store.delete(key)
+        if kept is not None and not kept:
+            del self._kept[id(group)]

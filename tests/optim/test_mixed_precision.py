@@ -41,22 +41,27 @@ def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
     offload.unwrap(model)
 
 
-def test_write_after_wrap_replaces_the_kept_values(tmp_path, no_leaks):
-    """load_state_dict after wrap: the master comes from what was written (rounded to the
-    compute dtype, as the group holds it), not from the values kept at wrap."""
+def test_writes_after_wrap(tmp_path, no_leaks):
+    """load_state_dict of fp32 values after wrap: the masters start from them (kept like
+    wrap's); an in-place change of one parameter: its master starts from the result,
+    rounded to the compute dtype as the group holds it, the others keep theirs."""
     model = offload.wrap(tiny_gpt2(), config(tmp_path, compute_dtype="bf16"))
     other = tiny_gpt2()
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
     model.load_state_dict(other.state_dict())
+    changed = "transformer.h.0.mlp.c_fc.weight"
+    with torch.no_grad():
+        dict(model.named_parameters())[changed].mul_(2)
     opt = offload.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
     (ids,) = lm_batches(211, steps=1, micro=1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     state = opt.state_dict()["state"]
-    for i, p in enumerate(other.parameters()):
-        torch.testing.assert_close(state[i]["master_param"], p.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
+    for i, (name, p) in enumerate(other.named_parameters()):
+        want = (p.detach().to(torch.bfloat16) * 2).float() if name == changed else p.detach()
+        torch.testing.assert_close(state[i]["master_param"], want, rtol=0, atol=0, msg=name)
     opt.close()
     offload.unwrap(model)
 
