@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     config = transformers.AutoConfig.from_pretrained(path)
     with offload.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config)
+    model.requires_grad_(False)  # inference: no gradients, and no fp32 values kept for master weights
     if args.param_tier == "nvme":
         os.makedirs(args.nvme_path, exist_ok=True)
     cfg = offload.OffloadConfig(device=args.device, param_tier=args.param_tier, optimizer_tier="host",

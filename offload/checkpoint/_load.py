@@ -377,10 +377,7 @@ def _finish_offload_optimizer(opt: OffloadOptimizer, plan: dict) -> None:
     opt._interrupted = None  # a step stopped half way is undone by the load
     opt.forget_param_writes()  # its master rows came with the weights
     opt.masters_taken()
-    for shard in opt._shards:
-        shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
-        for seg in shard.segments:
-            seg.has_grad = False
+    opt.reset_gradients()
     scaler = plan["info"].get("scaler") or {}
     if opt._scaler_enabled and scaler.get("enabled"):
         opt.loss_scale = float(scaler["loss_scale"])

@@ -33,7 +33,7 @@ def innermost_optimizer(optimizer: Any, what: str) -> Any:
         return optimizer
     found = _inner(optimizer, _DEPTH, set())
     if found is not None and found is not optimizer:
-        log.info("%s: saving the state of the %s inside the %s it was given", what, type(found).__name__,
+        log.info("%s: the state is that of the %s inside the %s it was given", what, type(found).__name__,
                  type(optimizer).__name__)
         optimizer = found
     if isinstance(optimizer, OffloadOptimizer):

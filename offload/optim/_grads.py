@@ -81,11 +81,11 @@ class OffloadedGrad(torch.Tensor):
         if func is _UNSCALE:
             return _unscale(*args, **kwargs)
         if func is torch.Tensor.zero_ and args[0] is first:  # zeros, still a gradient (a step takes it)
-            first._book.scale(first._param, 0.0)
+            first._book.write(first._param, torch.zeros(first.shape))
             return first
         if func in _SCALE and len(args) == 2 and args[0] is first and not kwargs:
             factor = _number(args[1])
-            if factor is not None:
+            if factor is not None and not (factor == 0.0 and _SCALE[func]):  # (x / 0: as torch, on a copy)
                 first._book.scale(first._param, 1.0 / factor if _SCALE[func] else factor)
                 return first
         return _on_copies(func, args, kwargs, grads)
@@ -117,8 +117,9 @@ def _on_copies(func: Any, args: tuple, kwargs: dict, grads: list[OffloadedGrad])
     for g in grads:
         if any(t is g for t in written):
             g._book.write(g._param, copies[id(g)])
-    if any(out is copies[id(g)] for g in grads):  # an in-place call returns its target
-        return next(g for g in grads if out is copies[id(g)])
+    for g in grads:  # an in-place call returns its target (a call returning its input unwritten: the copy)
+        if out is copies[id(g)] and any(t is g for t in written):
+            return g
     return _guard_views(out, {c.untyped_storage().data_ptr() for c in copies.values()})
 
 
@@ -157,7 +158,7 @@ class CopyView(torch.Tensor):
 
 def _vector_order(func: Any, args: tuple, kwargs: dict) -> float | None:
     """The order of a whole-tensor vector norm call (2 or inf), else None."""
-    if kwargs.get("dim") is not None or kwargs.get("out") is not None or len(args) > 2:
+    if kwargs.get("dim") is not None or kwargs.get("out") is not None or kwargs.get("keepdim") or len(args) > 2:
         return None
     order = args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2))
     if order == "fro" or order is None:
@@ -193,7 +194,31 @@ class GradientBook:
             for seg in shard.segments:
                 seg.scale, seg.sumsq, seg.maxabs = 1.0, 0.0, 0.0
 
+    def zero_kept(self) -> None:
+        """``zero_grad(set_to_none=False)``: the held gradients become zeros, still held."""
+        for shard in self.opt._shards:
+            if not shard.wrapped or not shard.grad_valid or not any(s.has_grad for s in shard.segments):
+                continue
+            if shard.grad_home is Tier.HOST:
+                shard.store.wait(shard.grad_key, Tier.HOST).zero_()
+                shard.store.mark_dirty(shard.grad_key, Tier.HOST)
+            else:
+                shard.store.put(shard.grad_key, torch.zeros(shard.numel), shard.grad_home)
+            for seg in shard.segments:
+                seg.scale, seg.sumsq, seg.maxabs = 1.0, 0.0, 0.0
+            renote(shard)
+
+    def loss_scale_changed(self, old: float, new: float) -> None:
+        """Held sums are in units of the loss scale: when it changes, their factors follow,
+        so p.grad stays the same gradient and the next backward adds in the new units."""
+        for shard in self.opt._shards:
+            for seg in shard.segments:
+                if seg.has_grad:
+                    seg.scale *= new / old
+
     def view(self, param: torch.Tensor) -> OffloadedGrad | None:
+        if self.opt._drains:  # (CUDA: adds of this backward still on the drain thread)
+            self.opt._sync_drains()
         segs = self.opt._segments_of.get(id(param))
         if not segs or not any(seg.has_grad for seg in segs):
             return None

@@ -20,7 +20,8 @@ shard keeps in the store:
 
 Gradients. For a wrapped parameter a post-accumulate-grad hook moves each gradient off
 the device as soon as autograd has produced it: it is added into the shard's fp32
-accumulator and ``p.grad`` is set back to None. A shard's accumulator is written to its
+accumulator and torch's own ``p.grad`` is set back to None; reading ``p.grad`` then gives
+an ``OffloadedGrad`` that stands for the held sum (``_grads``). A shard's accumulator is written to its
 tier once all of its parameters have reported in a backward pass (or at the end of the
 pass); its squared norm and finiteness are noted then, so ``clip_grad_norm_`` and the
 fp16 overflow check need no pass over the tier. On CUDA the device-to-host copy runs on a
@@ -94,7 +95,9 @@ class _Segment:
     # noted when the accumulator was written (wrapped only): what p.grad's norms answer
     sumsq: float = 0.0
     maxabs: float = 0.0
-    scale: float = 1.0  # p.grad.mul_(c) since (torch's clip_grad_norm_): applied in step()
+    # p.grad = the held sum x scale / loss scale: factors noted by p.grad.mul_(c) (clipping)
+    # and, on host sums the fused kernel unscaled in place, the loss scale (_unscaled_in_place)
+    scale: float = 1.0
 
 
 @dataclass(eq=False)
@@ -471,6 +474,19 @@ class OffloadOptimizer(Optimizer):
                     manager.store.wait(group.key, Tier.HOST)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: with ``set_to_none=False`` the gradients held are zeros (a step
+        still takes them) rather than none."""
+        if set_to_none:
+            self.reset_gradients()
+        else:
+            self._sync_drains()
+            self._grads.zero_kept()
+            self._clipped = False
+        super().zero_grad(set_to_none=set_to_none)  # (plain parameters; the wrapped ones are done)
+
+    def reset_gradients(self) -> None:
+        """Drop every gradient this optimizer holds for wrapped parameters, with its noted
+        norms and factors (``zero_grad()``, a checkpoint load)."""
         self._sync_drains()
         self._buckets.clear()
         for shard in self._shards:
@@ -479,7 +495,6 @@ class OffloadOptimizer(Optimizer):
                 seg.has_grad = False
         self._grads.cleared()
         self._clipped = False
-        super().zero_grad(set_to_none=set_to_none)  # (plain parameters; the wrapped ones show None now)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all this optimizer's parameters to a total norm of
@@ -665,13 +680,12 @@ class OffloadOptimizer(Optimizer):
         """``param.grad = value`` for a wrapped parameter: None drops what this optimizer
         holds for it (``model.zero_grad()``), a tensor replaces it."""
         view = self._grads.view(param)
-        if view is None and value is None:
-            return
-        self._grads.check_param(param)
-        if value is None:
+        if value is None:  # (needs no reduction: allowed with several ranks too)
             if view is not None:
                 self._grads.drop(param)
-        elif value is not view:
+            return
+        self._grads.check_param(param)
+        if value is not view:
             self._grads.write(param, value)
 
     def __del__(self):
@@ -1352,9 +1366,12 @@ class OffloadOptimizer(Optimizer):
         began = tracer.now() if tracer is not None else 0.0
         try:
             for (gi, factor), segs in by_group.items():
-                if factor == 0.0:  # p.grad.zero_(): a step with zero gradients, as torch takes it
+                if factor == 0.0:  # p.grad.mul_(0): as torch's (an inf element becomes NaN)
                     for seg in segs:
-                        grads[seg.offset: seg.offset + seg.length].zero_()
+                        part = grads[seg.offset: seg.offset + seg.length].mul_(0.0)
+                        if shard.grad_home is Tier.HOST:  # (the resting sum itself: its books follow)
+                            seg.sumsq, seg.maxabs = noted_norms(part)
+                            seg.scale = 1.0
                     factor = 1.0
                 temp = self._update_group(shard, gi, segs, rows, grads, grad_scale / factor, temp, views)
                 if shard.wrapped and shard.grad_home is Tier.HOST and grad_scale / factor != 1.0:
@@ -1493,6 +1510,7 @@ class OffloadOptimizer(Optimizer):
     def _skip_step(self) -> None:
         self.stats["skipped_steps"] += 1
         if self._dynamic:
+            self._grads.loss_scale_changed(self.loss_scale, max(self.loss_scale / 2, 1.0))
             self.loss_scale = max(self.loss_scale / 2, 1.0)
             self._good_steps = 0
         log.info("gradients overflowed: step skipped, loss scale now %g", self.loss_scale)
@@ -1502,6 +1520,7 @@ class OffloadOptimizer(Optimizer):
             return
         self._good_steps += 1
         if self._good_steps >= self.growth_interval:
+            self._grads.loss_scale_changed(self.loss_scale, self.loss_scale * 2)
             self.loss_scale *= 2
             self._good_steps = 0
 

@@ -5,9 +5,11 @@ compute dtype, so the stored values are rounded. torch.amp, DeepSpeed's bf16 and
 keep the model's fp32 values as the master weights the optimizer updates; an optimizer
 that built its masters from the rounded copies would start elsewhere (and, with a small
 learning rate, never get back). So ``wrap`` keeps the fp32 values of parameters that
-require a gradient, one fp32 tensor per parameter, in the slowest tier the store has (NVMe
-when there is one, else host memory within the host budget), until an optimizer has taken
-them as its masters; then they are dropped. A write of a whole parameter through demand
+require a gradient, one fp32 tensor per parameter, in the NVMe tier, until an optimizer
+has taken them as its masters; then they are dropped. Without an NVMe tier nothing is kept
+(host memory is the model's own budget) and a warning says the masters will start from
+the rounded values. Inference needs none of it: parameters that do not require a gradient
+are not kept. A write of a whole parameter through demand
 fetch (``model.load_state_dict``, ``p.copy_(x)``) replaces its kept values with the
 written ones when they are wider (an fp32 state dict into a bf16 run), and drops them
 otherwise; any other write into a group (in place, a checkpoint load) drops the group's
@@ -20,8 +22,6 @@ import logging
 
 import torch
 
-from .._units import format_size
-from ..io import BudgetError
 from ..store import Tier, TensorStore
 from ._groups import ParamGroup, ParamSlot
 
@@ -41,8 +41,9 @@ class Originals:
 
     def __init__(self, store: TensorStore):
         self.store = store
-        self.tier = Tier.NVME if Tier.NVME in store.tiers else Tier.HOST
+        self.tier = Tier.NVME if Tier.NVME in store.tiers else None
         self._kept: dict[int, dict[int, str]] = {}  # id(group) -> id(slot) -> store key
+        self._warned = False
 
     def keep(self, group: ParamGroup, sources: dict[int, torch.Tensor]) -> None:
         """Keep ``sources`` (id(slot) -> the model's tensor) for ``group``'s narrowed slots."""
@@ -77,17 +78,19 @@ class Originals:
         return sum(len(k) for k in self._kept.values())
 
     def _put(self, group: ParamGroup, index: int, slot: ParamSlot, source: torch.Tensor) -> None:
+        if self.tier is None:  # only NVMe: in host memory they would crowd out the model itself
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "offload: compute_dtype rounds the trained parameters (first: %r), and without an NVMe tier "
+                    "their %s values are not kept: an optimizer will start its fp32 master weights from the "
+                    "rounded values. To start from the model's own values, give an nvme_path (they are kept "
+                    "there until the optimizer takes them); for inference, model.requires_grad_(False) before "
+                    "wrap says none is needed", slot.names[0], source.dtype)
+            return
         key = f"{group.key}/original/{index}"
         flat = source.detach().reshape(-1).to("cpu", torch.float32, copy=True)
-        try:
-            self.store.put(key, flat, self.tier)
-        except BudgetError as err:
-            raise BudgetError(
-                f"compute_dtype rounds parameter {slot.names[0]!r}, so offload keeps its {format_size(flat.numel() * 4)} "
-                "of fp32 values until an optimizer takes them as master weights, and the "
-                f"{self.tier.value} tier has no room for them ({err}). Raise host_budget, give an nvme_path (they "
-                "are kept there), or cast the model to the compute dtype before wrap (the masters then start from "
-                "those values)") from None
+        self.store.put(key, flat, self.tier)
         self._kept.setdefault(id(group), {})[id(slot)] = key
 
     def _drop(self, group: ParamGroup, slot: ParamSlot) -> None:

@@ -18,7 +18,7 @@ from offload.io import DiskFullError
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "optim"))
-from test_optimizer import (assert_rows_padded, config, lm_batches, tiny_gpt2, tiny_llama,  # noqa: E402
+from optim_helpers import (assert_rows_padded, config, lm_batches, tiny_gpt2, tiny_llama,  # noqa: E402
                             train, wide_gpt2)
 
 CHILD = os.path.join(os.path.dirname(__file__), "child.py")

@@ -11,7 +11,7 @@ import torch
 
 import offload
 
-from .test_optimizer import assert_same_weights, config, lm_batches, make_opt, tiny_gpt2
+from .optim_helpers import assert_same_weights, config, lm_batches, make_opt, tiny_gpt2
 
 
 def backward(model, ids, scale=1.0):
@@ -19,10 +19,12 @@ def backward(model, ids, scale=1.0):
 
 
 def pair(tmp_path, tier="host", **kw):
+    """The model with offload and without; with tier "nvme" the gradient sums rest on NVMe
+    too (grad_tier="nvme"; "auto" would keep them in host memory)."""
     ref = tiny_gpt2()
     ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
     model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier=tier, optimizer_tier=tier, **kw))
-    opt = make_opt("adamw", model.parameters(), offloaded=True)
+    opt = make_opt("adamw", model.parameters(), offloaded=True, grad_tier="nvme" if tier == "nvme" else "auto")
     return model, opt, ref, ref_opt
 
 
@@ -105,16 +107,20 @@ def test_grad_scaler_unscale_and_skip(tmp_path, no_leaks):
     opt = make_opt("adamw", model.parameters(), offloaded=True, loss_scale=None)
     scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
     batches = lm_batches(211, steps=3, micro=1)
+    unscaled = ([], [])  # p.grad after unscale_: the gradient itself, not 1024 times it
     for step, (ids,) in enumerate(batches):
-        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+        for m, o, scaler, seen in ((model, opt, scalers[0], unscaled[0]), (ref, ref_opt, scalers[1], unscaled[1])):
             loss = m(input_ids=ids, labels=ids).loss
             scaler.scale(loss * (math.inf if step == 1 else 1.0)).backward()  # step 1 overflows
             scaler.unscale_(o)
+            seen.append(dict(m.named_parameters())["transformer.h.0.mlp.c_fc.weight"].grad.clone())
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             scaler.step(o)
             scaler.update()
             o.zero_grad()
     assert scalers[0].get_scale() == scalers[1].get_scale() == 512.0
+    for got, want in zip(*unscaled):
+        torch.testing.assert_close(got, want, equal_nan=True)
     assert_same_weights(model, ref)
     close(model, opt)
 
@@ -190,4 +196,27 @@ def test_views_of_a_grad_refuse_writes(tmp_path, no_leaks):
     p.grad.data.mul_(0.5)  # .data is p.grad itself
     q.grad.data.mul_(0.5)
     torch.testing.assert_close(p.grad.clone(), q.grad)
+    close(model, opt)
+
+
+def test_checkpoint_load_and_zero_grad_keep_the_books(tmp_path, no_leaks):
+    """A checkpoint load drops held gradients with their noted factors (a clip noted before
+    the load must not scale the next backward's); zero_grad(set_to_none=False) leaves zeros."""
+    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    (a,), (b,) = lm_batches(211, steps=2, micro=1)
+    backward(model, a)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    opt.step()
+    offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    backward(model, b)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # noted, then dropped by the load
+    offload.load_checkpoint(tmp_path / "ckpt", model, opt)
+    ref.load_state_dict(offload.state_dict(model))
+    backward(model, b)
+    backward(ref, b)
+    named = dict(model.named_parameters())
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, msg=n)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.clone().any() for p in model.parameters())
     close(model, opt)

@@ -8,7 +8,7 @@ import torch
 
 import offload
 
-from .test_optimizer import assert_same_weights, config, lm_batches, tiny_gpt2, train
+from .optim_helpers import assert_same_weights, config, lm_batches, tiny_gpt2, train
 
 KINDS = {
     # several param groups with different settings each

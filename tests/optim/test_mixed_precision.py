@@ -11,7 +11,7 @@ import torch
 
 import offload
 
-from .test_optimizer import assert_bf16_master_close, config, lm_batches, tiny_gpt2, tiny_llama, train
+from .optim_helpers import assert_bf16_master_close, config, lm_batches, tiny_gpt2, tiny_llama, train
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -19,13 +19,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("source", ["memory", "checkpoint"])
 def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
+    """(kept in the NVMe tier: the optimizer's states are there)"""
     model = tiny_gpt2()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     if source == "checkpoint":
         model.save_pretrained(tmp_path / "weights")
         with offload.init_empty_weights():
             model = type(model)(model.config)
-    offload.wrap(model, config(tmp_path, param_tier=tier, optimizer_tier=tier, compute_dtype="bf16"),
+    offload.wrap(model, config(tmp_path, param_tier=tier, optimizer_tier="nvme", compute_dtype="bf16"),
                  checkpoint=tmp_path / "weights" if source == "checkpoint" else None)
     assert offload.params.manager_of(model).originals.kept  # until the optimizer takes them
     opt = offload.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
@@ -39,6 +40,19 @@ def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
         torch.testing.assert_close(state[i]["master_param"], original[name], rtol=0, atol=0, msg=name)
     opt.close()
     offload.unwrap(model)
+
+
+def test_without_nvme_nothing_is_kept_and_a_warning_says_so(tmp_path, caplog, no_leaks):
+    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier="host", optimizer_tier="host",
+                                             compute_dtype="bf16"))
+    assert not offload.params.manager_of(model).originals.kept
+    assert "rounded values" in caplog.text
+    offload.unwrap(model)
+    frozen = tiny_gpt2().requires_grad_(False)  # inference: nothing to keep, nothing said
+    caplog.clear()
+    offload.wrap(frozen, config(tmp_path / "b", compute_dtype="bf16"))
+    assert not offload.params.manager_of(frozen).originals.kept and "rounded" not in caplog.text
+    offload.unwrap(frozen)
 
 
 def test_writes_after_wrap(tmp_path, no_leaks):

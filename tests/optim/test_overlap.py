@@ -9,7 +9,7 @@ import torch
 import offload
 from offload.io import BudgetError
 
-from .test_optimizer import (Branchy, assert_losses, assert_same_weights, config, decay_groups, lm_batches,
+from .optim_helpers import (Branchy, assert_losses, assert_same_weights, config, decay_groups, lm_batches,
                              make_opt, tiny_gpt2, tiny_llama, train)
 
 transformers = pytest.importorskip("transformers")
