@@ -110,3 +110,12 @@ def run_json_worker(cmd: list[str], what: str) -> dict | None:
                                            out.stderr[-3000:])
         return None
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def start(args, default_dir: str) -> None:
+    """What a benchmark's main does first: log lines with times, offload's own below
+    warnings, and ``args.path`` made absolute (default ``./default_dir``) and created."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("offload").setLevel(logging.WARNING)
+    args.path = os.path.abspath(args.path or default_dir)
+    os.makedirs(args.path, exist_ok=True)

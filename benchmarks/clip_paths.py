@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_json_worker, saved_gpt2  # noqa: E402
+from _common import run_json_worker, saved_gpt2, start  # noqa: E402
 
 log = logging.getLogger("bench.clip")
 SHAPE = (12, 768, 12)  # GPT-2 small: 124M parameters
@@ -102,10 +102,7 @@ def main() -> None:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or "bench-clip")
-    os.makedirs(args.path, exist_ok=True)
+    start(args, "bench-clip")
     if args.worker:
         print(json.dumps(worker(args.worker, args.model_path, args)))
         return
