@@ -308,7 +308,7 @@ def test_wrong_optimizer_is_refused(saved):
     path, m, opt = saved
     opt.close()  # (one open optimizer per parameter)
     sgd = offload.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    with pytest.raises(offload.CheckpointError, match="optimizer is offload.optim._optimizer.AdamW"):
+    with pytest.raises(offload.CheckpointError, match="optimizer is offload.optim._rules.AdamW"):
         offload.load_checkpoint(str(path), m, sgd)
     sgd.close()
     fewer = offload.AdamW(list(m.parameters())[:3], lr=0.1)
