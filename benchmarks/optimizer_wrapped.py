@@ -55,7 +55,7 @@ def one_round(args) -> dict:
                     times[name].append(time.perf_counter() - started)
                 opt.zero_grad()
         return {k: statistics.median(v) for k, v in times.items()} | {
-            "master_rows": sum(1 for s in ours._shards if s.master)}
+            "master_rows": sum(1 for s in ours._book.shards if s.master)}
     finally:
         ours.close()
         offload.unwrap(wrapped)

@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import threading
 import uuid
 import zlib
@@ -42,7 +41,7 @@ import torch
 from .._os import pid_alive
 
 __all__ = ["CheckpointError", "FORMAT", "VERSION", "MANIFEST", "dtype_name", "dtype_of", "crc32",
-           "fault_point", "AtomicDirectory", "recover", "read_manifest", "check_writable"]
+           "AtomicDirectory", "recover", "read_manifest", "check_writable"]
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +82,6 @@ def crc32(data: torch.Tensor) -> int:
     if data.numel() == 0:
         return 0
     return zlib.crc32(memoryview(data.numpy()))
-
-
-def fault_point(name: str) -> None:
-    """Test hook: ``OFFLOAD_CHECKPOINT_KILL=<name>`` kills this process with SIGKILL here,
-    so tests can check what a crash at each step of a save leaves behind."""
-    if os.environ.get("OFFLOAD_CHECKPOINT_KILL") == name:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsync_dir(path: str) -> None:
@@ -205,24 +197,20 @@ class AtomicDirectory:
 
     def commit(self) -> None:
         fsync_dir(self.tmp)
-        fault_point("before_swap")
         parent = os.path.dirname(self.path)
         if os.path.exists(self.path):
             if _exchange(self.tmp, self.path):
                 fsync_dir(parent)
-                fault_point("after_swap")
                 _remove_later(self.tmp)
                 return
             prev = f"{self.path}.prev-{os.getpid()}-{self._nonce}"
             os.rename(self.path, prev)
-            fault_point("between_renames")
             os.rename(self.tmp, self.path)
             fsync_dir(parent)
             _remove_later(prev)
         else:
             os.rename(self.tmp, self.path)
             fsync_dir(parent)
-        fault_point("after_swap")
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._units import format_size
 from ..io import BufferPool
-from ..optim import OffloadOptimizer
+from ..optim import CheckpointView, OffloadOptimizer, ShardRows
 from ..params import narrows
 from ._catalog import Catalog, Tensorish, catalog
 from ._format import ALIGN, CheckpointError, dtype_of, read_manifest
@@ -79,10 +79,12 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
     try:
         if isinstance(optimizer, OffloadOptimizer):
             # one stream for both, so the disk never idles between them (the optimizer's items
-            # come after the model's: a missing master row is taken from the loaded weights)
-            opt_items = _offload_optimizer_items(optimizer, opt_plan)
-            reader.run(model_items + opt_items, total + sum(i.nbytes for i in opt_items))
-            _finish_offload_optimizer(optimizer, opt_plan)
+            # come after the model's: a missing master row is taken from the loaded weights);
+            # a load that fails half way leaves the optimizer refusing to step
+            view = optimizer.checkpoint_view()
+            with view.loading(opt_plan["info"].get("scaler")):
+                opt_items = _offload_optimizer_items(view, optimizer, opt_plan)
+                reader.run(model_items + opt_items, total + sum(i.nbytes for i in opt_items))
         else:
             reader.run(model_items, total)
             if optimizer is not None:
@@ -356,43 +358,31 @@ def _restore_groups(optimizer: torch.optim.Optimizer, info: dict) -> None:
             group[key] = value
 
 
-def _offload_optimizer_items(opt: OffloadOptimizer, plan: dict) -> list[ReadItem]:
+def _offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: dict) -> list[ReadItem]:
+    """The read items that fill ``opt``'s state rows (inside ``view.loading()``: the groups'
+    settings and step counts are set here)."""
     info, pieces = plan["info"], plan["pieces"]
-    opt.synchronize()
     _restore_groups(opt, info)
-    opt._ensure_layout()
     cat_names = {id(p): n for group, names in zip(opt.param_groups, plan["names"])
                  for p, n in zip(group["params"], names)}
     items = []
-    for shard in opt._shards:
+    for shard in view.shards():
         for seg in shard.segments:
             step = info["state"].get(cat_names[id(seg.param)], {}).get("step", 0.0)
             seg.step.fill_(float(step))
-        if shard.rows:
-            items.append(_shard_item(opt, shard, cat_names, pieces))
+        if shard.nbytes:
+            items.append(_shard_item(view, shard, cat_names, pieces))
     return items
 
 
-def _finish_offload_optimizer(opt: OffloadOptimizer, plan: dict) -> None:
-    opt._interrupted = None  # a step stopped half way is undone by the load
-    opt.forget_param_writes()  # its master rows came with the weights
-    opt.masters_taken()
-    opt.reset_gradients()
-    scaler = plan["info"].get("scaler") or {}
-    if opt._scaler_enabled and scaler.get("enabled"):
-        opt.loss_scale = float(scaler["loss_scale"])
-        opt._good_steps = int(scaler["good_steps"])
-
-
-def _shard_item(opt: OffloadOptimizer, shard: Any, names: dict, pieces: dict) -> ReadItem:
-    rows = opt._row_names(shard)
+def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dict) -> ReadItem:
     row_bytes = shard.numel * 4
     runs, checks, copies, zeros, masters = [], [], [], [], []
-    extra = -(-shard.state_bytes // ALIGN) * ALIGN
+    extra = -(-shard.nbytes // ALIGN) * ALIGN
     for seg in shard.segments:
         name = names[id(seg.param)]
         lo, hi = seg.start, seg.start + seg.length
-        for r, row in enumerate(rows):
+        for r, row in enumerate(shard.names):
             dest = r * row_bytes + seg.offset * 4
             saved = pieces.get((name, row))
             if not saved:
@@ -420,14 +410,11 @@ def _shard_item(opt: OffloadOptimizer, shard: Any, names: dict, pieces: dict) ->
         for seg, dst in zeros:
             data[dst: dst + seg.length * 4].zero_()
         for seg, dst in masters:
-            data[dst: dst + seg.length * 4].view(torch.float32).copy_(opt._current_values(seg))
-        opt._write_state(shard, data[: shard.state_bytes].view(torch.float32).view(shard.rows, shard.numel))
-
-    def in_place() -> Any:
-        return shard.store.overwrite_in_place(shard.state_key) if shard.state_key in shard.store else None
+            data[dst: dst + seg.length * 4].view(torch.float32).copy_(view.current_values(seg))
+        view.write(shard, data[: shard.nbytes].view(torch.float32).view(len(shard.names), shard.numel))
 
     simple = not (copies or zeros or masters)
-    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=in_place if simple else None)
+    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=shard.overwrite_in_place if simple else None)
 
 
 def _load_torch_optimizer(opt: torch.optim.Optimizer, manifest: dict, plan: dict, reader: BlobReader) -> None:

@@ -16,8 +16,7 @@ from .._units import format_size
 from ..io import BufferPool
 from ..optim import OffloadOptimizer
 from ._catalog import Catalog, Tensorish, catalog, host_bytes
-from ._format import (FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, dtype_name,
-                      fault_point, write_json)
+from ._format import FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, dtype_name, write_json
 from ._optimizers import innermost_optimizer
 from ._stream import Blob, BlobWriter, Piece
 
@@ -62,7 +61,6 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     try:
         writer.check_space(directory.path)
         writer.run(directory.tmp)
-        fault_point("before_manifest")
         manifest = {
             "format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": dict(writer.sizes),
@@ -74,7 +72,6 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             "extra": extra_json,
         }
         write_json(os.path.join(directory.tmp, MANIFEST), manifest)
-        fault_point("after_manifest")
         directory.commit()
     except BaseException:
         directory.abort()
@@ -206,10 +203,8 @@ def _save_partitioned(path: str, model: nn.Module, optimizer: Any, extra_json: A
     errors = [m["error"] for m in everyone if "error" in m]
     if not errors and part.rank == 0:
         try:
-            fault_point("before_manifest")
             manifest = _merged_manifest(everyone, model, cat, extra_json)
             write_json(os.path.join(tmp, MANIFEST), manifest)
-            fault_point("after_manifest")
             directory.commit()
         except BaseException as err:  # noqa: BLE001
             errors.append(f"rank 0: {type(err).__name__}: {err}")
@@ -315,31 +310,26 @@ def _optimizer_blobs(optimizer: torch.optim.Optimizer, cat: Catalog) -> tuple[li
 
 
 def _offload_optimizer_blobs(opt: OffloadOptimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
-    opt.synchronize()
-    opt._ensure_layout()
-    if any(s.grad_valid for s in opt._shards):
+    view = opt.checkpoint_view()
+    shards = view.shards()
+    if view.holds_gradients():
         log.warning("save_checkpoint: gradients accumulated since the last optimizer step are not saved; "
                     "save after step() and zero_grad()")
     info["format"] = "offload"
-    info["scaler"] = {"enabled": opt._scaler_enabled, "dynamic": opt._dynamic, "loss_scale": opt.loss_scale,
-                      "good_steps": opt._good_steps}
+    info["scaler"] = view.scaler_state()
     state: dict[str, dict] = {}
     blobs: list[Blob] = []
-    for shard in opt._shards:
-        rows = opt._row_names(shard)
+    for shard in shards:
         pieces = []
         for seg in shard.segments:
             name = names[id(seg.param)]
             state.setdefault(name, {})["step"] = float(seg.step)
-            for r, row in enumerate(rows):
+            for r, row in enumerate(shard.names):
                 at = (r * shard.numel + seg.offset) * 4
                 pieces.append(Piece(_entry(name, None, row=row, dtype="F32", shape=list(seg.param.shape),
                                            start=seg.start, numel=seg.length), at, seg.length * 4))
-        if rows:
-            store, key = shard.store, shard.state_key
-            blobs.append(Blob("optimizer.bin", shard.state_bytes,
-                              lambda dest, store=store, key=key: store.read_into(key, dest), pieces,
-                              borrow=lambda store=store, key=key: store.borrow_host(key)))
+        if shard.nbytes:  # (SGD without momentum keeps step counts only)
+            blobs.append(Blob("optimizer.bin", shard.nbytes, shard.read_into, pieces, borrow=shard.borrow))
     info["state"] = state
     return blobs, info
 
@@ -368,9 +358,9 @@ def resources(cat: Catalog, optimizer: Any = None) -> tuple[BufferPool, int, dic
     """The host buffer pool to stream through (the wrapped model's, so buffers count in its
     host budget), the window of bytes held at once, and the file engine's settings."""
     manager = cat.manager
-    if manager is None and isinstance(optimizer, OffloadOptimizer) and optimizer._own_store is not None:
-        pool = optimizer._own_store.staging
-        return pool, min(_WINDOW, pool.budget // 2), {}
+    own = optimizer.checkpoint_view().staging if isinstance(optimizer, OffloadOptimizer) else None
+    if manager is None and own is not None:
+        return own, min(_WINDOW, own.budget // 2), {}
     if manager is None:
         return BufferPool(1 << 62, name="checkpoint"), _WINDOW, {}
     cfg = manager.config

@@ -23,9 +23,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .._units import format_size
-from ..io import BudgetError, BufferPool, DiskFullError, FileEngine, HostBuffer, OffloadIOError
-from ..io._buffers import round_up
-from ._format import ALIGN, CheckpointError, crc32, fault_point
+from ..io import BudgetError, BufferPool, DiskFullError, FileEngine, HostBuffer, OffloadIOError, round_up
+from ._format import ALIGN, CheckpointError, crc32
 
 __all__ = ["Blob", "Piece", "BlobWriter", "ReadRun", "BlobReader", "progress"]
 
@@ -119,7 +118,6 @@ class BlobWriter:
                     in_window += buf.nbytes
                     held.append([blob, buf, blob.fill(buf.bytes), None])
                 self._issue_ready(held)
-                fault_point(f"blob:{index}")
             while held:
                 self._retire_head(held, bar)
             for file in files.values():
@@ -131,11 +129,8 @@ class BlobWriter:
         finally:
             for item in held:  # an error: let the transfers in flight end before freeing
                 for c in (item[2], item[3]):
-                    try:
-                        if c is not None:
-                            c.wait()
-                    except Exception:
-                        pass
+                    if c is not None:
+                        _settle(c.wait)
                 if len(item) > 4:
                     item[4].exception()
                 _release(self.pool, item[1])
@@ -208,6 +203,15 @@ def _acquire(pool: BufferPool, size: int, held: collections.deque, finish_oldest
                               f"({format_size(pool.budget)}) has {format_size(pool.in_use_bytes)} in use: "
                               "raise host_budget or use a smaller group_bytes / shard_size")
         finish_oldest()
+
+
+def _settle(wait: Callable[[], Any]) -> None:
+    """After an error: let a transfer (or a checksum) end before its buffer is freed. Its
+    own failure follows from the error being raised, which is the one to report."""
+    try:
+        wait()
+    except Exception as err:  # noqa: BLE001 - logged: the error being raised says what went wrong
+        log.debug("checkpoint: a transfer in flight ended with %r while an earlier error was raised", err)
 
 
 def _release(pool: BufferPool, buf: Any) -> None:
@@ -314,15 +318,9 @@ class BlobReader:
         finally:
             for _, buf, handles, verified in held:
                 for h in handles:
-                    try:
-                        h.wait()
-                    except Exception:
-                        pass
+                    _settle(h.wait)
                 verified.cancel()
-                try:
-                    verified.exception()
-                except Exception:
-                    pass
+                _settle(verified.exception)
                 _release(self.pool, buf)
             self._verifier.shutdown()
             engine.close()

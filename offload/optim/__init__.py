@@ -1,6 +1,10 @@
 """Optimizers with states in host memory or on NVMe, updated on the CPU shard by shard."""
 
+from ._checkpoint import CheckpointView, ShardRows
 from ._optimizer import OffloadOptimizer
+from ._phase import OptimizerPhase
 from ._rules import SGD, Adam, AdamW
+from ._sizing import plan_rows, state_rows
 
-__all__ = ["AdamW", "Adam", "SGD", "OffloadOptimizer"]
+__all__ = ["AdamW", "Adam", "SGD", "OffloadOptimizer", "OptimizerPhase", "CheckpointView", "ShardRows",
+           "plan_rows", "state_rows"]

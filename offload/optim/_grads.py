@@ -182,21 +182,25 @@ class GradientBook:
     an open accumulator is already final once its post-accumulate-grad hooks run (torch's
     own p.grad is final then too), so hooks may read and write it there."""
 
-    def __init__(self, optimizer: Any):
-        self.opt = optimizer
+    def __init__(self, book: Any, sink: Any, scaler: Any, *, guard: Any, closed: Any):
+        # book: the ShardBook (shards, each parameter's segments); sink: the GradientSink
+        # (CUDA adds still queued); scaler: the LossScaler (the sums are in its units);
+        # guard(): raises where p.grad cannot be served; closed(): the optimizer is closed
+        self.book, self.sink, self.scaler = book, sink, scaler
+        self._guard, self._closed = guard, closed
         self.epoch = 0  # advanced when zero_grad() clears the gradients
         self._views: dict[int, OffloadedGrad] = {}
 
     def cleared(self) -> None:
         self.epoch += 1
         self._views.clear()
-        for shard in self.opt._shards:
+        for shard in self.book.shards:
             for seg in shard.segments:
                 seg.scale, seg.sumsq, seg.maxabs = 1.0, 0.0, 0.0
 
     def zero_kept(self) -> None:
         """``zero_grad(set_to_none=False)``: the held gradients become zeros, still held."""
-        for shard in self.opt._shards:
+        for shard in self.book.shards:
             if not shard.wrapped or not shard.grad_valid or not any(s.has_grad for s in shard.segments):
                 continue
             if shard.grad_home is Tier.HOST:
@@ -211,15 +215,15 @@ class GradientBook:
     def loss_scale_changed(self, old: float, new: float) -> None:
         """Held sums are in units of the loss scale: when it changes, their factors follow,
         so p.grad stays the same gradient and the next backward adds in the new units."""
-        for shard in self.opt._shards:
+        for shard in self.book.shards:
             for seg in shard.segments:
                 if seg.has_grad:
                     seg.scale *= new / old
 
     def view(self, param: torch.Tensor) -> OffloadedGrad | None:
-        if self.opt._drains:  # (CUDA: adds of this backward still on the drain thread)
-            self.opt._sync_drains()
-        segs = self.opt._segments_of.get(id(param))
+        if self.sink.pending:  # (CUDA: adds of this backward still on the drain thread)
+            self.sink.sync()
+        segs = self.book.segments(param)
         if not segs or not any(seg.has_grad for seg in segs):
             return None
         view = self._views.get(id(param))
@@ -231,29 +235,33 @@ class GradientBook:
             self._views[id(param)] = view
         return view
 
+    def assign(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
+        """``param.grad = value``: None drops what is held for it, a tensor replaces it."""
+        view = self.view(param)
+        if value is None:  # (needs no reduction: allowed with several ranks too)
+            if view is not None:
+                self.drop(param)
+            return
+        self.check_param(param)
+        if value is not view:
+            self.write(param, value)
+
     def check(self, view: OffloadedGrad) -> None:
-        if view._epoch != self.epoch or self.opt._closed or id(view._param) not in self._views:
+        if view._epoch != self.epoch or self._closed() or id(view._param) not in self._views:
             raise RuntimeError("this p.grad stood for a gradient that zero_grad() or p.grad = None has dropped (or "
                                "the optimizer is closed): read p.grad again")
         self.check_param(view._param)
 
     def check_param(self, param: torch.Tensor) -> None:
-        opt = self.opt
-        if opt._early:
-            raise RuntimeError("p.grad within update_during_backward(): the update runs during backward, before "
-                               "this call could change the gradient. Run backward() and step() outside it")
-        if opt._partition() is not None:
-            raise RuntimeError("p.grad of an offloaded parameter with several ranks: each rank holds a slice of "
-                               "the gradient, so norms and clipping over p.grad would be per rank. Use "
-                               "opt.clip_grad_norm_(max_norm), which reduces over the ranks")
-        opt._sync_drains()  # (CUDA: the adds of this backward's gradients so far)
+        self._guard()
+        self.sink.sync()  # (CUDA: the adds of this backward's gradients so far)
 
     # -- what a view's calls do --------------------------------------------------------
     def _segments(self, param: torch.Tensor) -> list:
-        return self.opt._segments_of[id(param)]
+        return self.book.segments(param)
 
     def _loss_scale(self) -> float:
-        return self.opt.loss_scale if self.opt._scaler_enabled else 1.0
+        return self.scaler.factor
 
     def norm(self, param: torch.Tensor, order: float) -> float:
         segs = [seg for seg in self._segments(param) if seg.has_grad]

@@ -3,12 +3,16 @@
     python child.py train  OUT.json CKPT PARAM_TIER OPT_TIER WORKDIR   # 3 steps, save, 3 more
     python child.py resume OUT.json CKPT PARAM_TIER OPT_TIER WORKDIR   # load, 3 steps
     python child.py rss    OUT.json CKPT WORKDIR                        # peak RSS while saving
+
+With ``CHILD_KILL_AT=<point>`` in the environment the process SIGKILLs itself at that point
+of its checkpoint save (``kill_at``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -64,7 +68,55 @@ def finish(out, m, opt, losses):
         json.dump({"losses": losses, "weights": weights, "moments": moments}, fh)
 
 
+def kill_at(point: str) -> None:
+    """SIGKILL this process at ``point`` of its checkpoint save: ``blob:N`` (after the write
+    of blob N was issued), ``before_manifest``, ``after_manifest``, ``before_swap``,
+    ``after_swap``, ``between_renames`` (the two-rename swap). The library has no test
+    hooks: the save's own steps are wrapped here."""
+    from offload.checkpoint import _format, _save, _stream
+
+    def die(*_):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point.startswith("blob:"):
+        issue, seen = _stream.BlobWriter._issue_ready, [0]
+
+        def counted(self, held):  # called once per blob, after its write is issued
+            issue(self, held)
+            seen[0] += 1
+            if seen[0] == int(point[5:]) + 1:
+                die()
+        _stream.BlobWriter._issue_ready = counted
+    elif point in ("before_manifest", "after_manifest"):
+        write = _save.write_json
+
+        def manifest(path, obj):
+            if path.endswith(_format.MANIFEST) and point == "before_manifest":
+                die()
+            write(path, obj)
+            if path.endswith(_format.MANIFEST):
+                die()
+        _save.write_json = manifest
+    elif point == "before_swap":
+        commit = _format.AtomicDirectory.commit
+        _format.AtomicDirectory.commit = lambda self: (die(), commit(self))
+    elif point == "after_swap":  # swapped in; the old checkpoint not removed yet
+        _format._remove_later = die
+    elif point == "between_renames":
+        rename = os.rename
+
+        def renamed(src, dst):
+            rename(src, dst)
+            if ".prev-" in os.fspath(dst):
+                die()
+        os.rename = renamed
+    else:
+        raise ValueError(f"unknown kill point {point!r}")
+
+
 def main():
+    if os.environ.get("CHILD_KILL_AT"):
+        kill_at(os.environ["CHILD_KILL_AT"])
     mode, out = sys.argv[1], sys.argv[2]
     if mode in ("train", "resume"):
         ckpt, pt, ot, workdir = sys.argv[3:7]

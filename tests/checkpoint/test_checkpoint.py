@@ -26,9 +26,9 @@ CHILD = os.path.join(os.path.dirname(__file__), "child.py")
 
 def child(*args, kill=None, fallback=False, timeout=240):
     env = dict(os.environ)
-    env.pop("OFFLOAD_CHECKPOINT_KILL", None)
+    env.pop("CHILD_KILL_AT", None)
     if kill:
-        env["OFFLOAD_CHECKPOINT_KILL"] = kill
+        env["CHILD_KILL_AT"] = kill
     code = None
     if fallback:  # the file system has no renameat2 RENAME_EXCHANGE: two renames
         code = ("import sys, runpy; import offload.checkpoint._format as f; f._exchange = lambda a, b: False; "
@@ -278,6 +278,35 @@ def test_corrupted_byte_is_detected(saved, section):
         fh.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(offload.CheckpointError, match=f"checksum mismatch in .*{section}.*{entry['name']}"):
         offload.load_checkpoint(str(path), m, opt)
+
+
+def test_a_load_that_fails_half_way_leaves_the_optimizer_refusing_to_step(tmp_path):
+    """States in host memory load in place (read straight into the resting rows): a
+    checksum mismatch found after some rows were overwritten leaves a mix of old and new
+    states, so the optimizer refuses to step until a load succeeds."""
+    m = offload.wrap(tiny_gpt2(), config(tmp_path / "w", "nvme", "host"))
+    opt = offload.AdamW(m.parameters(), lr=1e-2)
+    batches = lm_batches(211, steps=2)
+    try:
+        train(m, opt, batches[:1])
+        good, bad = tmp_path / "good", tmp_path / "bad"
+        offload.save_checkpoint(str(good), m, opt)
+        offload.save_checkpoint(str(bad), m, opt)
+        entry = [e for e in read(bad / "manifest.json")["tensors"] if e["file"] == "optimizer.bin"][-1]
+        with open(bad / "optimizer.bin", "r+b") as fh:
+            fh.seek(entry["offset"] + entry["length"] - 1)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0x10]))
+        with pytest.raises(offload.CheckpointError, match="checksum mismatch"):
+            offload.load_checkpoint(str(bad), m, opt)
+        with pytest.raises(RuntimeError, match="checkpoint load stopped half way.*load_checkpoint"):
+            train(m, opt, batches[1:])
+        offload.load_checkpoint(str(good), m, opt)
+        train(m, opt, batches[1:])
+    finally:
+        opt.close()
+        offload.unwrap(m)
 
 
 def test_missing_manifest_and_truncated_file_are_refused(saved):

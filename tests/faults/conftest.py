@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import offload.optim._optimizer as optimizer_module
+import offload.optim._shards as optimizer_module
 import offload.params._manager as manager_module
 from offload.store import create_store
 

@@ -131,7 +131,7 @@ def wide_gpt2():
 def assert_rows_padded(opt):
     """Some shard has rows of 1 MiB or more, each padded to 4 KiB past a multiple of 2 MiB
     (128 KiB under 16 MiB), and holds fewer elements than its rows."""
-    padded = [s for s in opt._shards if s.numel * 4 >= 1 << 20]
+    padded = [s for s in opt._book.shards if s.numel * 4 >= 1 << 20]
     assert padded
     for shard in padded:
         period = 2 << 20 if shard.numel * 4 >= 16 << 20 else 128 << 10

@@ -52,7 +52,7 @@ def test_other_param_tiers_and_tied_weights(tmp_path, param_tier, no_leaks):
         # fp32 weights in host memory (or resident on this CPU device) are their own master
         # weights: updated where they rest, with no fp32 copy in the optimizer
         opt.step()
-        assert opt._shards and not any(s.master for s in opt._shards)
+        assert opt._book.shards and not any(s.master for s in opt._book.shards)
         assert_losses(train(model, opt, batches), ref_losses)
         opt.close()
     finally:
@@ -105,7 +105,7 @@ def test_plain_parameters(tmp_path, tier, kind, no_leaks):
     cfg = config(tmp_path, param_tier="host", optimizer_tier=tier) if tier == "nvme" else None
     opt = make_opt(kind, decay_groups(model), True, config=cfg, shard_size=5000)
     assert_losses(train(model, opt, batches, clip=1.0), ref_losses)
-    assert len(opt._shards) > 3  # several shards, parameters split across them
+    assert len(opt._book.shards) > 3  # several shards, parameters split across them
     opt.close()
     assert_same_weights(model, ref)
 
@@ -211,7 +211,8 @@ def test_pipeline_event_log(tmp_path, no_leaks):
     offload.wrap(model, config(tmp_path))
     try:
         events = []
-        opt = offload.AdamW(model.parameters(), lr=1e-3, shard_size=8192, events=events)
+        opt = offload.AdamW(model.parameters(), lr=1e-3, shard_size=8192)
+        opt.events = events
         train(model, opt, lm_batches(model.config.vocab_size, steps=2))
         step = events[len(events) // 2:]  # the second step
         pos = {e: i for i, e in enumerate(step)}

@@ -78,13 +78,14 @@ def test_update_during_backward_matches_torch(tmp_path, build, tier, grad_tier, 
     offload.wrap(model, config(tmp_path, optimizer_tier=tier))
     try:
         events = []
-        opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, events=events, grad_tier=grad_tier)
+        opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, grad_tier=grad_tier)
+        opt.events = events
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         losses, during = train_overlapped(model, opt, batches, sched=sched, events=events)
         assert_losses(losses, ref_losses, rtol=0, atol=0)
-        assert len(opt._shards) > 4
+        assert len(opt._book.shards) > 4
         if tier == "host":  # states in memory: every shard is updated inside backward
-            assert during == [len(opt._shards)] * len(batches), during
+            assert during == [len(opt._book.shards)] * len(batches), during
         # on NVMe a shard is updated inside backward once its states have been read (the
         # backward does not wait for them); step() updates the rest: how many is timing
         opt.close()
@@ -136,7 +137,7 @@ def test_update_during_backward_with_activation_checkpointing(tmp_path, reentran
     offload.wrap(model, config(tmp_path, param_tier=param_tier, optimizer_tier=tier))
     try:
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
-        assert not any(s.master for s in opt._shards)
+        assert not any(s.master for s in opt._book.shards)
         losses, _ = train_overlapped(model, opt, batches)
         assert_losses(losses, ref_losses, rtol=0, atol=0)
         opt.close()
@@ -241,11 +242,11 @@ def test_grad_tier(tmp_path, grad_tier, no_leaks):
     offload.wrap(model, config(tmp_path))
     try:
         opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, grad_tier=grad_tier)
-        homes = {s.grad_home for s in opt._shards}
+        homes = {s.grad_home for s in opt._book.shards}
         assert homes == ({offload.store.Tier.NVME} if grad_tier == "nvme" else {offload.store.Tier.HOST})
         assert_losses(train(model, opt, batches, clip=0.5), ref_losses)
-        state = sum(s.state_bytes for s in opt._shards)
-        grads = sum(s.grad_bytes for s in opt._shards)
+        state = sum(s.state_bytes for s in opt._book.shards)
+        grads = sum(s.grad_bytes for s in opt._book.shards)
         groups = offload.params.manager_of(model).groups
         params = sum(g.nbytes for g in groups if not g.resident)  # fp32 groups updated in place
         per_step_writes = opt.stats["write_bytes"] / 3
@@ -270,7 +271,7 @@ def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, no_leaks):
         with pytest.raises(BudgetError, match="grad_tier='host' keeps"):
             make_opt("adamw", model.parameters(), True, shard_size=6000, grad_tier="host")
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
-        homes = [s.grad_home for s in opt._shards]
+        homes = [s.grad_home for s in opt._book.shards]
         assert offload.store.Tier.HOST in homes and offload.store.Tier.NVME in homes
         assert_losses(train(model, opt, batches), ref_losses)
         opt.close()

@@ -1,0 +1,113 @@
+"""``update_during_backward()``: a backward updates each shard as soon as its gradient is
+final (every parameter of it reported), overlapping the optimizer's reads, update and
+write-backs with the rest of the backward; ``step()`` then finishes what is left.
+
+One :class:`EarlyUpdate` lives from entering the block to the ``step()`` that finishes it.
+It listens to the gradient sink: a final shard is queued and its reads issued (two ahead);
+the queue is advanced from the gradient hooks without waiting (a shard whose states are not
+in memory yet waits for a later hook), and a group still held by the backward is written
+when released. The result is exactly ``backward(); step()``: the rules that make it so
+(no clipping, no loss scaling, each parameter reports once) are checked by the optimizer
+and here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..store import Residency, Tier
+from ._layout import ParamEntry, Shard
+from ._phase import Phase
+from ._pipeline import READ_AHEAD, Pipeline
+from ._sink import on_drain_thread
+from ._writeback import WriteBack
+
+__all__ = ["EarlyUpdate"]
+
+
+class EarlyUpdate:
+    def __init__(self, shards: list[Shard], pipeline: Pipeline, writeback: WriteBack, phase: Phase):
+        self.pipeline, self.writeback, self.phase = pipeline, writeback, phase
+        self.queue: list[Shard] = []  # final, not updated yet (reads issued ahead)
+        self.done: set[int] = set()  # ids of the shards updated during this backward
+        self.issued: set[int] = set()
+        self.busy: list = []  # group writes waiting for a pass to release the group
+        # every wrapped shard counts toward its groups (those that get no gradient in the
+        # pass are merged from the current bytes at step())
+        self.pending = writeback.plan([s for s in shards if s.wrapped])
+
+    # -- the sink's listener --------------------------------------------------------------
+    def gradient(self, entry: ParamEntry) -> None:
+        for seg in entry.segments:
+            if id(seg.shard) in self.done or seg.shard in self.queue:
+                self._poison_if_updated()
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(entry.param.shape)} received a gradient after its shard was "
+                    "final in an update_during_backward() step (a second backward before step(), or a "
+                    "reentrant backward that reports a parameter twice). "
+                    + ("Shards updated already hold this step's weights: load a checkpoint or state "
+                       "dicts to go on. " if self.done else "")
+                    + "Run that backward outside update_during_backward()")
+
+    def shard_final(self, shard: Shard) -> None:
+        self.queue.append(shard)
+        if not on_drain_thread():
+            self.advance(block=False)
+        # else (CUDA: gradients are added on the drain worker): the next gradient hook, on
+        # the backward's own thread where the coordinator runs, advances the queue
+
+    def device_gradient(self) -> None:
+        if self.queue:
+            self.advance(block=False)
+
+    # -- the work ---------------------------------------------------------------------------
+    def advance(self, *, block: bool) -> None:
+        queue = self.queue
+        while queue:
+            for shard in queue[: 1 + READ_AHEAD]:
+                self.pipeline.issue(shard, self.issued, self.pending)
+            head = queue[0]
+            if not block and not self._in_memory(head):
+                break
+            queue.pop(0)
+            try:
+                self.pipeline.process(head, 1.0, self.pending, busy=self.busy)
+            except BaseException:
+                self.queue.insert(0, head)
+                self.abandon()
+                raise
+            self.done.add(id(head))
+        busy, self.busy = self.busy, []
+        for entry in busy:
+            if block or not entry.in_use:
+                self.writeback.finish(entry)
+            else:
+                self.busy.append(entry)
+
+    def _in_memory(self, shard: Shard) -> bool:
+        if shard.home is Tier.HOST:
+            return True
+        keys = ([shard.state_key] if shard.rows else []) + ([shard.grad_key] if shard.reads_grad else [])
+        return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in keys) and \
+            self.writeback.copies_ready(shard, self.pending)
+
+    def finish(self, rest_of: Callable[[set[int]], list[Shard]]) -> list[Shard]:
+        """``step()``: update the shards still queued, then ``rest_of(done ids)`` (shards with
+        gradients that did not become final in the pass), then write every parameter group.
+        Returns the shards updated in this step."""
+        self.advance(block=True)
+        rest = rest_of(self.done)
+        self.pipeline.run(rest, 1.0, self.pending)
+        self.writeback.finish_rest(self.pending)
+        return rest
+
+    def abandon(self) -> None:
+        """The backward (or an update in it) failed: nothing of it may be applied later."""
+        self.pipeline.abandon(self.queue, self.issued)
+        self.writeback.drop_copies(list(self.pending.values()) + self.busy)
+        self._poison_if_updated()
+
+    def _poison_if_updated(self) -> None:
+        if self.done:
+            self.phase.poison(f"update_during_backward() stopped after updating {len(self.done)} shards "
+                              "during backward")

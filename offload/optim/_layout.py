@@ -1,0 +1,245 @@
+"""How an optimizer's parameters are laid out: the typed records, and the pure function that
+cuts parameters into shards.
+
+A *shard* is a run of at most a shard size of elements, a list of *segments* (a slice of
+one flattened parameter). Each shard keeps in the store ``state`` (fp32 rows: the master
+weights where needed, then the moments) and, for wrapped parameters, ``grad`` (the fp32
+gradient accumulator). The same function lays out a live optimizer and ``offload.plan``'s
+optimizer rows (``_sizing``), so the plan is the layout the optimizer builds.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ..store import Tier
+
+__all__ = ["Owner", "MasterMode", "master_mode", "Segment", "Shard", "ParamEntry", "Placement", "Item",
+           "cut", "staggered", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
+
+DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
+# fp32 CPU parameters of no wrapped model, states in host memory: nothing is read or written,
+# so shards only add per-call overhead (a fused call, a store lookup each). 1 GiB per row.
+HOST_PLAIN_SHARD = 1 << 28
+MIN_SHARD = 1 << 16
+SHARDS_IN_FLIGHT = 4  # read ahead (two), being updated, being written back
+# Note: row stagger. The rows of a shard are streamed side by side by one kernel, and their
+# buffer is on huge pages, so physically contiguous: rows a large power of two apart contend
+# for the same cache sets and memory banks (docs/architecture.md, "Row layout").
+_ROW_STAGGER = 4 << 10
+
+
+class Owner(NamedTuple):
+    """Where a wrapped parameter lives: its model's manager (None in a plan), parameter group
+    (this rank's slice with several ranks) and slot."""
+    manager: Any
+    group: Any
+    slot: Any
+
+
+class MasterMode(enum.Enum):
+    """How a parameter's fp32 master weights are kept."""
+    ROW = "row"  # an fp32 master row in the shard's states (another dtype, or a tier the step cannot update)
+    GROUP = "group"  # its fp32 group rests on NVMe or in host memory: updated in a host copy of the group
+    PARAM = "param"  # an fp32 CPU tensor (resident on a CPU device, or plain): updated where it is
+
+
+def master_mode(slot_dtype: torch.dtype, *, resident: bool, group_fp32: bool, param_home: Tier | None,
+                cpu: bool) -> MasterMode:
+    """The one rule for a wrapped parameter (``param_home``: its group's tier) or a plain one
+    (``param_home`` None: ``cpu`` says whether it is a CPU tensor)."""
+    if slot_dtype != torch.float32:
+        return MasterMode.ROW
+    if param_home is None or resident:
+        return MasterMode.PARAM if cpu else MasterMode.ROW
+    if param_home in (Tier.NVME, Tier.HOST) and group_fp32:
+        return MasterMode.GROUP
+    return MasterMode.ROW
+
+
+@dataclass(eq=False)
+class Segment:
+    param: torch.Tensor
+    start: int  # first element in the flattened parameter
+    length: int
+    offset: int  # first element in the shard
+    group_index: int  # torch param group
+    step: torch.Tensor  # this segment's step count (a split parameter's segments stay equal)
+    owner: Owner | None = None  # a wrapped parameter's
+    has_grad: bool = False  # a gradient arrived since zero_grad()
+    shard: "Shard | None" = None
+    # noted when the accumulator was written (wrapped only): what p.grad's norms answer
+    sumsq: float = 0.0
+    maxabs: float = 0.0
+    # p.grad = the held sum x scale / loss scale: factors noted by p.grad.mul_(c) (clipping)
+    # and, on host sums the fused kernel unscaled in place, the loss scale
+    scale: float = 1.0
+
+
+@dataclass(eq=False)
+class Shard:
+    index: int
+    store: Any  # its TensorStore (None in a plan)
+    home: Tier  # where the states rest
+    numel: int
+    rows: int
+    master: bool
+    wrapped: bool
+    segments: list[Segment] = field(default_factory=list)
+    grad_home: Tier | None = None  # where the fp32 gradient rests (wrapped only): host when the budget allows
+    expected: int = 0  # distinct parameters that report a gradient per backward
+    # the gradient sink's books (``_sink``)
+    grad_valid: bool = False  # the stored grad holds this cycle's accumulation
+    acc: torch.Tensor | None = None  # open fp32 accumulator during backward
+    acc_buffer: Any = None  # its HostBuffer when the grad does not rest in host memory
+    drained: set = field(default_factory=set)
+    sumsq: float = 0.0
+    maxabs: float = 0.0
+    finite: bool = True
+
+    @property
+    def state_key(self) -> str:
+        return f"optim/{id(self):x}/state"
+
+    @property
+    def grad_key(self) -> str:
+        return f"optim/{id(self):x}/grad"
+
+    @property
+    def state_bytes(self) -> int:
+        return self.rows * self.numel * 4
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.numel * 4 if self.wrapped else 0
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Host bytes the step holds for this shard while it is read, updated and written."""
+        if self.home is Tier.HOST:
+            return 0
+        return self.state_bytes + (self.grad_bytes if self.grad_home is not Tier.HOST else 0)
+
+    @property
+    def host_resting_bytes(self) -> int:
+        """Host bytes kept between steps (states in the host tier, a gradient kept in host memory)."""
+        states = self.state_bytes if self.home is Tier.HOST else 0
+        return states + (self.grad_bytes if self.grad_home is Tier.HOST else 0)
+
+    @property
+    def nvme_bytes(self) -> int:
+        states = self.state_bytes if self.home is Tier.NVME else 0
+        return states + (self.grad_bytes if self.grad_home is Tier.NVME else 0)
+
+    @property
+    def reads_grad(self) -> bool:
+        """Whether the step reads the gradient from a tier other than host memory."""
+        return self.wrapped and self.grad_home is not Tier.HOST
+
+
+@dataclass(eq=False)
+class ParamEntry:
+    """One parameter given to the optimizer: where it lives and the segments that hold it."""
+    param: torch.Tensor
+    group_index: int
+    owner: Owner | None
+    segments: list[Segment] = field(default_factory=list)
+    laid_out: bool = False  # (a rank's slice may hold none of its elements: no segments)
+    hooked: bool = False  # its gradients come to the optimizer's sink
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where some parameters' states go, and what else shares that store's host budget."""
+    store: Any  # TensorStore (None in a plan)
+    key: int  # identity of the store: shards never mix stores
+    home: Tier  # the optimizer tier
+    host_budget: int
+    write_back: int = 0  # host bytes the step needs to write a group back to the parameter tier
+    param_staging: int = 0  # host bytes the wrapped model's parameter reads stage through
+    resting: int = 0  # host bytes earlier layouts of this store keep resting there
+
+
+@dataclass(frozen=True)
+class Item:
+    """One parameter to lay out: elements ``[start, stop)`` of it (a rank's slice)."""
+    param: torch.Tensor
+    group_index: int
+    owner: Owner | None
+    rows: int  # state rows of its param group, the master row not counted
+    master: bool
+    placement: Placement
+    start: int
+    stop: int
+    reports: bool  # it requires a gradient
+
+
+def cut(items: list[Item], *, first_index: int, shard_size: int | None,
+        grad_room: dict[int, int]) -> list[Shard]:
+    """Consecutive segments of ``items`` into shards that share a store, a master layout
+    and a row count; wrapped shards' gradients rest in host memory while ``grad_room`` (per
+    store key, bytes) lasts. The caller finds each parameter's segments through
+    ``Segment.param``."""
+    shards: list[Shard] = []
+    keys: dict[int, int] = {}  # id(shard) -> its placement's key
+    current: Shard | None = None
+    for item in items:
+        p = item.placement
+        wrapped = item.owner is not None
+        rows = int(item.master) + item.rows
+        size = shard_elements(p, rows, wrapped, item.master, shard_size, grad_room.get(p.key, 0))
+        start, first = item.start, None
+        while start < item.stop:
+            if current is None or current.store is not p.store or current.master != item.master \
+                    or current.rows != rows or current.numel >= size or current.wrapped != wrapped:
+                current = Shard(first_index + len(shards), p.store, p.home, 0, rows, item.master, wrapped)
+                shards.append(current)
+                keys[id(current)] = p.key
+            take = min(item.stop - start, size - current.numel)
+            step = torch.zeros((), dtype=torch.float32) if first is None else first.step.clone()
+            seg = Segment(item.param, start, take, current.numel, item.group_index, step,
+                          owner=item.owner, shard=current)
+            first = first or seg
+            current.segments.append(seg)
+            current.numel += take
+            start += take
+    room = dict(grad_room)
+    for shard in shards:
+        shard.numel = staggered(shard.numel)  # unused elements at the end of each row
+        shard.expected = len({id(s.param) for s in shard.segments if s.param.requires_grad})
+        if shard.wrapped:
+            key = keys[id(shard)]
+            shard.grad_home = shard.home
+            if shard.home is not Tier.HOST and room.get(key, 0) >= shard.grad_bytes:
+                shard.grad_home = Tier.HOST
+                room[key] -= shard.grad_bytes
+    return shards
+
+
+def shard_elements(p: Placement, rows: int, wrapped: bool, master: bool, shard_size: int | None,
+                   grad_room: int) -> int:
+    """Elements per shard: as given, or by where the states rest."""
+    if shard_size is not None:
+        return shard_size
+    if p.home is Tier.HOST:
+        # plain fp32 parameters are updated where they are, with no staging: fewer calls
+        return HOST_PLAIN_SHARD if not wrapped and not master else DEFAULT_SHARD
+    # NVMe: the shards in flight within the host budget, next to the staging that writes a
+    # parameter group's new values back and the gradients kept in host memory
+    per_element = 4 * (rows + (1 if wrapped else 0))
+    budget = p.host_budget - (p.write_back if wrapped else 0) - grad_room
+    return max(MIN_SHARD, min(DEFAULT_SHARD, budget // (SHARDS_IN_FLIGHT * per_element)))
+
+
+def staggered(numel: int) -> int:
+    """``numel`` rounded up so that rows of that many fp32 elements start ``_ROW_STAGGER``
+    apart modulo 2 MiB (128 KiB for rows under 16 MiB); rows under 1 MiB are left alone."""
+    row = numel * 4
+    if row < (1 << 20):
+        return numel
+    period = 2 << 20 if row >= 16 << 20 else 128 << 10
+    return numel + ((_ROW_STAGGER - row) % period) // 4

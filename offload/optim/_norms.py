@@ -1,0 +1,57 @@
+"""The norms and finiteness of all the gradients an optimizer holds: from what was noted when
+each accumulator was written (no pass over the tier), plus the plain parameters' ``p.grad``;
+with several ranks reduced over the ranks, so every rank clips or skips alike."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._shards import ShardBook
+
+__all__ = ["total_norm", "scale_all", "found_inf"]
+
+
+def _held(book: ShardBook) -> list:
+    return [seg for s in book.shards if s.wrapped and s.grad_valid for seg in s.segments if seg.has_grad]
+
+
+def total_norm(book: ShardBook, norm_type: float) -> float:
+    """The 2-norm or inf-norm of every gradient held, in the units backward left them
+    (loss-scaled, when loss scaling is on)."""
+    held = _held(book)
+    # (scaled through p.grad since: as noted times the factor)
+    sumsq = sum(seg.sumsq * seg.scale ** 2 for seg in held)
+    maxabs = max((seg.maxabs * abs(seg.scale) for seg in held), default=0.0)
+    for p in book.plain_params():
+        if p.grad is not None:
+            g = p.grad.detach().float()
+            sumsq += float(torch.linalg.vector_norm(g)) ** 2
+            maxabs = max(maxabs, float(g.abs().max())) if g.numel() else maxabs
+    partition = book.partition()
+    if partition is not None:  # every rank holds a slice of the gradients
+        sumsq, = partition.sum([sumsq])
+        maxabs, = partition.max([maxabs])
+    return math.sqrt(sumsq) if norm_type == 2.0 else maxabs
+
+
+def scale_all(book: ShardBook, coef: float) -> None:
+    """Multiply every gradient held by ``coef``: noted on the offloaded ones (applied inside
+    the next step), in place on plain ``p.grad``."""
+    for seg in (seg for s in book.shards if s.wrapped for seg in s.segments if seg.has_grad):
+        seg.scale *= coef
+    for p in book.plain_params():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def found_inf(book: ShardBook) -> bool:
+    """Whether any gradient held has a non-finite element (on any rank)."""
+    found = any(s.wrapped and s.grad_valid and not s.finite for s in book.shards)
+    found = found or any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                         for p in book.plain_params())
+    partition = book.partition()
+    if partition is not None:  # an overflow on any rank skips the step on all of them
+        found = partition.max([float(found)])[0] > 0
+    return found

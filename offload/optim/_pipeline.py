@@ -1,0 +1,175 @@
+"""The step as a pipeline over shards: the store is asked for the states (and gradients) of
+the shards ahead while shard ``i`` is updated by the update rule and shard ``i - 1`` is
+written back; the host budget bounds how many are in flight (a fetch that does not fit
+waits in the store for a write to finish). After an exception the host copies read ahead
+are dropped and, if some shard was updated, the optimizer is poisoned."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from ..store import Tier
+from ._grads import noted_norms, renote
+from ._layout import Segment, Shard
+from ._phase import Phase
+from ._writeback import WriteBack, settled
+
+__all__ = ["Pipeline", "READ_AHEAD"]
+
+READ_AHEAD = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
+
+# update(group_index, params, grads, state_rows, steps, grad_scale): one call of the update
+# rule over fp32 CPU tensors of one torch param group (``_rules``)
+Update = Callable[[int, list, list, list, list, float], None]
+
+
+class Pipeline:
+    def __init__(self, update: Update, row_count: Callable[[int], int], writeback: WriteBack, phase: Phase,
+                 stats: dict, log: Callable[[str, Shard], None]):
+        self.update, self.row_count, self.writeback = update, row_count, writeback
+        self.phase, self.stats, self.log = phase, stats, log
+
+    def run(self, work: list[Shard], grad_scale: float, pending: dict | None = None) -> None:
+        """Update ``work`` in order; ``pending``: group writes planned already (else planned here)."""
+        issued: set[int] = set()
+        started = 0  # shards whose update has begun
+        pending = self.writeback.plan(work) if pending is None else pending
+        try:
+            for i, shard in enumerate(work):
+                for nxt in work[i: i + 1 + READ_AHEAD]:
+                    self.issue(nxt, issued, pending)
+                started = i + 1
+                self.process(shard, grad_scale, pending)
+        except BaseException:
+            self.abandon(work[max(started - 1, 0):], issued)
+            self.writeback.drop_copies(list(pending.values()))
+            if started:
+                self.phase.poison(f"step() stopped after updating {started} of {len(work)} shards")
+            raise
+
+    def issue(self, shard: Shard, issued: set[int], pending: dict) -> None:
+        """Ask for what updating ``shard`` reads, once."""
+        if id(shard) in issued:
+            return
+        issued.add(id(shard))
+        self.writeback.fetch(shard, pending)
+        if shard.home is Tier.HOST:
+            return
+        self.log("read", shard)
+        if shard.rows:
+            shard.store.fetch(shard.state_key, Tier.HOST)
+            self.stats["read_bytes"] += shard.state_bytes
+        if shard.reads_grad:
+            shard.store.fetch(shard.grad_key, Tier.HOST)
+            self.stats["read_bytes"] += shard.numel * 4
+
+    def abandon(self, rest: list[Shard], issued: set[int]) -> None:
+        """After an exception: drop the host copies of the shard being updated and of those
+        read ahead (they would hold the host budget); their home keeps the states from
+        before the step."""
+        for shard in rest:
+            if id(shard) not in issued or shard.home is Tier.HOST:
+                continue
+            for key, used in ((shard.state_key, shard.rows), (shard.grad_key, shard.reads_grad)):
+                if used and settled(shard.store, key):
+                    shard.store.evict(key, Tier.HOST)
+
+    def process(self, shard: Shard, grad_scale: float, pending: dict, *, busy: list | None = None) -> None:
+        """Update ``shard`` (its reads issued) and start writing it back: states to their
+        tier, parameter groups whose shards are all done to the parameter tier (into
+        ``busy`` instead when given and the group is in use by a pass)."""
+        waited = time.perf_counter()
+        rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
+        grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
+        views = self.writeback.views(shard, pending)
+        self.stats["wait_seconds"] += time.perf_counter() - waited
+        self.log("update_start", shard)
+        self._update_shard(shard, rows, grads, grad_scale, views)
+        self.log("update_end", shard)
+        self.writeback.after_update(shard, rows, pending, busy)
+        if shard.home is not Tier.HOST:
+            self.log("write", shard)
+            if shard.rows:
+                shard.store.mark_dirty(shard.state_key, Tier.HOST)
+                shard.store.evict(shard.state_key, Tier.HOST)
+                self.stats["write_bytes"] += shard.state_bytes
+            if shard.reads_grad:
+                shard.store.evict(shard.grad_key, Tier.HOST)
+        elif shard.rows:
+            shard.store.mark_dirty(shard.state_key, Tier.HOST)
+
+    def _update_shard(self, shard: Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
+                      grad_scale: float, views: dict | None) -> None:
+        # one call per torch param group and gradient factor (p.grad.mul_(c), clipping:
+        # applied as the kernel's grad_scale, the stored sums untouched)
+        by_group: dict[tuple[int, float], list[Segment]] = defaultdict(list)
+        for seg in shard.segments:
+            if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
+                by_group[seg.group_index, seg.scale].append(seg)
+        temp = None  # fp32 CPU copies of plain gradients that are not
+        tracer = shard.store.tracer
+        began = tracer.now() if tracer is not None else 0.0
+        try:
+            for (gi, factor), segs in by_group.items():
+                if factor == 0.0:  # p.grad.mul_(0): as torch's (an inf element becomes NaN)
+                    for seg in segs:
+                        part = grads[seg.offset: seg.offset + seg.length].mul_(0.0)
+                        if shard.grad_home is Tier.HOST:  # (the resting sum itself: its books follow)
+                            seg.sumsq, seg.maxabs = noted_norms(part)
+                            seg.scale = 1.0
+                    factor = 1.0
+                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale / factor, temp, views)
+                if shard.wrapped and shard.grad_home is Tier.HOST and grad_scale / factor != 1.0:
+                    _unscaled_in_place(segs, grad_scale / factor, grad_scale)
+        finally:
+            if temp is not None:
+                shard.store.staging.release(temp)
+            if tracer is not None:
+                tracer.span(f"update shard {shard.index}", "optimizer", began, tracer.now(), "optimizer",
+                            {"elements": shard.numel})
+
+    def _update_group(self, shard: Shard, gi: int, segs: list[Segment], rows, grads, grad_scale: float,
+                      temp: Any, views: dict | None) -> Any:
+        """One call of the update rule for the segments of torch param group ``gi``."""
+        params, gs, state_rows, steps = [], [], [[] for _ in range(self.row_count(gi))], []
+        first = 1 if shard.master else 0
+        for seg in segs:
+            a, b = seg.offset, seg.offset + seg.length
+            if shard.master:
+                params.append(rows[0, a:b])
+            elif views is not None:
+                params.append(views[id(seg)])
+            else:
+                params.append(seg.param.data.view(-1)[seg.start: seg.start + seg.length])
+            if shard.wrapped:
+                gs.append(grads[a:b])
+            else:
+                g = seg.param.grad.reshape(-1)[seg.start: seg.start + seg.length]
+                if g.dtype != torch.float32 or g.device.type != "cpu":
+                    if temp is None:  # from the pool: reused across steps
+                        temp = shard.store.staging.acquire(shard.numel * 4)
+                    dest = temp.view(torch.float32, (shard.numel,))[a:b]
+                    dest.copy_(g)
+                    g = dest
+                gs.append(g)
+            for r in range(len(state_rows)):
+                state_rows[r].append(rows[first + r, a:b])
+            steps.append(seg.step)
+        self.update(gi, params, gs, state_rows, steps, grad_scale)
+        return temp
+
+
+def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -> None:
+    """The update divided these segments' resting gradient sums by ``divisor`` in place
+    (torch's fused kernels unscale their grads; SGD does the same): p.grad's books follow,
+    so it still shows the clipped, unscaled gradient, and the next backward adds to the
+    loss-scaled sum."""
+    for seg in segs:
+        seg.sumsq /= divisor * divisor
+        seg.maxabs /= abs(divisor)
+        seg.scale = loss_scale
+    renote(segs[0].shard)

@@ -1,0 +1,192 @@
+"""The optimizer's book of parameters and shards: one record per parameter given to it
+(``ParamEntry``), the shards they are laid out in, the placements (which store, what shares
+its host budget) and the optimizer's own store for parameters of no wrapped model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import OffloadConfig
+from ..params import owner_of
+from ..store import Residency, Tier, TensorStore, create_store
+from ._layout import Item, MasterMode, Owner, ParamEntry, Placement, Segment, Shard, cut, master_mode
+from ._sizing import check_host_budget, check_machine, grad_room, wrapped_mode, write_back_bytes
+
+__all__ = ["ShardBook", "owner"]
+
+log = logging.getLogger(__name__)
+
+
+def owner(p: torch.Tensor) -> Owner | None:
+    """The wrapped model, group and slot holding ``p``; None for a plain parameter."""
+    found = owner_of(p)
+    return Owner(*found) if found is not None else None
+
+
+class ShardBook:
+    """``rows_for(group_index)``: the state rows of a torch param group (its settings)."""
+
+    def __init__(self, rows_for: Callable[[int], tuple[str, ...]], *, config: OffloadConfig | None,
+                 shard_size: int | None, grad_tier: str):
+        if grad_tier not in ("auto", "host", "nvme"):
+            raise ValueError(f"grad_tier={grad_tier!r}: use 'auto', 'host' or 'nvme'")
+        if shard_size is not None and int(shard_size) < 1:
+            raise ValueError(f"shard_size must be a positive number of elements, got {shard_size}")
+        self.rows_for = rows_for
+        self.config = config
+        self.shard_size = int(shard_size) if shard_size is not None else None
+        self.grad_tier = grad_tier
+        self.shards: list[Shard] = []
+        self.entries: dict[int, ParamEntry] = {}  # id(param) -> its record
+        self.placements: dict[int, Placement] = {}  # id(store) -> the latest placement there
+        self.own_store: TensorStore | None = None
+        self._own_home = Tier.HOST
+
+    # -- parameters ------------------------------------------------------------------------
+    def register(self, p: torch.Tensor, group_index: int) -> ParamEntry:
+        if p.device.type == "meta":
+            raise ValueError("a parameter is on the meta device: wrap the model with "
+                             "offload.wrap(model, cfg, checkpoint=...) before building the optimizer")
+        entry = self.entries.get(id(p))
+        if entry is None:
+            entry = self.entries[id(p)] = ParamEntry(p, group_index, owner(p))
+        return entry
+
+    def segments(self, p: torch.Tensor) -> list[Segment]:
+        entry = self.entries.get(id(p))
+        return entry.segments if entry is not None else []
+
+    def plain_params(self) -> Iterator[torch.Tensor]:
+        return (e.param for e in self.entries.values() if e.owner is None)
+
+    def managers(self, shards: list[Shard] | None = None) -> set:
+        """The ParamManagers of the wrapped models whose parameters ``shards`` (all) hold."""
+        return {s.segments[0].owner.manager for s in (self.shards if shards is None else shards) if s.wrapped}
+
+    def partition(self) -> Any:
+        """The partition of the wrapped model this optimizer serves, if several ranks."""
+        for manager in {e.owner.manager for e in self.entries.values() if e.owner is not None}:
+            if manager.partition is not None:
+                return manager.partition
+        return None
+
+    def check_managers(self) -> None:
+        configs = {e.owner.manager.config for e in self.entries.values() if e.owner is not None}
+        if len(configs) > 1:
+            raise ValueError("the parameters come from wrapped models with different configs "
+                             f"({len(configs)}): build one optimizer per model, or wrap the models with "
+                             "the same OffloadConfig")
+
+    # -- layout ----------------------------------------------------------------------------
+    def lay_out(self) -> list[Shard]:
+        """Shards for the parameters not laid out yet (checked against the budgets and the
+        machine before anything is allocated); the caller stores their initial states."""
+        todo = [e for e in self.entries.values() if not e.laid_out]
+        if not todo:
+            return []
+        wrapped = [e for e in todo if e.owner is not None]
+        plain = [e for e in todo if e.owner is None]
+        if self.partition() is not None and (plain or any(not s.wrapped for s in self.shards)):
+            raise ValueError(
+                "with several ranks, an offload optimizer takes only parameters of the wrapped model "
+                f"({len(plain) or 'some'} given are not): their gradients would not be averaged over the "
+                "ranks. Wrap the module that holds them too, or give them to an optimizer of their own "
+                "after averaging their gradients yourself (torch.distributed.all_reduce)")
+        # a wrapped model's parameters in the order of its groups and slots
+        wrapped.sort(key=lambda e: (id(e.owner.manager), e.owner.manager.groups.index(e.owner.group),
+                                    e.owner.group.slots.index(e.owner.slot)))
+        placements: dict[int, Placement] = {}
+        items = [self._item(e, placements) for e in wrapped + plain]
+        room = grad_room(items, self.grad_tier)
+        new = cut([it for it in items if it.owner is not None], first_index=len(self.shards),
+                  shard_size=self.shard_size, grad_room=room)
+        new += cut([it for it in items if it.owner is None], first_index=len(self.shards) + len(new),
+                   shard_size=self.shard_size, grad_room=room)
+        check_host_budget(new + self.shards, self.placements)
+        check_machine(new)
+        by_param = {id(e.param): e for e in todo}
+        for shard in new:
+            for seg in shard.segments:
+                by_param[id(seg.param)].segments.append(seg)
+        for e in todo:
+            e.laid_out = True
+        self.shards.extend(new)
+        return new
+
+    def _item(self, entry: ParamEntry, placements: dict[int, Placement]) -> Item:
+        p, rows = entry.param, len(self.rows_for(entry.group_index))
+        if entry.owner is not None:
+            manager, slot = entry.owner.manager, entry.owner.slot
+            placement = placements.get(id(manager)) or placements.setdefault(id(manager), self._placement(manager))
+            master = wrapped_mode(entry.owner, manager.home, manager.config.torch_device.type == "cpu")
+            start, stop = slot.first, slot.first + slot.count  # (several ranks: this rank's elements)
+        else:
+            placement = self._own_placement()
+            master = master_mode(p.dtype, resident=False, group_fp32=False, param_home=None,
+                                 cpu=p.device.type == "cpu")
+            start, stop = 0, p.numel()
+        return Item(p, entry.group_index, entry.owner, rows, master is MasterMode.ROW, placement, start, stop,
+                    p.requires_grad)
+
+    def _placement(self, manager: Any) -> Placement:
+        store = manager.store
+        resting = sum(s.host_resting_bytes for s in self.shards if s.store is store)
+        placement = Placement(store, id(store), Tier.parse(manager.config.optimizer_tier),
+                              store.tiers[Tier.HOST].budget, write_back_bytes(manager.groups, manager.home),
+                              manager.host_staging_bytes(), resting)
+        self.placements[id(store)] = placement
+        return placement
+
+    def _own_placement(self) -> Placement:
+        store = self._own()
+        placement = Placement(store, id(store), self._own_home, store.tiers[Tier.HOST].budget)
+        self.placements[id(store)] = placement
+        return placement
+
+    def _own(self) -> TensorStore:
+        """The store of the states of parameters of no wrapped model (``config``'s tier;
+        default: host memory without a budget)."""
+        if self.own_store is not None:
+            return self.own_store
+        cfg = self.config
+        if cfg is None:
+            self.own_store = create_store(device="cpu", device_budget=1, host_budget=1 << 62)
+            return self.own_store
+        nvme = cfg.nvme_path if cfg.optimizer_tier == "nvme" else None
+        backend = "direct"
+        if nvme is not None:
+            states = 4 * sum((len(self.rows_for(e.group_index)) + 1) * e.param.numel()
+                             for e in self.entries.values() if e.owner is None)
+            backend, reason = cfg.choose_io_backend(states)
+            log.info("offload: optimizer states on %s through io_backend %s (%s)", nvme, backend, reason)
+        self.own_store = create_store(device="cpu", device_budget=1, host_budget=cfg.host_budget,
+                                      nvme_path=nvme, file_size=cfg.file_size, block_size=cfg.block_size,
+                                      threads=cfg.io_threads, queue_depth=cfg.queue_depth, io_backend=backend)
+        self._own_home = Tier.parse(cfg.optimizer_tier)
+        return self.own_store
+
+    def synchronize(self) -> None:
+        """Wait until the step's write-backs have reached their tier; a write that failed
+        keeps its bytes in host memory with the error: report it here (the next step would
+        meet it when it reads them)."""
+        for store in {id(s.store): s.store for s in self.shards}.values():
+            store.drain()
+        for shard in self.shards:
+            if shard.home is Tier.NVME and shard.rows and \
+                    shard.store.state(shard.state_key, Tier.HOST) is Residency.RESIDENT:
+                shard.store.wait(shard.state_key, Tier.HOST)
+        for manager in self.managers():
+            for group in manager.groups:
+                if not group.resident and manager.store.state(group.key, Tier.HOST) is Residency.RESIDENT:
+                    manager.store.wait(group.key, Tier.HOST)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            for key in (shard.state_key, shard.grad_key):
+                if key in shard.store:
+                    shard.store.delete(key)
+        if self.own_store is not None:
+            self.own_store.close()

@@ -1,0 +1,276 @@
+"""The gradient sink: a wrapped parameter's gradient leaves the device as soon as autograd
+has produced it, into its shards' fp32 accumulators.
+
+A post-accumulate-grad hook on each wrapped parameter adds the new gradient into the
+accumulators and sets torch's ``p.grad`` back to None (``_grads`` answers ``p.grad``
+afterwards). A shard's accumulator is written to its tier once all of its parameters have
+reported in a backward pass (or at the end of the pass); its norms and finiteness are noted
+then, and a listener (``update_during_backward``) is told the shard is final. On CUDA the
+device-to-host copy runs on a side stream into pinned staging buffers and the add on one
+worker thread. With several ranks gradients go through the buckets of ``_reduce`` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, Protocol
+
+import torch
+
+from ..params import graph_task
+from ..store import Tier
+from ._grads import noted_norms
+from ._layout import ParamEntry, Shard
+from ._phase import OptimizerPhase, Phase
+from ._reduce import Reducer
+from ._shards import ShardBook
+
+__all__ = ["GradientSink", "Listener", "on_drain_thread"]
+
+log = logging.getLogger(__name__)
+
+_DRAIN_THREAD = "offload-grad"  # the worker that adds CUDA gradients into host accumulators
+
+
+def on_drain_thread() -> bool:
+    return threading.current_thread().name.startswith(_DRAIN_THREAD)
+
+
+class Listener(Protocol):
+    """What ``update_during_backward`` hears of a backward (``_early``)."""
+
+    def gradient(self, entry: ParamEntry) -> None:
+        """A gradient of ``entry`` is about to be added (refuse one for a final shard)."""
+
+    def shard_final(self, shard: Shard) -> None:
+        """Every parameter of ``shard`` has reported in this backward."""
+
+    def device_gradient(self) -> None:
+        """A CUDA gradient's copy was queued, on the backward's thread."""
+
+
+class _OpenBackward(NamedTuple):
+    """A backward adding gradients now, whose end-of-backward callback is queued."""
+    task: int | None  # its graph task (None where torch cannot tell)
+
+
+class GradientSink:
+    """``before()`` runs ahead of each gradient's add (the optimizer lays out parameters
+    added since and refreshes written masters)."""
+
+    def __init__(self, book: ShardBook, phase: Phase, stats: dict, before: Callable[[], None]):
+        self.book, self.phase, self.stats, self.before = book, phase, stats, before
+        self.listener: Listener | None = None
+        self.reducer = Reducer(self, stats)
+        self._hooks: list[Any] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._drains: list[Future] = []
+        self._streams: dict[torch.device, Any] = {}
+        self._backward: _OpenBackward | None = None
+
+    def hook(self, entry: ParamEntry) -> None:
+        """Take ``entry``'s gradients from now on."""
+        if not entry.hooked:
+            self._hooks.append(entry.param.register_post_accumulate_grad_hook(self._on_grad))
+            entry.hooked = True
+
+    @property
+    def pending(self) -> bool:
+        """CUDA: adds of this backward still queued on the drain thread."""
+        return bool(self._drains)
+
+    # -- a gradient arrives ---------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None:
+            return
+        p.grad = None
+        self.before()
+        if self.listener is None:
+            # (within update_during_backward() a new graph task here is a reentrant backward
+            # nested in this one, not a new backward after an interrupted one: the block
+            # resets itself when its backward fails)
+            self.recover_interrupted()
+        if self._backward is None:
+            self._backward = _OpenBackward(graph_task())
+            if self.phase.value is OptimizerPhase.IDLE:
+                self.phase.enter(OptimizerPhase.ACCUMULATING)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        entry = self.book.entries[id(p)]
+        if entry.owner.manager.partition is not None:
+            self.reducer.add(entry, grad)
+        elif grad.is_cuda:
+            self.drain_cuda([(p, 0)], grad)
+        else:
+            self.drain(p, grad)
+        if grad.is_cuda and self.listener is not None:
+            self.listener.device_gradient()
+
+    def drain(self, p: torch.Tensor, grad: torch.Tensor, base: int = 0) -> None:
+        """Add ``p``'s gradient into its shards' accumulators: element ``i`` of ``p`` is
+        ``grad`` (flattened) at ``base + i`` (a reduced slice of a group: ``_reduce``)."""
+        flat = grad.reshape(-1)
+        entry = self.book.entries[id(p)]
+        if self.listener is not None:
+            self.listener.gradient(entry)
+        for seg in entry.segments:
+            shard = seg.shard
+            acc = self._open(shard)
+            at = base + seg.start
+            acc[seg.offset: seg.offset + seg.length].add_(flat[at: at + seg.length])
+            seg.has_grad = True
+            shard.drained.add(id(p))
+            if len(shard.drained) >= shard.expected:
+                self._flush(shard)
+
+    def drain_cuda(self, items: list[tuple[torch.Tensor, int]], grad: torch.Tensor) -> None:
+        """Copy ``grad`` to pinned host memory on a side stream; add it on the worker thread
+        into the accumulators of each ``(parameter, base)`` of ``items`` (see ``drain``)."""
+        device = grad.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=_DRAIN_THREAD)
+        segs = next((self.book.segments(p) for p, _ in items if self.book.segments(p)), None)
+        if segs is None:
+            return  # (several ranks) none of these elements is held here
+        staging = segs[0].shard.store.staging
+        buffer = staging.acquire(grad.numel() * grad.element_size())
+        host = buffer.view(grad.dtype, (grad.numel(),))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            host.copy_(grad.reshape(-1), non_blocking=True)
+            grad.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+
+        def add() -> None:
+            try:
+                event.synchronize()
+                for p, base in items:
+                    self.drain(p, host, base)
+            finally:
+                staging.release(buffer)
+
+        self._drains.append(self._pool.submit(add))
+
+    # -- the end of a backward --------------------------------------------------------------
+    def sync(self) -> None:
+        """Wait for the adds queued on the drain thread; close a backward that was
+        interrupted."""
+        drains, self._drains = self._drains, []
+        for f in drains:
+            f.result()
+        self.recover_interrupted()
+
+    def recover_interrupted(self) -> None:
+        """A backward stopped by an exception (Ctrl-C) never runs the end-of-backward
+        callback it queued: close the accumulators it left open, keeping their partial sums
+        as torch keeps ``p.grad`` after an interrupted backward (``zero_grad`` drops them)."""
+        if self._backward is not None and graph_task() != self._backward.task:
+            self._backward = None
+            self.reducer.clear()  # (several ranks: the other ranks' job failed too)
+            self._closed_backward()
+            self.flush_all()
+
+    def _end_of_backward(self) -> None:
+        self._backward = None
+        self.reducer.reduce_pending()
+        self._closed_backward()
+        if self._pool is not None:
+            self._drains.append(self._pool.submit(self.flush_all))
+        else:
+            self.flush_all()
+
+    def _closed_backward(self) -> None:
+        if self.phase.value is OptimizerPhase.ACCUMULATING:
+            self.phase.enter(OptimizerPhase.IDLE)
+
+    def flush_all(self) -> None:
+        for shard in self.book.shards:
+            if shard.acc is not None:
+                self._flush(shard)
+
+    # -- accumulators ---------------------------------------------------------------------------
+    def _open(self, shard: Shard) -> torch.Tensor:
+        if shard.acc is not None:
+            return shard.acc
+        store = shard.store
+        if shard.grad_home is Tier.HOST:
+            acc = store.wait(shard.grad_key, Tier.HOST)
+            if not shard.grad_valid:
+                acc.zero_()
+            else:
+                _settle(shard, acc)
+        else:
+            shard.acc_buffer = store.staging.acquire(shard.numel * 4)
+            acc = shard.acc_buffer.view(torch.float32, (shard.numel,))
+            if shard.grad_valid:  # an earlier backward of this cycle: add to it
+                store.fetch(shard.grad_key, Tier.HOST, priority=0)
+                acc.copy_(store.wait(shard.grad_key, Tier.HOST))
+                store.evict(shard.grad_key, Tier.HOST)
+                self.stats["read_bytes"] += shard.numel * 4
+                _settle(shard, acc)
+            else:
+                acc.zero_()
+        shard.acc = acc
+        return acc
+
+    def _flush(self, shard: Shard) -> None:
+        acc = shard.acc
+        for seg in shard.segments:  # per parameter, for p.grad's norms (_grads)
+            seg.sumsq, seg.maxabs = noted_norms(acc[seg.offset: seg.offset + seg.length])
+        shard.sumsq = sum(seg.sumsq for seg in shard.segments)
+        shard.maxabs = max((seg.maxabs for seg in shard.segments), default=0.0)
+        shard.finite = math.isfinite(shard.maxabs)  # (a sum of squares can overflow where no element does)
+        if shard.grad_home is Tier.HOST:
+            shard.store.mark_dirty(shard.grad_key, Tier.HOST)
+        else:
+            shard.store.put(shard.grad_key, acc, shard.grad_home)
+            shard.store.staging.release(shard.acc_buffer)
+            shard.acc_buffer = None
+            self.stats["write_bytes"] += shard.numel * 4
+        shard.acc = None
+        shard.grad_valid = True
+        shard.drained.clear()
+        if self.listener is not None and shard.wrapped:
+            self.listener.shard_final(shard)
+
+    def reset(self) -> None:
+        """Drop every gradient held for wrapped parameters, with its noted norms."""
+        self.sync()
+        self.reducer.clear()
+        for shard in self.book.shards:
+            shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
+            for seg in shard.segments:
+                seg.has_grad = False
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def shutdown_quietly(self) -> None:
+        """From ``__del__``: stop the drain thread without waiting."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _settle(shard: Shard, acc: torch.Tensor) -> None:
+    """Before a backward adds into a kept sum: the slices of parameters whose gradient was
+    dropped (``p.grad = None``) become zero, and factors noted on it (``p.grad.mul_(c)``,
+    clipping) are applied, as torch's in-place calls would have."""
+    for seg in shard.segments:
+        part = acc[seg.offset: seg.offset + seg.length]
+        if not seg.has_grad:
+            part.zero_()
+        elif seg.scale != 1.0:
+            part.mul_(seg.scale)
+        seg.scale = 1.0

@@ -1,0 +1,171 @@
+"""The optimizer's sizing policy, the one ``offload.plan`` reports too: where each
+parameter's states and gradient rest, how large the shards are, and the host budget checks.
+
+``plan_rows`` runs the same layout (``_layout.cut``) over a model's parameter groups without
+allocating anything, so a plan states what the optimizer will build.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+
+from .._plan import PlanRow, check_disk, check_ram
+from .._units import format_size
+from ..io import BudgetError
+from ..store import Tier
+from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, Placement, Shard, cut, master_mode)
+
+__all__ = ["state_rows", "grad_room", "check_host_budget", "check_machine", "write_back_bytes",
+           "wrapped_mode", "plan_rows"]
+
+log = logging.getLogger(__name__)
+
+# the states each optimizer kind keeps per element, with its default settings
+_STATE_ROWS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def state_rows(kind: str) -> tuple[str, ...]:
+    """The state rows an offload optimizer of ``kind`` keeps per element."""
+    if kind not in _STATE_ROWS:
+        raise ValueError(f"optimizer={kind!r}: use 'adamw', 'adam', 'sgd' or None")
+    return _STATE_ROWS[kind]
+
+
+def wrapped_mode(owner: Owner, param_home: Tier, cpu: bool) -> MasterMode:
+    """``master_mode`` of a wrapped parameter, from its group and slot."""
+    group, slot = owner.group, owner.slot
+    return master_mode(slot.dtype, resident=group.resident, param_home=param_home, cpu=cpu,
+                       group_fp32=all(s.dtype == torch.float32 for s in group.slots))
+
+
+def write_back_bytes(groups: Iterable[Any], param_home: Tier) -> int:
+    """Host bytes the step needs to write parameter groups back to a parameter tier that is
+    not host memory: a staging buffer of the largest group, two at once (a shard may finish
+    one group and start the next)."""
+    if param_home is not Tier.NVME:
+        return 0
+    sizes = sorted((g.nbytes for g in groups if not g.resident), reverse=True)
+    return sum(sizes[:2])
+
+
+def grad_room(items: list[Item], grad_tier: str) -> dict[int, int]:
+    """Per store key: how many gradient bytes of the wrapped ``items`` may rest in host
+    memory (``grad_tier``: "auto" as far as half of what the host budget leaves after the
+    states already resting there and the staging allows, "host" all of them or a
+    BudgetError, "nvme" none)."""
+    room: dict[int, int] = {}
+    wrapped = [it for it in items if it.owner is not None]
+    for p in {it.placement.key: it.placement for it in wrapped}.values():
+        if p.home is Tier.HOST or grad_tier == "nvme":
+            continue
+        need = 4 * sum(it.stop - it.start for it in wrapped if it.placement.key == p.key)
+        free = p.host_budget - p.resting - p.write_back - p.param_staging
+        if grad_tier == "host":
+            if need > free // 2:
+                raise BudgetError(
+                    f"grad_tier='host' keeps {format_size(need)} of fp32 gradients in host memory, more than "
+                    f"half of the {format_size(max(free, 0))} that host_budget ({format_size(p.host_budget)}) "
+                    "leaves after the parameter staging: raise host_budget or use grad_tier='auto'")
+            room[p.key] = need
+        else:
+            room[p.key] = min(need, max(0, free // 2))
+    return room
+
+
+def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> None:
+    """Per store: the states resting in host memory, the largest shard in flight and the
+    write-back staging must fit its host budget."""
+    by_store: dict[int, list[Shard]] = defaultdict(list)
+    for s in shards:
+        by_store[id(s.store)].append(s)
+    for key, group in by_store.items():
+        p = placements[key]
+        resting = sum(s.host_resting_bytes for s in group)
+        largest = max((s.bytes_in_flight for s in group), default=0)
+        staging = p.write_back if any(s.wrapped for s in group) else 0
+        need = resting + largest + staging
+        if need <= p.host_budget:
+            continue
+        parts = [(resting, "resting in host memory"), (largest, "for one shard in flight"),
+                 (staging, "to write back a parameter group")]
+        fixes = ["raise host_budget"]
+        if any(s.home is Tier.HOST for s in group):
+            fixes.append("set optimizer_tier='nvme'")
+        fixes.append("pass a smaller shard_size")
+        if any(s.grad_home is Tier.HOST and s.home is not Tier.HOST for s in group):
+            fixes.append("set grad_tier='nvme'")
+        raise BudgetError(
+            f"the optimizer states need {format_size(need)} of host memory ("
+            + ", ".join(f"{format_size(n)} {what}" for n, what in parts if n)
+            + f") but host_budget is {format_size(p.host_budget)}: " + ", ".join(fixes[:-1])
+            + f" or {fixes[-1]}")
+
+
+def check_machine(shards: list[Shard]) -> None:
+    """Refuse, before allocating them, states that this machine's free RAM or disk cannot
+    hold (offload.plan's checks, for these shards)."""
+    resting = sum(s.host_resting_bytes for s in shards)
+    if resting:
+        check_ram(resting, "the optimizer states in host memory",
+                  "set optimizer_tier='nvme' (OffloadConfig) or free memory")
+    by_path: dict[str, int] = defaultdict(int)
+    for s in shards:
+        if s.nvme_bytes:
+            by_path[s.store.tiers[Tier.NVME].files.path] += s.nvme_bytes
+    for path, need in by_path.items():
+        check_disk(path, need, "the optimizer states on NVMe",
+                   "free space there, point nvme_path at a larger disk, or set optimizer_tier='host'")
+    for store in {id(s.store): s.store for s in shards if s.home is Tier.NVME}.values():
+        tier = store.tiers[Tier.NVME]
+        limit = getattr(tier, "cache_limit", None)
+        total = tier.used_bytes + sum(s.nvme_bytes for s in shards if s.store is store)
+        if limit is not None and total > limit:
+            log.warning("offload: the optimizer states take the mmap NVMe tier at %s to %s, beyond its "
+                        "page-cache limit (host_budget %s): they will be read back through the page cache at "
+                        "cold-read speed each step; OffloadConfig(io_backend='direct') reads them with O_DIRECT",
+                        tier.files.path, format_size(total), format_size(limit))
+
+
+def plan_rows(groups: list[Any], config: Any, kind: str, *, param_staging: int) -> list[PlanRow]:
+    """The optimizer's rows of ``offload.plan``: an offload optimizer of ``kind`` with its
+    default settings over every parameter of ``groups`` (this rank's slices), laid out as
+    the optimizer lays them out. Raises the optimizer's BudgetError where it would refuse."""
+    rows = state_rows(kind)
+    param_home = Tier.parse(config.param_tier)
+    home = Tier.parse(config.optimizer_tier)
+    placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
+                          param_staging if param_home is Tier.NVME else 0)
+    cpu = config.torch_device.type == "cpu"
+    items = []
+    for group in groups:
+        for slot in group.slots:
+            owner = Owner(None, group, slot)
+            master = wrapped_mode(owner, param_home, cpu) is MasterMode.ROW
+            items.append(Item(slot.param, 0, owner, len(rows), master, placement, slot.first,
+                              slot.first + slot.count, slot.param.requires_grad))
+    if not items:
+        return []
+    shards = cut(items, first_index=0, shard_size=None, grad_room=grad_room(items, "auto"))
+    check_host_budget(shards, {placement.key: placement})  # (the optimizer would refuse: so does the plan)
+    out = [PlanRow(f"optimizer: {', '.join(rows)}", home.value,
+                   sum(4 * s.numel * (s.rows - s.master) for s in shards), "fp32, 4 bytes per parameter each")]
+    masters = sum(4 * s.numel for s in shards if s.master)
+    if masters:
+        out.append(PlanRow("optimizer: master weights", home.value, masters,
+                           "fp32 copy of the parameters that are not fp32 where they rest"))
+    for tier in (Tier.HOST, Tier.NVME):
+        grads = sum(s.grad_bytes for s in shards if s.grad_home is tier)
+        if grads:
+            kept = tier is Tier.HOST and home is not Tier.HOST
+            out.append(PlanRow("optimizer: gradient accumulators", tier.value, grads,
+                               "fp32, summed over backward passes"
+                               + ("; kept in host memory (grad_tier='auto')" if kept else "")))
+    if home is Tier.NVME:
+        in_flight = sorted((s.bytes_in_flight for s in shards), reverse=True)[:SHARDS_IN_FLIGHT]
+        out.append(PlanRow("optimizer: shards in flight", "host", min(config.host_budget, sum(in_flight)),
+                           "read ahead, update, write back; within host_budget"))
+    return out
