@@ -20,7 +20,8 @@ from .checkpoint import (CheckpointError, export, load_checkpoint, load_state_di
                          save_checkpoint, set_rng_state, state_dict)
 from .config import OffloadConfig
 from .optim import SGD, Adam, AdamW
-from ._plan import MemoryPlan, MemoryPlanError, plan
+from ._plan import MemoryPlan, MemoryPlanError
+from ._planner import plan
 from .params import close, init_empty_weights, log_step, note_step, reset_peak_stats, stats, unwrap, wrap, write_trace
 
 __version__ = "0.1.0"

@@ -25,6 +25,8 @@ import os
 import resource
 import shutil
 from dataclasses import dataclass, field
+from typing import Callable
+
 import psutil
 import torch
 from torch import nn
@@ -34,14 +36,10 @@ from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
 
-__all__ = ["MemoryPlan", "MemoryPlanError", "plan", "plan_groups", "host_param_bytes", "free_disk_bytes",
+__all__ = ["MemoryPlan", "MemoryPlanError", "PlanRow", "plan_groups", "host_param_bytes", "free_disk_bytes",
            "check_ram", "check_disk"]
 
 log = logging.getLogger(__name__)
-
-_OPTIMIZER_ROWS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
-                   "sgd": ("momentum_buffer",), None: ()}
-_SHARD_ELEMENTS = 16 << 20  # the optimizer's default shard (elements)
 
 
 class MemoryPlanError(BudgetError):
@@ -116,53 +114,24 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw") -> MemoryPlan:
-    """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
-    of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``).
-    Allocates nothing; the model may be on the meta device.
-
-    With several ranks (``config.world_size``, or an initialised torch.distributed) it is
-    the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
-    bytes of padding) and the whole groups gathered on the device while in use."""
-    from .params import device_layout
-
-    if not isinstance(config, OffloadConfig):
-        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
-    kind = None if optimizer is None else str(optimizer).lower()
-    if kind not in _OPTIMIZER_ROWS:
-        raise ValueError(f"optimizer={optimizer!r}: use 'adamw', 'adam', 'sgd' or None")
-    world = config.world_size
-    if world is None:
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    layout = device_layout(model, config, partitioned=world > 1, check=False)
-    groups = layout.groups
-    if world > 1:
-        from .distributed import Partition, slice_groups
-
-        groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
-    if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
-        config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
-    return plan_groups(groups, config, optimizer=kind, ram_credit=host_param_bytes(model) // world,
-                       world=world, room=layout.room(config.device_budget))
-
-
-def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
-                ram_credit: int = 0, world: int = 1, room: int | None = None) -> MemoryPlan:
+def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, world: int = 1,
+                room: int | None = None, optimizer: Callable[[list, OffloadConfig, int], list] | None = None
+                ) -> MemoryPlan:
     """The plan for parameter groups already built (``wrap`` calls this); with ``world``
     ranks, ``groups`` are this rank's slices. ``room``: what the device budget leaves for
-    the prefetch window (offload.params.device_layout)."""
+    the prefetch window (offload.params.device_layout). ``optimizer(groups, config,
+    param_staging)``: the optimizer's rows (``offload.optim.plan_rows``), given the host
+    bytes the parameter reads stage through."""
     p = MemoryPlan(config=config, ram_credit=ram_credit, world=world)
     cuda = config.torch_device.type == "cuda"
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g.nbytes for g in groups if not g.resident]
-    total = resident + sum(streamed)
     largest = max(streamed, default=0)
     median = sorted(streamed)[len(streamed) // 2] if streamed else 0
     if room is None:
         room = max(0, config.device_budget - largest)
     window = config.prefetch_limit(room, median) if streamed else 0
+    staging = min(config.host_budget, window + largest)
 
     # -- parameters ----------------------------------------------------------------------
     if resident:
@@ -183,41 +152,13 @@ def plan_groups(groups: list, config: OffloadConfig, *, optimizer: str | None,
             p.rows.append(PlanRow("parameters on the device in use", "device", working,
                                   f"up to the device budget: largest group + prefetch {format_size(window)} + cache"))
         if home == "nvme":
-            staging = min(config.host_budget, window + largest)
             p.rows.append(PlanRow("host staging for parameter reads", "host", staging,
                                   "prefetch window + largest group, within host_budget"))
-
-    # -- optimizer -------------------------------------------------------------------------
-    if optimizer is not None and total:
-        elements = _elements(groups)
-        state_rows = _OPTIMIZER_ROWS[optimizer]
-        tier = config.optimizer_tier
-        p.rows.append(PlanRow(f"optimizer: {', '.join(state_rows)}", tier, 4 * len(state_rows) * elements,
-                              "fp32, 4 bytes per parameter each"))
-        # fp32 parameters resting on NVMe or in host memory (or resident on a CPU device) are
-        # their own master weights: the optimizer updates them in place (offload/optim/_optimizer.py)
-        cpu = config.torch_device.type == "cpu"
-        own = sum(slot.count for g in groups for slot in g.slots
-                  if all(x.dtype == torch.float32 for x in g.slots)
-                  and ((not g.resident and config.param_tier in ("nvme", "host")) or (g.resident and cpu)))
-        if elements - own:
-            p.rows.append(PlanRow("optimizer: master weights", tier, 4 * (elements - own),
-                                  "fp32 copy of the parameters that are not fp32 where they rest"))
-        grads_tier, why = tier, "fp32, summed over backward passes"
-        if tier == "nvme":
-            # the optimizer's grad_tier="auto": in host memory when half of what host_budget
-            # leaves after the parameter staging holds them
-            staging = 0
-            if streamed and config.param_tier == "nvme":
-                staging = min(config.host_budget, window + largest) + largest
-            if 4 * elements <= (config.host_budget - staging) // 2:
-                grads_tier, why = "host", "fp32, summed over backward passes; kept in host memory (grad_tier='auto')"
-        p.rows.append(PlanRow("optimizer: gradient accumulators", grads_tier, 4 * elements, why))
-        if tier == "nvme":
-            per_element = 4 * (len(state_rows) + (1 if grads_tier == "host" else 2))
-            in_flight = min(config.host_budget, 4 * _SHARD_ELEMENTS * per_element, elements * per_element)
-            p.rows.append(PlanRow("optimizer: shards in flight", "host", in_flight,
-                                  "read ahead, update, write back; within host_budget"))
+    if optimizer is not None and groups:
+        try:
+            p.rows.extend(optimizer(groups, config, staging))
+        except BudgetError as err:  # what the optimizer would refuse: a problem of the plan
+            p.problems.append(f"optimizer: {err}")
 
     # -- needs -----------------------------------------------------------------------------
     # one host pool (host_budget) holds everything on the host tier, one device budget the rest
@@ -302,7 +243,3 @@ def host_param_bytes(model: nn.Module) -> int:
     """Bytes of ``model``'s parameters in host memory now (tied ones once): what wrapping
     frees as it moves them into the tiers."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-
-
-def _elements(groups: list) -> int:
-    return sum(slot.count for g in groups for slot in g.slots)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._plan import host_param_bytes, plan_groups
 from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
@@ -241,9 +242,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     mine = groups if partition is None else distributed.slice_groups(groups, partition)
     if partition is not None:
         check_partitioned(groups, config, mine)
-    from .._plan import host_param_bytes, plan_groups
-
-    memory_plan = plan_groups(mine, config, optimizer=None, ram_credit=host_param_bytes(model),
+    memory_plan = plan_groups(mine, config, ram_credit=host_param_bytes(model),
                               world=partition.world if partition is not None else 1,
                               room=layout.room(config.device_budget))
     log.info("%s", memory_plan)
@@ -426,9 +425,7 @@ def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
     """The parameters the store will keep on NVMe (what io_backend="auto" weighs: whether
     an optimizer will add states is not known yet; one that does warns when they make an
     mmap store outgrow its page-cache limit)."""
-    from .._plan import plan_groups
-
-    return sum(r.nbytes for r in plan_groups(groups, config, optimizer=None).rows if r.tier == "nvme")
+    return sum(r.nbytes for r in plan_groups(groups, config).rows if r.tier == "nvme")
 
 
 def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:

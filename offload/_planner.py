@@ -1,0 +1,43 @@
+"""``offload.plan``: the memory plan of wrapping a model and training it with an offload
+optimizer, computed from the same sizing the runtime uses (``offload.params.device_layout``
+for the device, ``offload.optim.plan_rows`` for the optimizer), allocating nothing."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from ._plan import MemoryPlan, host_param_bytes, plan_groups
+from .config import OffloadConfig
+from .distributed import Partition, slice_groups
+from .optim import plan_rows, state_rows
+from .params import device_layout
+
+__all__ = ["plan"]
+
+
+def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw") -> MemoryPlan:
+    """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
+    of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``)
+    with its default settings. Allocates nothing; the model may be on the meta device.
+
+    With several ranks (``config.world_size``, or an initialised torch.distributed) it is
+    the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
+    bytes of padding) and the whole groups gathered on the device while in use."""
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    kind = None if optimizer is None else str(optimizer).lower()
+    if kind is not None:
+        state_rows(kind)  # (refuses an unknown kind)
+    world = config.world_size
+    if world is None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    layout = device_layout(model, config, partitioned=world > 1, check=False)
+    groups = layout.groups
+    if world > 1:
+        groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
+    if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
+        config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
+    rows = None if kind is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, kind, param_staging=staging))
+    return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
+                       room=layout.room(config.device_budget), optimizer=rows)

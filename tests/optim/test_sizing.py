@@ -1,0 +1,88 @@
+"""offload.plan's optimizer rows are the layout the optimizer builds: one sizing policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import offload
+from offload.io import BudgetError
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(n_embd: int, n_layer: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=503, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _built(opt) -> dict[str, int]:
+    """The optimizer rows as the optimizer's own shards count them."""
+    shards = opt._book.shards
+    out = {"moments": sum(4 * s.numel * (s.rows - s.master) for s in shards),
+           "masters": sum(4 * s.numel for s in shards if s.master)}
+    for tier in ("host", "nvme"):
+        out[f"grads {tier}"] = sum(s.grad_bytes for s in shards if s.grad_home is not None
+                                   and s.grad_home.value == tier)
+    homes = {s.home.value for s in shards}
+    if homes == {"nvme"}:
+        in_flight = sorted((s.bytes_in_flight for s in shards), reverse=True)[:4]
+        out["in flight"] = min(opt._book.placements[id(shards[0].store)].host_budget, sum(in_flight))
+    return out
+
+
+def _planned(plan) -> dict[str, int]:
+    out = {"moments": 0, "masters": 0, "grads host": 0, "grads nvme": 0}
+    for r in plan.rows:
+        if r.item.startswith("optimizer: exp_avg"):
+            out["moments"] = r.nbytes
+        elif r.item == "optimizer: master weights":
+            out["masters"] = r.nbytes
+        elif r.item == "optimizer: gradient accumulators":
+            out[f"grads {r.tier}"] += r.nbytes
+        elif r.item == "optimizer: shards in flight":
+            out["in flight"] = r.nbytes
+    return out
+
+
+def test_the_plan_is_the_layout_the_optimizer_builds_under_tight_budgets(tmp_path, no_leaks):
+    """Random tiers, dtypes, model shapes and host budgets from roomy down to too small: the
+    optimizer builds exactly what the plan counted (moments, masters, gradients by tier,
+    shards in flight), and refuses exactly where the plan says it would."""
+    rng = random.Random(23)
+    refused = built = 0
+    for trial in range(10):
+        n_embd, n_layer = rng.choice([(64, 2), (128, 2), (96, 3)])
+        optimizer_tier = rng.choice(["nvme", "nvme", "host"])
+        param_tier = rng.choice(["nvme", "host"])
+        dtype = rng.choice([None, "bf16"])
+        host_budget = rng.choice([1 << 20, 3 << 20, 6 << 20, 12 << 20, 64 << 20])
+        cfg = offload.OffloadConfig(device="cpu", param_tier=param_tier, optimizer_tier=optimizer_tier,
+                                    nvme_path=str(tmp_path / f"swap{trial}"), device_budget="8MiB",
+                                    host_budget=host_budget, compute_dtype=dtype, resident_bytes=0)
+        what = f"trial {trial}: {n_embd}x{n_layer}, {param_tier}/{optimizer_tier}, {dtype}, host {host_budget}"
+        model = _model(n_embd, n_layer)
+        plan = offload.plan(model, cfg, optimizer="adamw")
+        if plan.problems and not any(p.startswith("optimizer:") for p in plan.problems):
+            continue  # (the parameters alone do not fit: wrap refuses before any optimizer)
+        try:
+            offload.wrap(model, cfg)
+        except BudgetError:
+            continue
+        try:
+            try:
+                opt = offload.AdamW(model.parameters(), lr=1e-3)
+            except BudgetError as err:
+                refused += 1
+                assert any(p.startswith("optimizer:") for p in plan.problems), f"{what}: plan fits, optimizer: {err}"
+                continue
+            built += 1
+            assert not any(p.startswith("optimizer:") for p in plan.problems), f"{what}: {plan.problems}"
+            assert _built(opt) == _planned(plan), what
+            opt.close()
+        finally:
+            offload.close(model)
+    assert built >= 3 and refused >= 1, (built, refused)
