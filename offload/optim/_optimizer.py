@@ -53,6 +53,7 @@ import psutil
 import torch
 from torch.optim import Optimizer
 
+from .._resolve import choose_io_backend, resolve_engine
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
@@ -870,12 +871,13 @@ class OffloadOptimizer(Optimizer):
                 if nvme is not None:
                     states = 4 * (len(self._state_rows) + 1) * sum(
                         p.numel() for g in self.param_groups for p in g["params"] if _owner_of(p) is None)
-                    backend, reason = cfg.choose_io_backend(states)
+                    backend, reason = choose_io_backend(cfg, states)
                     log.info("offload: optimizer states on %s through io_backend %s (%s)", nvme, backend, reason)
+                engine = resolve_engine(cfg)
                 self._own_store = create_store(device="cpu", device_budget=1, host_budget=cfg.host_budget,
                                                nvme_path=nvme, file_size=cfg.file_size,
-                                               block_size=cfg.block_size, threads=cfg.io_threads,
-                                               queue_depth=cfg.queue_depth, io_backend=backend)
+                                               block_size=engine.block_size, threads=engine.threads,
+                                               queue_depth=engine.queue_depth, io_backend=backend)
                 self._own_home = Tier.parse(cfg.optimizer_tier)
         return self._own_store, self._own_home
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import offload
+from offload._resolve import choose_io_backend
 from offload.profile import CACHE_NAME
 from offload.profile._run import REPORT_VERSION
 from offload.store import MmapTier, Tier, create_store
@@ -73,32 +74,33 @@ def _cfg(tmp_path, **kw):
 
 def test_auto_chooses_by_measurement_and_budgets(tmp_path):
     cfg = _cfg(tmp_path)
-    backend, reason = cfg.choose_io_backend(100 * MiB)
+    backend, reason = choose_io_backend(cfg, 100 * MiB)
     assert backend == "direct" and "no offload-profile measurement of mmap" in reason
     _profile(tmp_path, warm=9.0)
-    backend, reason = cfg.choose_io_backend(100 * MiB)
+    backend, reason = choose_io_backend(cfg, 100 * MiB)
     assert backend == "mmap" and "fits in host_budget and free RAM" in reason and "9.00 GB/s" in reason
-    backend, reason = cfg.choose_io_backend(2 << 30)
+    backend, reason = choose_io_backend(cfg, 2 << 30)
     assert backend == "direct" and "larger than host_budget" in reason
     big = _cfg(tmp_path, host_budget="100TiB")
-    backend, reason = big.choose_io_backend(50 << 40)
+    backend, reason = choose_io_backend(big, 50 << 40)
     assert backend == "direct" and "larger than the RAM left free" in reason
     _profile(tmp_path, warm=2.0)
-    backend, reason = cfg.choose_io_backend(100 * MiB)
+    backend, reason = choose_io_backend(cfg, 100 * MiB)
     assert backend == "direct" and "not faster than O_DIRECT" in reason
-    assert _cfg(tmp_path, io_backend="mmap").choose_io_backend(1 << 50)[0] == "mmap"  # given: kept
-    assert _cfg(tmp_path, io="manual").choose_io_backend(100 * MiB)[0] == "direct"  # no profile read
+    assert choose_io_backend(_cfg(tmp_path, io_backend="mmap"), 1 << 50)[0] == "mmap"  # given: kept
+    assert choose_io_backend(_cfg(tmp_path, io="manual"), 100 * MiB)[0] == "direct"  # no profile read
 
 
 def test_auto_takes_mmap_where_o_direct_is_refused(tmp_path, monkeypatch):
     """No file system here refuses O_DIRECT (tmpfs accepts it since Linux 6.6): the probe's
     answer is replaced; the probe itself is checked on the real disk."""
     import offload._os as os_helpers
+    import offload._resolve as resolve
 
     assert os_helpers.direct_io_supported(str(tmp_path / "nvme"))  # a real file, written O_DIRECT
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".offload-direct-probe")]
-    monkeypatch.setattr(os_helpers, "direct_io_supported", lambda path: False)
-    backend, reason = _cfg(tmp_path).choose_io_backend(MiB)
+    monkeypatch.setattr(resolve, "direct_io_supported", lambda path: False)
+    backend, reason = choose_io_backend(_cfg(tmp_path), MiB)
     assert backend == "mmap" and "refuses O_DIRECT" in reason
 
 
