@@ -24,8 +24,6 @@ system calls:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -34,51 +32,17 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from ..io import FileEngine, OffloadIOError
 from ._nvme import Extent, SwapFiles
+from ._pagecache import advise_random, advise_willneed, drop_pages, mapping_address, page_span, resident_bytes
 from ._state import Tier
 from ._tiers import Pending, SwapFileSlots
 
-__all__ = ["MmapTier", "file_cached_bytes"]
+__all__ = ["MmapTier"]
 
 log = logging.getLogger(__name__)
-_PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
-
-
-def _mincore(address: int, length: int) -> int:
-    """Bytes of [address, address + length) (page aligned) resident in memory."""
-    pages = (length + _PAGE - 1) // _PAGE
-    if pages == 0:
-        return 0
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore: {os.strerror(err)}")
-    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE
-
-
-def file_cached_bytes(fd: int) -> int:
-    """Bytes of the file open (read-write) as ``fd`` that sit in the page cache: a mapping
-    and ``mincore``; nothing is read or written."""
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return 0
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-        return _mincore(_address(mm), size)
-
-
-def _address(mm: mmap.mmap) -> int:
-    """The start address of a read-write mapping (the ctypes view is let go at once, so
-    the mapping can still be closed)."""
-    buf = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(buf)
-    del buf
-    return address
 
 
 class _Mapped:
@@ -87,12 +51,9 @@ class _Mapped:
     def __init__(self, fd: int, size: int):
         self.fd, self.size = fd, size
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        try:  # no fault-around readahead: the tier says what it will read (MADV_WILLNEED)
-            self.mm.madvise(mmap.MADV_RANDOM)
-        except (OSError, ValueError):
-            pass
+        advise_random(self.mm)  # no fault-around readahead: the tier says what it will read
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.address = _address(self.mm)
+        self.address = mapping_address(self.mm)
 
     def close(self) -> None:
         self.tensor = None
@@ -173,11 +134,8 @@ class MmapTier(SwapFileSlots):
     def advise(self, slot: Extent, nbytes: int) -> None:
         """Start reading the extent into the page cache (``MADV_WILLNEED``); returns at once."""
         mapped = self._mapped(slot)
-        start, end = _pages(slot.offset, slot.offset + nbytes)
-        try:
-            mapped.mm.madvise(mmap.MADV_WILLNEED, start, min(end, mapped.size) - start)
-        except (OSError, ValueError):
-            pass
+        start, end = page_span(slot.offset, slot.offset + nbytes)
+        advise_willneed(mapped.mm, start, min(end, mapped.size) - start)
 
     def cached_bytes(self) -> int:
         """Bytes of this tier's files in the page cache now."""
@@ -186,9 +144,9 @@ class MmapTier(SwapFileSlots):
         total = 0
         for mapped in maps:
             try:
-                total += _mincore(mapped.address, mapped.size)
-            except OSError:
-                pass
+                total += resident_bytes(mapped.address, mapped.size)
+            except OSError as err:  # a statistic only: a file that cannot be asked counts as uncached
+                log.debug("mincore of %d bytes failed: %s", mapped.size, err)
         return total
 
     def sync(self) -> None:
@@ -271,17 +229,6 @@ class MmapTier(SwapFileSlots):
             self._drop(mapped, old, old_dirty)
 
     def _drop(self, mapped: _Mapped, extent: Extent, dirty: bool) -> None:
-        start, end = _pages(extent.offset, extent.offset + extent.length)
-        end = min(end, mapped.size)
-        try:
-            if dirty:
-                mapped.mm.flush(start, end - start)  # fadvise only drops clean pages
-            mapped.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-            os.posix_fadvise(mapped.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-            self.dropped_bytes += end - start
-        except (OSError, ValueError) as err:
-            log.debug("could not drop pages of %s: %s", extent.file.path, err)
+        start, end = page_span(extent.offset, extent.offset + extent.length)
+        self.dropped_bytes += drop_pages(mapped.mm, mapped.fd, start, min(end, mapped.size) - start, dirty=dirty)
 
-
-def _pages(start: int, end: int) -> tuple[int, int]:
-    return start - start % _PAGE, -(-end // _PAGE) * _PAGE
