@@ -19,18 +19,22 @@ system calls:
   ``OffloadIOError`` naming the file instead.
 
 ``cached_bytes`` reports the tier's pages in the page cache (``mincore``), which
-``offload.stats`` shows as ``page_cache_bytes``.
+``offload.stats`` shows as ``page_cache_bytes``. Transfers run on a few worker threads,
+lowest ``priority`` first (a demand read, 0, overtakes queued prefetches, 1), as in the
+file engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -75,7 +79,7 @@ class MmapTier(SwapFileSlots):
         self._maps_lock = threading.Lock()
         self._recent: OrderedDict[tuple[str, int], list] = OrderedDict()  # -> [extent, dirty]
         self._recent_bytes = 0
-        self._workers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="offload-mmap")
+        self._workers = _PriorityWorkers(max(1, threads), name="offload-mmap")
         self.dropped_bytes = 0
         self.busy_seconds = 0.0  # worker time spent copying
 
@@ -98,7 +102,7 @@ class MmapTier(SwapFileSlots):
             dest[:nbytes].copy_(mapped.tensor[slot.offset: slot.offset + nbytes])
             self._touched(slot, dirty=False)
 
-        return self._submit(copy)
+        return self._submit(copy, priority)
 
     def write_from(self, slot: Extent, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
         mapped = self._mapped(slot)
@@ -120,7 +124,7 @@ class MmapTier(SwapFileSlots):
                 done += n
             self._touched(slot, dirty=True)
 
-        return self._submit(copy)
+        return self._submit(copy, priority)
 
     def view(self, slot: Extent, nbytes: int) -> torch.Tensor:
         """The extent's bytes in place, as a uint8 tensor over the mapping with a storage of
@@ -157,7 +161,7 @@ class MmapTier(SwapFileSlots):
             mapped.mm.flush()
 
     def close(self) -> None:
-        self._workers.shutdown(wait=True)
+        self._workers.close()  # runs what is queued first: no completion is left pending
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}
             self._recent.clear()
@@ -167,7 +171,7 @@ class MmapTier(SwapFileSlots):
         self.engine.close()
 
     # -- internals --------------------------------------------------------------------------
-    def _submit(self, fn) -> Pending:
+    def _submit(self, fn: Callable[[], None], priority: int) -> Pending:
         done = Pending()
 
         def run() -> None:
@@ -182,7 +186,7 @@ class MmapTier(SwapFileSlots):
                     self.busy_seconds += time.perf_counter() - started
             done._finish(None)
 
-        self._workers.submit(run)
+        self._workers.submit(priority, run)
         return done
 
     def _mapped(self, slot: Extent) -> _Mapped:
@@ -232,3 +236,41 @@ class MmapTier(SwapFileSlots):
         start, end = page_span(extent.offset, extent.offset + extent.length)
         self.dropped_bytes += drop_pages(mapped.mm, mapped.fd, start, min(end, mapped.size) - start, dirty=dirty)
 
+
+class _PriorityWorkers:
+    """Threads that run submitted jobs lowest ``priority`` first, in order of arrival
+    within a priority. ``close()`` runs what is queued, then stops the threads."""
+
+    _STOP = float("inf")  # after every job
+
+    def __init__(self, threads: int, *, name: str):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, priority: int, job: Callable[[], None]) -> None:
+        """Queue ``job`` (which must not raise: it completes its own handle)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the mmap tier is closed")
+            self._queue.put((priority, next(self._seq), job))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put((self._STOP, next(self._seq), None))
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()[2]) is not None:
+            job()

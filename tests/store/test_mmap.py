@@ -58,6 +58,42 @@ def test_direct_io_leaves_the_page_cache_alone(disk_dir, no_leaks):
         assert store.stats()["nvme"]["page_cache_bytes"] < MiB
 
 
+def test_a_demand_read_overtakes_queued_prefetches(disk_dir, no_leaks, monkeypatch):
+    """One worker, held inside a first read: prefetches (priority 1) queue behind it, then a
+    demand read (priority 0) arrives last and still runs first once the worker is free."""
+    import threading
+
+    store = create_store(device="cpu", device_budget="32MiB", host_budget="8MiB", nvme_path=disk_dir,
+                         file_size="1MiB", threads=1, io_backend="mmap")
+    with store:
+        tier = store.tiers[Tier.NVME]
+        slots = {name: tier.allocate(4096) for name in ("held", "p1", "p2", "p3", "demand")}
+        tier.read_into(slots["held"], torch.empty(4096, dtype=torch.uint8), 4096).wait()  # maps the file
+        entered, release = threading.Event(), threading.Event()
+        check = tier._check_size
+
+        def held_first(slot, *args, **kw):
+            if slot is slots["held"]:
+                entered.set()
+                release.wait(30)
+            return check(slot, *args, **kw)
+
+        monkeypatch.setattr(tier, "_check_size", held_first)
+        order, handles = [], []
+        for name, priority in (("held", 1), ("p1", 1), ("p2", 1), ("p3", 1), ("demand", 0)):
+            handles.append(tier.read_into(slots[name], torch.empty(4096, dtype=torch.uint8), 4096,
+                                          priority=priority))
+            handles[-1].add_done_callback(lambda _, name=name: order.append(name))
+            if name == "held":
+                assert entered.wait(30), "the worker never started the first read"
+        release.set()
+        for handle in handles:
+            handle.wait(30)
+        assert order == ["held", "demand", "p1", "p2", "p3"]
+        for slot in slots.values():
+            tier.free(slot)
+
+
 def _profile(directory, *, warm, direct=2.5):
     report = {"version": REPORT_VERSION, "fs_device": os.stat(directory).st_dev, "disk_read_gbps": direct,
               "engine_choice": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32},
