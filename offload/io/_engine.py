@@ -221,15 +221,15 @@ class FileEngine:
         self.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_open(self, file: EngineFile | None = None) -> None:
         if self._closed:
             raise EngineClosedError("the file engine is closed")
+        if file is not None and file.closed:
+            raise EngineClosedError(f"{file.path!r} was closed")
 
     def _submit(self, op: str, file: EngineFile, offset: int, buffer: Any, length: int | None,
                 priority: int) -> IOHandle:
-        self._check_open()
-        if file.closed:
-            raise EngineClosedError(f"{file.path!r} was closed")
+        self._check_open(file)  # early, before any work; the check that counts is below
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
         view, address, keepalive = _memoryview_of(buffer, length)
@@ -238,6 +238,10 @@ class FileEngine:
         pieces = self._split(file, offset, address, len(view))
         handle = IOHandle(op, file.path, offset, len(view), len(pieces), keepalive)
         with self._cond:
+            # Note: checked again under the lock close() takes. A close() since the first
+            # check has already failed what was queued and stopped the workers: blocks
+            # pushed now would never run and the handle never complete.
+            self._check_open(file)
             for start, size, direct in pieces:
                 block = _Block(handle, file, op, offset + start, view[start:start + size], direct)
                 heapq.heappush(self._heap, (priority, next(self._seq), block))
