@@ -63,8 +63,8 @@ class _Mapped:
         self.tensor = None
         try:
             self.mm.close()
-        except BufferError:  # a view handed out is still alive: the mapping goes with it
-            pass
+        except BufferError:  # nothing leaks: a view handed out is alive, the mapping goes with it
+            log.debug("a view of %d-byte mapping is alive; unmapped with the view", self.size)
 
 
 class MmapTier(SwapFileSlots):

@@ -274,5 +274,5 @@ class SwapFiles:
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except FileNotFoundError:  # already gone (a cleaner, or a second close): what we wanted
         pass
