@@ -82,7 +82,7 @@ class TensorStore:
     """Tensors in tiers under budgets. See the module docstring for the operations.
 
     Args:
-        tiers: a backend per tier in use (e.g. ``HostMemoryTier``, ``NvmeTier``, ``FakeTier``).
+        tiers: a backend per tier in use (e.g. ``HostMemoryTier``, ``NvmeTier``, a test's fake).
         staging: host buffers for transfers between two tiers that are not host memory
             (NVMe <-> CUDA) and for puts into such tiers; usually the HOST tier's pool so
             that its bytes count in the host budget.
