@@ -19,8 +19,8 @@ from ._store import StoredTensor, TensorStore
 from ._tiers import Completion, CudaTier, Done, HostMemoryTier, NvmeTier, Pending, TierBackend
 
 __all__ = [
-    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted", "BudgetError",
-    "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "Completion", "Done", "Pending",
+    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted",
+    "BudgetError", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "Completion", "Done", "Pending",
     "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size",
 ]
 
