@@ -130,6 +130,7 @@ def worker_offload(path: str, args) -> dict:
     import transformers
 
     import offload
+    from offload._resolve import choose_io_backend  # (what io_backend="auto" takes, reported beside it)
 
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(model_config()).eval()
@@ -141,7 +142,7 @@ def worker_offload(path: str, args) -> dict:
     offload.wrap(model, cfg, checkpoint=path)
     store = offload.params.manager_of(model).store
     streamed = sum(g.nbytes for g in offload.params.manager_of(model).groups if not g.resident)
-    auto = cfg.replace(io_backend="auto").choose_io_backend(streamed)  # what auto would take here
+    auto = choose_io_backend(cfg.replace(io_backend="auto"), streamed)  # what auto would take here
     chosen = type(store.tiers[offload.store.Tier.NVME]).__name__
     backend = "mmap" if chosen == "MmapTier" else "direct"
     note = {"direct": "O_DIRECT from swap files", "mmap": "mmap of swap files"}[backend]

@@ -1,30 +1,30 @@
-"""OffloadConfig: one frozen dataclass, validated at construction, loadable from a file."""
+"""OffloadConfig: one frozen dataclass, validated at construction, loadable from a file.
+
+Pure data: constructing a config reads no file and no cached profile. What depends on
+the machine (the engine settings of ``io="auto"``, the backend of ``io_backend="auto"``,
+whether ``log_path`` can be written) is resolved by ``offload._resolve`` where a config is
+used.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 
-from ._units import format_size, parse_size
+from ._units import parse_size
 
 __all__ = ["OffloadConfig"]
-
-log = logging.getLogger(__name__)
 
 _AUTO_WINDOW_MIN, _AUTO_WINDOW_MAX = 64 << 20, 256 << 20
 _TIERS_PARAM = ("device", "host", "nvme")
 _TIERS_OPTIM = ("host", "nvme")
 _IO_MODES = ("auto", "manual")
 _IO_BACKENDS = ("auto", "direct", "mmap")
-_ENGINE_DEFAULTS = {"block_size": 8 << 20, "io_threads": 32, "queue_depth": 32}
-_logged_profiles: set[str] = set()
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -64,7 +64,9 @@ class OffloadConfig:
             ``offload-profile --path DIR`` cached for ``nvme_path`` (DIR is ``nvme_path`` or
             a parent of it on the same file system) and falls back to the built-in
             settings when there is none; ``"manual"`` always uses the built-in settings.
-            Values given explicitly are always kept. ``io_source`` says which it was.
+            Values given explicitly are always kept. Resolved at ``wrap`` (and by an
+            optimizer's own store): ``offload._resolve.resolve_engine(config)`` gives the
+            settings and their ``source``.
         io_backend: how NVMe bytes move: ``"direct"`` (the file engine, O_DIRECT: honest
             memory, fastest cold), ``"mmap"`` (shared mappings of the same swap files: the
             page cache serves repeated reads at memory speed; the pages the tier keeps on
@@ -72,14 +74,16 @@ class OffloadConfig:
             file system refuses O_DIRECT, or where the NVMe data fits in ``host_budget`` and
             in the RAM left free after the budgets and the cached profile measured warm
             mmap reads faster than direct ones; direct otherwise. The choice and the reason
-            are logged once at wrap (``choose_io_backend``).
+            are logged once at wrap (``offload._resolve.choose_io_backend``).
         log_path: append one JSON line per step here (what moved and waited; see
             ``offload.log_step``); ``tools/plot_log.py`` plots it. ``None``: no log.
+            ``wrap`` refuses a path whose directory is missing or not writable.
         trace_path: record the timeline of transfers, compute, stalls and optimizer updates
             and write it here as a Chrome trace at ``unwrap`` (or ``offload.write_trace``).
             A debugging aid: it keeps every event in memory.
         block_size, io_threads, queue_depth: the file engine's settings: bytes per system
-            call, worker threads, blocks in the kernel at once (built-in: 8MiB, 32, 32).
+            call, worker threads, blocks in the kernel at once. ``None`` (default): resolved
+            as ``io`` says (built-in: 8MiB, 32, 32).
         file_size: bytes per preallocated swap file.
         world_size: ranks the parameters are partitioned over (ZeRO-3, see
             docs/distributed.md). ``None`` (default): the default process group's size when
@@ -147,90 +151,11 @@ class OffloadConfig:
                              "OffloadConfig(nvme_path='/path/on/a/local/ssd') or choose 'host'")
         if self.nvme_path is not None:
             set_("nvme_path", os.path.abspath(os.path.expanduser(str(self.nvme_path))))
-        for name in ("log_path", "trace_path"):
-            value = getattr(self, name)
-            if value is not None:
-                path = os.path.abspath(os.path.expanduser(str(value)))
-                parent = os.path.dirname(path)
-                if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-                    raise ValueError(f"{name}={value!r}: the directory {parent!r} does not exist or is not "
-                                     "writable: create it or choose another path")
-                if os.path.isdir(path):
-                    raise ValueError(f"{name}={value!r} is a directory: give a file name")
-                set_(name, path)
+        for name in ("log_path", "trace_path"):  # checked for writing at wrap (offload._resolve)
+            if getattr(self, name) is not None:
+                set_(name, os.path.abspath(os.path.expanduser(str(getattr(self, name)))))
         set_("io", _check_choice("io", self.io, _IO_MODES, what="an I/O mode"))
         set_("io_backend", _check_choice("io_backend", self.io_backend, _IO_BACKENDS, what="an I/O backend"))
-        self._resolve_engine_settings(uses_nvme)
-
-    def _resolve_engine_settings(self, uses_nvme: bool) -> None:
-        """Fill the engine settings left unset: from the cached profile (``io="auto"``) or
-        the built-in values."""
-        unset = [name for name in _ENGINE_DEFAULTS if getattr(self, name) is None]
-        object.__setattr__(self, "_io_unset", tuple(unset))
-        source = "given"
-        if unset:
-            source = "built-in"
-            found = None
-            if self.io == "auto" and uses_nvme:
-                from .profile import find_profile  # lazy: the profiler imports torch-heavy code
-
-                found = find_profile(self.nvme_path)
-            if found is not None:
-                path, report = found
-                choice = report["engine_choice"]
-                measured = {"block_size": int(choice["block_size"]), "io_threads": int(choice["threads"]),
-                            "queue_depth": int(choice["queue_depth"])}
-                for name in unset:
-                    object.__setattr__(self, name, measured[name])
-                source = path
-                if path not in _logged_profiles:
-                    _logged_profiles.add(path)
-                    log.info("io='auto': file engine settings from %s (measured %s): block_size %d KiB, "
-                             "io_threads %d, queue_depth %d", path, report.get("created", "?"),
-                             self.block_size >> 10, self.io_threads, self.queue_depth)
-            else:
-                for name in unset:
-                    object.__setattr__(self, name, _ENGINE_DEFAULTS[name])
-        object.__setattr__(self, "_io_source", source)
-
-    @property
-    def io_source(self) -> str:
-        """Where the engine settings came from: ``"given"`` (all set explicitly), the path of
-        the cached profile they were read from, or ``"built-in"``."""
-        return self._io_source
-
-    def choose_io_backend(self, nvme_bytes: int) -> tuple[str, str]:
-        """``("direct" | "mmap", reason)`` for a store that will hold ``nvme_bytes`` on NVMe
-        (what ``io_backend="auto"`` decides; a given backend is returned as is)."""
-        if self.io_backend != "auto":
-            return self.io_backend, "io_backend set in the config"
-        from ._os import direct_io_supported
-
-        if not direct_io_supported(self.nvme_path):
-            return "mmap", f"the file system of {self.nvme_path!r} refuses O_DIRECT"
-        found = None
-        if self.io == "auto":
-            from .profile import find_profile
-
-            found = find_profile(self.nvme_path)
-        mm = (found[1].get("disk_mmap") or {}) if found else {}
-        if not mm.get("warm_read_gbps"):
-            return "direct", ("no offload-profile measurement of mmap for this disk (run offload-profile "
-                              f"--path {os.path.dirname(self.nvme_path)!r} to let auto choose by measurement)")
-        direct_read = float(found[1]["disk_read_gbps"])
-        room = psutil.virtual_memory().available - self.host_budget
-        if self.torch_device.type == "cpu":
-            room -= self.device_budget
-        need = f"the NVMe data ({format_size(nvme_bytes)})"
-        if nvme_bytes > self.host_budget:
-            return "direct", f"{need} is larger than host_budget ({format_size(self.host_budget)}): it would not stay cached"
-        if nvme_bytes > room:
-            return "direct", f"{need} is larger than the RAM left free after the budgets ({format_size(max(room, 0))})"
-        if mm["warm_read_gbps"] <= direct_read:
-            return "direct", (f"warm mmap reads measured {mm['warm_read_gbps']:.2f} GB/s, not faster than "
-                              f"O_DIRECT's {direct_read:.2f} GB/s ({found[0]})")
-        return "mmap", (f"{need} fits in host_budget and free RAM, and warm mmap reads measured "
-                        f"{mm['warm_read_gbps']:.2f} GB/s against {direct_read:.2f} GB/s O_DIRECT ({found[0]})")
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -256,10 +181,7 @@ class OffloadConfig:
         return max(0, min(window, room))
 
     def replace(self, **changes: Any) -> OffloadConfig:
-        """A copy with ``changes``; engine settings that were not given are resolved again
-        (a new ``nvme_path`` may have its own cached profile)."""
-        for name in self._io_unset:
-            changes.setdefault(name, None)
+        """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

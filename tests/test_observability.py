@@ -123,11 +123,14 @@ def test_log_step_for_inference_and_write_trace_errors(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_bad_log_and_trace_paths_are_refused(tmp_path):
+def test_bad_log_and_trace_paths_are_refused(tmp_path, no_leaks):
+    # a config is pure data: wrap, the first call that writes them, refuses them
+    model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="log_path=.*does not exist"):
-        config(tmp_path, log_path=str(tmp_path / "missing" / "log.jsonl"))
+        offload.wrap(model, config(tmp_path, log_path=str(tmp_path / "missing" / "log.jsonl")))
     with pytest.raises(ValueError, match="trace_path=.*is a directory"):
-        config(tmp_path, trace_path=str(tmp_path))
+        offload.wrap(model, config(tmp_path, trace_path=str(tmp_path)))
+    assert not os.path.exists(tmp_path / "swap")  # refused before the store was built
 
 
 def test_plot_log_writes_a_png(tmp_path):

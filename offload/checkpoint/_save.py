@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._resolve import resolve_engine
 from .._units import format_size
 from ..io import BufferPool
 from ..optim import OffloadOptimizer
@@ -365,7 +366,8 @@ def resources(cat: Catalog, optimizer: Any = None) -> tuple[BufferPool, int, dic
         return BufferPool(1 << 62, name="checkpoint"), _WINDOW, {}
     cfg = manager.config
     pool = manager.store.staging
-    engine = {"block_size": cfg.block_size, "threads": cfg.io_threads, "queue_depth": cfg.queue_depth}
+    settings = resolve_engine(cfg)
+    engine = {"block_size": settings.block_size, "threads": settings.threads, "queue_depth": settings.queue_depth}
     return pool, min(_WINDOW, pool.budget // 2), engine
 
 

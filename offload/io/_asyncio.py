@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ._engine import EngineFile, FileEngine, IOHandle
+from ._engine import EngineFile, FileEngine
+from ._handle import IOHandle
 
 __all__ = ["wait_async", "aread", "awrite"]
 

@@ -65,10 +65,10 @@ def logical_block_size(path: str) -> int:
             try:
                 with open(candidate) as fh:
                     return max(int(fh.read().strip()), mmap.PAGESIZE)
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # a partition has no queue/ of its own: try its disk
                 continue
-    except OSError:
-        pass
+    except OSError as err:  # safe: 4 KiB is a multiple of 512 B and 4 KiB sectors
+        log.debug("no logical block size for %s (%s): assuming %d", path, err, _DEFAULT_ALIGN)
     return max(_DEFAULT_ALIGN, mmap.PAGESIZE)
 
 

@@ -70,8 +70,8 @@ class HostBuffer:
         if huge:
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # THP disabled in this kernel: ordinary pages
-                pass
+            except OSError as err:  # THP disabled in this kernel: ordinary pages, same bytes
+                log.debug("no transparent huge pages for a %d-byte buffer: %s", self.nbytes, err)
             torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()  # fault in
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
@@ -109,8 +109,8 @@ class HostBuffer:
         self._bytes = None
         try:
             self._map.close()
-        except BufferError:
-            pass  # a view still exports the mapping; it is unmapped when the last one dies
+        except BufferError:  # nothing leaks: the mapping is unmapped when the last view dies
+            log.debug("a view still exports a %d-byte buffer; unmapped with the view", self.nbytes)
 
 
 class BufferPool:

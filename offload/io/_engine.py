@@ -29,15 +29,16 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ._backend import DIRECT_SUPPORTED, FileBackend, is_direct_refusal, logical_block_size
 from ._buffers import HostBuffer
 from ._errors import DiskFullError, EngineClosedError, OffloadIOError
+from ._handle import IOHandle
 
-__all__ = ["FileEngine", "EngineFile", "IOHandle", "EngineStats"]
+__all__ = ["FileEngine", "EngineFile", "EngineStats"]
 
 log = logging.getLogger(__name__)
 _warned_buffered: set[str] = set()
@@ -60,66 +61,6 @@ class EngineFile:
 
     def __repr__(self) -> str:
         return f"EngineFile({self.path!r}, direct={self.direct}, align={self.align})"
-
-
-# ---------------------------------------------------------------------------------------
-# Handles
-# ---------------------------------------------------------------------------------------
-class IOHandle:
-    """Completion of one request. ``wait()`` returns the byte count or raises."""
-
-    __slots__ = ("op", "path", "offset", "length", "_pending", "_error", "_event", "_callbacks",
-                 "_lock", "_keepalive", "__weakref__")
-
-    def __init__(self, op: str, path: str, offset: int, length: int, nblocks: int, keepalive: Any):
-        self.op, self.path, self.offset, self.length = op, path, offset, length
-        self._pending = nblocks
-        self._error: BaseException | None = None
-        self._event = threading.Event()
-        self._callbacks: list[Callable[[IOHandle], None]] = []
-        self._lock = threading.Lock()
-        self._keepalive = keepalive  # the caller's buffer lives at least as long as the request
-        if nblocks == 0:
-            self._event.set()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def exception(self) -> BaseException | None:
-        """The error, once done; ``None`` if it succeeded (or is still running)."""
-        return self._error
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"{self.op} of {self.length} bytes at {self.offset} in {self.path!r} "
-                               f"not done after {timeout}s")
-        if self._error is not None:
-            raise self._error
-        return self.length
-
-    def add_done_callback(self, fn: Callable[[IOHandle], None]) -> None:
-        """Call ``fn(handle)`` when done: from a worker thread, or now if already done."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def _block_done(self, error: BaseException | None) -> None:
-        with self._lock:
-            if error is not None and self._error is None:
-                self._error = error
-            self._pending -= 1
-            if self._pending > 0:
-                return
-            self._keepalive = None
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # a callback's failure must not kill the worker
-                log.exception("IOHandle callback failed")
 
 
 @dataclass
@@ -280,15 +221,15 @@ class FileEngine:
         self.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_open(self, file: EngineFile | None = None) -> None:
         if self._closed:
             raise EngineClosedError("the file engine is closed")
+        if file is not None and file.closed:
+            raise EngineClosedError(f"{file.path!r} was closed")
 
     def _submit(self, op: str, file: EngineFile, offset: int, buffer: Any, length: int | None,
                 priority: int) -> IOHandle:
-        self._check_open()
-        if file.closed:
-            raise EngineClosedError(f"{file.path!r} was closed")
+        self._check_open(file)  # early, before any work; the check that counts is below
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
         view, address, keepalive = _memoryview_of(buffer, length)
@@ -297,6 +238,10 @@ class FileEngine:
         pieces = self._split(file, offset, address, len(view))
         handle = IOHandle(op, file.path, offset, len(view), len(pieces), keepalive)
         with self._cond:
+            # Note: checked again under the lock close() takes. A close() since the first
+            # check has already failed what was queued and stopped the workers: blocks
+            # pushed now would never run and the handle never complete.
+            self._check_open(file)
             for start, size, direct in pieces:
                 block = _Block(handle, file, op, offset + start, view[start:start + size], direct)
                 heapq.heappush(self._heap, (priority, next(self._seq), block))

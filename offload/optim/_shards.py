@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .._resolve import choose_io_backend, resolve_engine
 from ..config import OffloadConfig
 from ..params import owner_of
 from ..store import Residency, Tier, TensorStore, create_store
@@ -160,11 +161,12 @@ class ShardBook:
         if nvme is not None:
             states = 4 * sum((len(self.rows_for(e.group_index)) + 1) * e.param.numel()
                              for e in self.entries.values() if e.owner is None)
-            backend, reason = cfg.choose_io_backend(states)
+            backend, reason = choose_io_backend(cfg, states)
             log.info("offload: optimizer states on %s through io_backend %s (%s)", nvme, backend, reason)
+        engine = resolve_engine(cfg)
         self.own_store = create_store(device="cpu", device_budget=1, host_budget=cfg.host_budget,
-                                      nvme_path=nvme, file_size=cfg.file_size, block_size=cfg.block_size,
-                                      threads=cfg.io_threads, queue_depth=cfg.queue_depth, io_backend=backend)
+                                      nvme_path=nvme, file_size=cfg.file_size, block_size=engine.block_size,
+                                      threads=engine.threads, queue_depth=engine.queue_depth, io_backend=backend)
         self._own_home = Tier.parse(cfg.optimizer_tier)
         return self.own_store
 

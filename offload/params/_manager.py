@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .._plan import host_param_bytes, plan_groups
+from .._resolve import check_output_paths, choose_io_backend, resolve_engine
 from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
@@ -230,6 +231,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"OffloadConfig(device={config.device!r}) but CUDA is not available: "
                          "use device='cpu'")
+    check_output_paths(config)
     reader = CheckpointReader(checkpoint, model) if checkpoint is not None else None
     if reader is None:
         meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
@@ -432,9 +434,10 @@ def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:
     nvme = config.nvme_path if "nvme" in (config.param_tier, config.optimizer_tier) else None
     backend = "direct"
     if nvme is not None:
-        backend, reason = config.choose_io_backend(nvme_bytes)
+        backend, reason = choose_io_backend(config, nvme_bytes)
         log.info("offload: io_backend %s for %s (%s)", backend, nvme, reason)
+    engine = resolve_engine(config)
     return create_store(device=config.device, device_budget=config.device_budget,
                         host_budget=config.host_budget, nvme_path=nvme, file_size=config.file_size,
-                        block_size=config.block_size, threads=config.io_threads,
-                        queue_depth=config.queue_depth, io_backend=backend)
+                        block_size=engine.block_size, threads=engine.threads,
+                        queue_depth=engine.queue_depth, io_backend=backend)

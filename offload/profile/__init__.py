@@ -9,7 +9,8 @@ The report is cached as ``<path>/offload-profile.json``; ``OffloadConfig(io="aut
 ``nvme_path`` (or of the nearest parent directory on the same file system).
 """
 
+from .._profile_cache import CACHE_NAME, find_profile
 from ._recommend import recommend
-from ._run import CACHE_NAME, check_target, find_profile, run_profile
+from ._run import check_target, run_profile
 
 __all__ = ["run_profile", "recommend", "find_profile", "check_target", "CACHE_NAME"]

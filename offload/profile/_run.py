@@ -14,17 +14,14 @@ from typing import Any, Callable
 import psutil
 import torch
 
-from .._os import nearest_existing_dir
+from .._profile_cache import CACHE_NAME, REPORT_VERSION
 from .._units import format_size
 from ._disk import DiskProbe, DiskResult, DiskSetting, remove_stale_test_files, sweep_grid
 
-__all__ = ["run_profile", "check_target", "find_profile", "save_report", "planned_steps", "CACHE_NAME",
-           "REPORT_VERSION"]
+__all__ = ["run_profile", "check_target", "save_report", "planned_steps", "CACHE_NAME", "REPORT_VERSION"]
 
 log = logging.getLogger(__name__)
 
-CACHE_NAME = "offload-profile.json"
-REPORT_VERSION = 1
 _RUNTIME_DEFAULT = DiskSetting(8 << 20, 32, 32)  # the runtime's built-in engine setting
 _RETRIES = 3  # the best settings of each op are measured again this many times in all
 
@@ -165,50 +162,6 @@ def save_report(report: dict[str, Any], target: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-
-
-def find_profile(directory: str) -> tuple[str, dict[str, Any]] | None:
-    """The cached profile that describes ``directory``: its own ``offload-profile.json`` or
-    that of the nearest existing parent on the same file system. A file that cannot be read,
-    is from another format version or describes another file system is skipped with a
-    warning."""
-    current = nearest_existing_dir(directory)
-    if current is None:
-        return None
-    fs = os.stat(current).st_dev
-    while True:
-        candidate = os.path.join(current, CACHE_NAME)
-        if os.path.isfile(candidate):
-            report = _read_cached(candidate, fs)
-            if report is not None:
-                return candidate, report
-        parent = os.path.dirname(current)
-        if parent == current or os.stat(parent).st_dev != fs:
-            return None
-        current = parent
-
-
-def _read_cached(candidate: str, fs: int) -> dict[str, Any] | None:
-    try:
-        with open(candidate) as fh:
-            report = json.load(fh)
-        choice = report["engine_choice"]
-        int(choice["block_size"]), int(choice["queue_depth"]), int(choice["threads"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("ignoring the cached profile %s (%s): re-run offload-profile --path %s", candidate,
-                    err, os.path.dirname(candidate))
-        return None
-    if report.get("version") != REPORT_VERSION:
-        log.warning("ignoring the cached profile %s: format version %s, this offload reads %d; re-run "
-                    "offload-profile --path %s", candidate, report.get("version"), REPORT_VERSION,
-                    os.path.dirname(candidate))
-        return None
-    if report.get("fs_device") != fs:
-        log.warning("ignoring the cached profile %s: it was measured on another file system (device %s, "
-                    "now %s); re-run offload-profile --path %s", candidate, report.get("fs_device"), fs,
-                    os.path.dirname(candidate))
-        return None
-    return report
 
 
 # ---------------------------------------------------------------------------------------

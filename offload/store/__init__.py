@@ -1,7 +1,9 @@
 """The tiered tensor store: a handle per stored tensor, tiers behind one small interface.
 
 ``create_store`` wires the usual tiers (compute device, host, NVMe files) from budgets;
-``TensorStore`` takes any mapping of tiers, e.g. a ``FakeTier`` in schedule tests.
+``TensorStore`` takes any mapping of tiers: a tier implements ``TierBackend`` and returns a
+``Done`` or a ``Pending`` completion from its transfers (the schedule tests' in-memory
+``FakeTier``, tests/store/conftest.py, is one).
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from ._mmap import MmapTier
 from ._nvme import DirectoryLockedError, Extent, SwapFiles
 from ._state import Residency, StoreError, Tier, TransferInterrupted
 from ._store import StoredTensor, TensorStore
-from ._tiers import CudaTier, Done, FakeTier, HostMemoryTier, NvmeTier, TierBackend
+from ._tiers import Completion, CudaTier, Done, HostMemoryTier, NvmeTier, Pending, TierBackend
 
 __all__ = [
-    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted", "BudgetError",
-    "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "FakeTier", "Done",
+    "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted",
+    "BudgetError", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "Completion", "Done", "Pending",
     "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size",
 ]
 

@@ -19,66 +19,34 @@ system calls:
   ``OffloadIOError`` naming the file instead.
 
 ``cached_bytes`` reports the tier's pages in the page cache (``mincore``), which
-``offload.stats`` shows as ``page_cache_bytes``.
+``offload.stats`` shows as ``page_cache_bytes``. Transfers run on a few worker threads,
+lowest ``priority`` first (a demand read, 0, overtakes queued prefetches, 1), as in the
+file engine.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import itertools
 import logging
 import mmap
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
-import numpy as np
 import torch
 
 from ..io import FileEngine, OffloadIOError
 from ._nvme import Extent, SwapFiles
+from ._pagecache import advise_random, advise_willneed, drop_pages, mapping_address, page_span, resident_bytes
 from ._state import Tier
 from ._tiers import Pending, SwapFileSlots
 
-__all__ = ["MmapTier", "file_cached_bytes"]
+__all__ = ["MmapTier"]
 
 log = logging.getLogger(__name__)
-_PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
-
-
-def _mincore(address: int, length: int) -> int:
-    """Bytes of [address, address + length) (page aligned) resident in memory."""
-    pages = (length + _PAGE - 1) // _PAGE
-    if pages == 0:
-        return 0
-    vec = (ctypes.c_ubyte * pages)()
-    if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore: {os.strerror(err)}")
-    return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE
-
-
-def file_cached_bytes(fd: int) -> int:
-    """Bytes of the file open (read-write) as ``fd`` that sit in the page cache: a mapping
-    and ``mincore``; nothing is read or written."""
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return 0
-    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-        return _mincore(_address(mm), size)
-
-
-def _address(mm: mmap.mmap) -> int:
-    """The start address of a read-write mapping (the ctypes view is let go at once, so
-    the mapping can still be closed)."""
-    buf = ctypes.c_char.from_buffer(mm)
-    address = ctypes.addressof(buf)
-    del buf
-    return address
 
 
 class _Mapped:
@@ -87,19 +55,16 @@ class _Mapped:
     def __init__(self, fd: int, size: int):
         self.fd, self.size = fd, size
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        try:  # no fault-around readahead: the tier says what it will read (MADV_WILLNEED)
-            self.mm.madvise(mmap.MADV_RANDOM)
-        except (OSError, ValueError):
-            pass
+        advise_random(self.mm)  # no fault-around readahead: the tier says what it will read
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.address = _address(self.mm)
+        self.address = mapping_address(self.mm)
 
     def close(self) -> None:
         self.tensor = None
         try:
             self.mm.close()
-        except BufferError:  # a view handed out is still alive: the mapping goes with it
-            pass
+        except BufferError:  # nothing leaks: a view handed out is alive, the mapping goes with it
+            log.debug("a view of %d-byte mapping is alive; unmapped with the view", self.size)
 
 
 class MmapTier(SwapFileSlots):
@@ -114,7 +79,7 @@ class MmapTier(SwapFileSlots):
         self._maps_lock = threading.Lock()
         self._recent: OrderedDict[tuple[str, int], list] = OrderedDict()  # -> [extent, dirty]
         self._recent_bytes = 0
-        self._workers = ThreadPoolExecutor(max(1, threads), thread_name_prefix="offload-mmap")
+        self._workers = _PriorityWorkers(max(1, threads), name="offload-mmap")
         self.dropped_bytes = 0
         self.busy_seconds = 0.0  # worker time spent copying
 
@@ -137,7 +102,7 @@ class MmapTier(SwapFileSlots):
             dest[:nbytes].copy_(mapped.tensor[slot.offset: slot.offset + nbytes])
             self._touched(slot, dirty=False)
 
-        return self._submit(copy)
+        return self._submit(copy, priority)
 
     def write_from(self, slot: Extent, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
         mapped = self._mapped(slot)
@@ -159,7 +124,7 @@ class MmapTier(SwapFileSlots):
                 done += n
             self._touched(slot, dirty=True)
 
-        return self._submit(copy)
+        return self._submit(copy, priority)
 
     def view(self, slot: Extent, nbytes: int) -> torch.Tensor:
         """The extent's bytes in place, as a uint8 tensor over the mapping with a storage of
@@ -173,11 +138,8 @@ class MmapTier(SwapFileSlots):
     def advise(self, slot: Extent, nbytes: int) -> None:
         """Start reading the extent into the page cache (``MADV_WILLNEED``); returns at once."""
         mapped = self._mapped(slot)
-        start, end = _pages(slot.offset, slot.offset + nbytes)
-        try:
-            mapped.mm.madvise(mmap.MADV_WILLNEED, start, min(end, mapped.size) - start)
-        except (OSError, ValueError):
-            pass
+        start, end = page_span(slot.offset, slot.offset + nbytes)
+        advise_willneed(mapped.mm, start, min(end, mapped.size) - start)
 
     def cached_bytes(self) -> int:
         """Bytes of this tier's files in the page cache now."""
@@ -186,9 +148,9 @@ class MmapTier(SwapFileSlots):
         total = 0
         for mapped in maps:
             try:
-                total += _mincore(mapped.address, mapped.size)
-            except OSError:
-                pass
+                total += resident_bytes(mapped.address, mapped.size)
+            except OSError as err:  # a statistic only: a file that cannot be asked counts as uncached
+                log.debug("mincore of %d bytes failed: %s", mapped.size, err)
         return total
 
     def sync(self) -> None:
@@ -199,7 +161,7 @@ class MmapTier(SwapFileSlots):
             mapped.mm.flush()
 
     def close(self) -> None:
-        self._workers.shutdown(wait=True)
+        self._workers.close()  # runs what is queued first: no completion is left pending
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}
             self._recent.clear()
@@ -209,7 +171,7 @@ class MmapTier(SwapFileSlots):
         self.engine.close()
 
     # -- internals --------------------------------------------------------------------------
-    def _submit(self, fn) -> Pending:
+    def _submit(self, fn: Callable[[], None], priority: int) -> Pending:
         done = Pending()
 
         def run() -> None:
@@ -224,7 +186,7 @@ class MmapTier(SwapFileSlots):
                     self.busy_seconds += time.perf_counter() - started
             done._finish(None)
 
-        self._workers.submit(run)
+        self._workers.submit(priority, run)
         return done
 
     def _mapped(self, slot: Extent) -> _Mapped:
@@ -271,17 +233,44 @@ class MmapTier(SwapFileSlots):
             self._drop(mapped, old, old_dirty)
 
     def _drop(self, mapped: _Mapped, extent: Extent, dirty: bool) -> None:
-        start, end = _pages(extent.offset, extent.offset + extent.length)
-        end = min(end, mapped.size)
-        try:
-            if dirty:
-                mapped.mm.flush(start, end - start)  # fadvise only drops clean pages
-            mapped.mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-            os.posix_fadvise(mapped.fd, start, end - start, os.POSIX_FADV_DONTNEED)
-            self.dropped_bytes += end - start
-        except (OSError, ValueError) as err:
-            log.debug("could not drop pages of %s: %s", extent.file.path, err)
+        start, end = page_span(extent.offset, extent.offset + extent.length)
+        self.dropped_bytes += drop_pages(mapped.mm, mapped.fd, start, min(end, mapped.size) - start, dirty=dirty)
 
 
-def _pages(start: int, end: int) -> tuple[int, int]:
-    return start - start % _PAGE, -(-end // _PAGE) * _PAGE
+class _PriorityWorkers:
+    """Threads that run submitted jobs lowest ``priority`` first, in order of arrival
+    within a priority. ``close()`` runs what is queued, then stops the threads."""
+
+    _STOP = float("inf")  # after every job
+
+    def __init__(self, threads: int, *, name: str):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, priority: int, job: Callable[[], None]) -> None:
+        """Queue ``job`` (which must not raise: it completes its own handle)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the mmap tier is closed")
+            self._queue.put((priority, next(self._seq), job))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put((self._STOP, next(self._seq), None))
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()[2]) is not None:
+            job()

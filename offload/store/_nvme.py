@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from ..io import DiskFullError, EngineFile, FileEngine, logical_block_size, round_up
+from ._pagecache import file_cached_bytes
 
 __all__ = ["SwapFiles", "Extent", "DirectoryLockedError", "free_disk_bytes"]
 
@@ -132,16 +133,14 @@ class SwapFiles:
 
     def cached_bytes(self) -> int:
         """Bytes of the swap files in the page cache now (``mincore`` on a mapping)."""
-        from ._mmap import file_cached_bytes
-
         with self._mutex:
             fds = [file.buffered_fd for file, _ in self._files]
         total = 0
         for fd in fds:
             try:
                 total += file_cached_bytes(fd)
-            except (OSError, ValueError):
-                pass
+            except (OSError, ValueError) as err:  # a statistic only: a file closed meanwhile counts 0
+                log.debug("page-cache bytes of fd %d unknown: %s", fd, err)
         return total
 
     @property
@@ -163,7 +162,8 @@ class SwapFiles:
         for path, fd in files:
             try:
                 gone = os.fstat(fd).st_nlink == 0
-            except OSError:
+            except OSError as err:  # closed by close() meanwhile: nothing left to warn about
+                log.debug("cannot check %s: %s", path, err)
                 continue
             if gone and path not in self._deleted:
                 self._deleted.add(path)
@@ -192,8 +192,8 @@ class SwapFiles:
         if self._created_directory:
             try:
                 os.rmdir(self.path)  # only if empty: never remove what the user put there
-            except OSError:
-                pass
+            except OSError as err:  # not empty (the user's files) or gone: leaving it is right
+                log.debug("kept nvme_path %s: %s", self.path, err)
 
     # -- internals --------------------------------------------------------------------------
     def _check_directory(self) -> None:
@@ -274,5 +274,5 @@ class SwapFiles:
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except FileNotFoundError:  # already gone (a cleaner, or a second close): what we wanted
         pass

@@ -15,6 +15,11 @@ through ``_move``, which checks the transition. Issue and wait are separate call
 A fetch that does not fit its tier's budget right now is *queued* and starts, in order,
 when evictions free space. One that could never fit raises at once; waiting on a queued
 fetch while nothing in flight could ever free space raises too, instead of deadlocking.
+
+The store is one object (one lock, one set of books) written in three files: this one
+(the records' lifecycle and the issue/wait/evict calls), ``_transfers.py`` (routes,
+reservations, transfers and their completions) and ``_lending.py`` (reads and loans that
+make no copy in a tier).
 """
 
 from __future__ import annotations
@@ -24,65 +29,28 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from .._signals import DEFER, wait as _wait
-from ..io import BudgetError, BufferPool, HostBuffer, OffloadIOError
+from ..io import BufferPool
+from ._lending import Lending
+from ._records import FASTEST_FIRST, StoredTensor, TierCopy, as_bytes
 from ._state import Residency, StoreError, Tier, TransferInterrupted, check_transition
-from ._tiers import Done, Pending, TierBackend
+from ._tiers import Done, TierBackend
+from ._transfers import Transfers, start_transfer
 
 __all__ = ["TensorStore", "StoredTensor"]
 
 log = logging.getLogger(__name__)
-_ORDER = (Tier.DEVICE, Tier.HOST, Tier.NVME)  # fastest first
 
 
-@dataclass(eq=False)
-class _Copy:
-    tier: Tier
-    state: Residency = Residency.ABSENT
-    slot: Any = None
-    stage: HostBuffer | None = None  # host bounce buffer of a transfer between two non-host tiers
-    valid: bool = False  # holds the newest bytes
-    dirty: bool = False  # holds bytes newer than the home copy
-    readers: int = 0  # transfers reading from this slot right now
-    drop_when_idle: bool = False
-    error: BaseException | None = None
-    priority: int = 1
-    version: int = 0  # the record's version when the load into this copy started
-
-
-@dataclass(eq=False)
-class StoredTensor:
-    """The store's record of one tensor: its metadata and a copy per tier."""
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    home: Tier
-    copies: dict[Tier, _Copy] = field(default_factory=dict)
-    lost: BaseException | None = None  # set when no valid copy survived a failure
-    version: int = 0  # bumped by mark_dirty; a write-back only cleans the version it wrote
-
-    def copy(self, tier: Tier) -> _Copy:
-        if tier not in self.copies:
-            self.copies[tier] = _Copy(tier)
-        return self.copies[tier]
-
-    def state(self, tier: Tier) -> Residency:
-        copy = self.copies.get(tier)
-        return copy.state if copy is not None else Residency.ABSENT
-
-
-class TensorStore:
+class TensorStore(Lending, Transfers):
     """Tensors in tiers under budgets. See the module docstring for the operations.
 
     Args:
-        tiers: a backend per tier in use (e.g. ``HostMemoryTier``, ``NvmeTier``, ``FakeTier``).
+        tiers: a backend per tier in use (e.g. ``HostMemoryTier``, ``NvmeTier``, a test's fake).
         staging: host buffers for transfers between two tiers that are not host memory
             (NVMe <-> CUDA) and for puts into such tiers; usually the HOST tier's pool so
             that its bytes count in the host budget.
@@ -97,7 +65,7 @@ class TensorStore:
         self.staging = staging
         self.device = torch.device(device)
         self._tensors: dict[str, StoredTensor] = {}
-        self._queues: dict[Tier, list[tuple[StoredTensor, _Copy]]] = {t: [] for t in self.tiers}
+        self._queues: dict[Tier, list[tuple[StoredTensor, TierCopy]]] = {t: [] for t in self.tiers}
         self._cond = threading.Condition(threading.RLock())
         self._in_flight = 0
         self.wait_seconds = 0.0
@@ -116,9 +84,9 @@ class TensorStore:
         Replaces an existing ``key``. ``tensor`` may be reused as soon as this returns.
         Blocks while the home tier has no room, as long as something in flight will free some.
         """
-        home = Tier.parse(tier) if tier is not None else [t for t in _ORDER if t in self.tiers][-1]
+        home = Tier.parse(tier) if tier is not None else [t for t in FASTEST_FIRST if t in self.tiers][-1]
         backend = self._backend(home)
-        source = _as_bytes(tensor)
+        source = as_bytes(tensor)
         record = StoredTensor(key, tensor.dtype, tuple(tensor.shape), source.numel(), home)
         with DEFER, self._cond:
             self._check_open()
@@ -154,7 +122,7 @@ class TensorStore:
             copy.stage.bytes[: record.nbytes].copy_(source)
             return backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
 
-        completion, interrupt = _start(start, f"put of {key!r}")
+        completion, interrupt = start_transfer(start, f"put of {key!r}")
         self._trace(completion, "put", record, None, copy.tier)
         completion.add_done_callback(lambda c, r=record, cp=copy: self._loaded(r, cp, None, c))
         if interrupt is not None:
@@ -266,153 +234,6 @@ class TensorStore:
             if record is not None:
                 self._delete(record)
 
-    def read_copy(self, key: str) -> torch.Tensor:
-        """A copy of ``key``'s current bytes in ordinary host memory. A tensor resting in a
-        slower tier is fetched into the HOST tier for this, and that copy dropped again."""
-        with DEFER, self._cond:
-            home = self._record(key).home
-        if home is not Tier.NVME:
-            return self.wait(key, home).to("cpu", copy=True)
-        self.fetch(key, Tier.HOST)
-        out = self.wait(key, Tier.HOST).clone()
-        self.evict(key, Tier.HOST)
-        return out
-
-    def read_into(self, key: str, dest: torch.Tensor, *, priority: int = 1) -> Any:
-        """Start copying ``key``'s current bytes into ``dest`` (a contiguous uint8 host
-        tensor of at least ``nbytes``, page aligned for a direct read); returns a completion
-        (``wait()`` raises the transfer's error). The bytes come from the fastest copy that
-        holds the newest version, read in place: no copy is made in any tier, so this needs
-        no budget, and that copy cannot be dropped until the transfer ends."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            if record.lost is not None:
-                raise _lost_error(record) from record.lost
-            if dest.numel() < record.nbytes:
-                raise ValueError(f"read_into({key!r}): destination holds {dest.numel()} bytes, "
-                                 f"the tensor {record.nbytes}")
-            while True:
-                source = self._source(record, exclude=None)
-                if source is not None:
-                    break
-                if not any(c.state is Residency.LOADING for c in record.copies.values()):
-                    raise StoreError(f"tensor {key!r} has no copy holding its newest bytes")
-                _wait(self._cond)
-            if record.nbytes == 0:
-                return Done()
-            source.readers += 1
-            self._in_flight += 1
-            backend = self.tiers[source.tier]
-        completion, interrupt = _start(lambda: backend.read_into(source.slot, dest, record.nbytes, priority=priority),
-                                       f"read_into of {key!r}")
-        done = Pending()
-
-        def finished(c: Any) -> None:
-            with DEFER, self._cond:
-                self._in_flight -= 1
-                self._reader_done(record, source)
-                self._pump_all()
-                self._cond.notify_all()
-            done._finish(c.exception())
-
-        completion.add_done_callback(finished)
-        if interrupt is not None:
-            raise interrupt
-        return done
-
-    def borrow_host(self, key: str) -> tuple[torch.Tensor, Any] | None:
-        """``(view, release)`` of ``key``'s newest bytes when a copy holding them is in host
-        memory (a HOST slot, or a DEVICE slot on a CPU device), else None. The copy is held
-        (not dropped, its slot not reused) until ``release()`` is called; the caller must
-        not change it. Lets a writer send resting bytes to a file without copying them."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            source = self._source(record, exclude=None)
-            if source is None or record.nbytes == 0 or not self.tiers[source.tier].addressable:
-                return None
-            source.readers += 1
-            view = self.tiers[source.tier].tensor(source.slot)[: record.nbytes]
-
-        def release() -> None:
-            with DEFER, self._cond:
-                self._reader_done(record, source)
-                self._pump_all()
-                self._cond.notify_all()
-
-        return view, release
-
-    def map_view(self, key: str) -> tuple[torch.Tensor, Any] | None:
-        """``(view, release)``: ``key``'s bytes seen in place through the NVMe tier's file
-        mapping (``io_backend="mmap"``), when that copy holds the newest bytes and no other
-        copy does; else None. No copy is made: pages come from the page cache (or the disk,
-        on first touch). The copy is held (not rewritten, not freed) until ``release()``;
-        the caller must not write the view. A CPU device computes on such views directly."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            nvme = record.copies.get(Tier.NVME)
-            backend = self.tiers.get(Tier.NVME)
-            if nvme is None or not hasattr(backend, "view") or record.nbytes == 0 \
-                    or self._source(record, exclude=None) is not nvme or nvme.state is not Residency.RESIDENT:
-                return None
-            view = backend.view(nvme.slot, record.nbytes)
-            nvme.readers += 1
-
-        def release() -> None:
-            with DEFER, self._cond:
-                self._reader_done(record, nvme)
-                self._pump_all()
-                self._cond.notify_all()
-
-        return view, release
-
-    def advise(self, key: str) -> None:
-        """Ask the NVMe tier to start reading ``key`` into the page cache (``io_backend="mmap"``;
-        a no-op otherwise): the prefetch of :meth:`map_view`."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            nvme = record.copies.get(Tier.NVME)
-            backend = self.tiers.get(Tier.NVME)
-            if nvme is None or not hasattr(backend, "advise") or nvme.state is not Residency.RESIDENT:
-                return
-            backend.advise(nvme.slot, record.nbytes)
-
-    def overwrite_in_place(self, key: str) -> tuple[torch.Tensor, Any] | None:
-        """``(view, done)`` of ``key``'s home copy when it rests in host memory (a HOST
-        slot, or a DEVICE slot on a CPU device), else None. Other copies are dropped and
-        transfers touching the home copy waited for; the caller writes the new bytes into
-        ``view`` and calls ``done()``. Lets a reader fill resting bytes from a file
-        without a second copy."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            home = record.copies.get(record.home)
-            if not self.tiers[record.home].addressable or record.nbytes == 0 or home is None:
-                return None
-            busy = (Residency.LOADING, Residency.STORING)
-            while any(c.state in busy for c in record.copies.values()) or home.readers:
-                _wait(self._cond)
-            if home.state is not Residency.RESIDENT:
-                return None
-            for other in list(record.copies.values()):
-                if other is not home and other.state is Residency.RESIDENT:
-                    other.valid = False
-                    self._drop(record, other)
-                elif other is not home and other.state is Residency.QUEUED:
-                    self._queues[other.tier].remove((record, other))
-                    self._move(record, other, Residency.ABSENT)
-                    self._release(record, other)
-            home.readers += 1  # nothing frees or reuses the slot while the caller writes
-            record.version += 1
-            view = self.tiers[record.home].tensor(home.slot)[: record.nbytes]
-
-        def done() -> None:
-            with DEFER, self._cond:
-                home.valid, home.dirty = True, False
-                self._reader_done(record, home)
-                self._pump_all()
-                self._cond.notify_all()
-
-        return view, done
-
     def drain(self, timeout: float | None = None) -> None:
         """Block until no transfer is in flight (e.g. the write-backs of an optimizer step)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -488,216 +309,11 @@ class TensorStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------------------------
-    # transitions (all called with self._cond held)
-    # ------------------------------------------------------------------------------------
-    def _move(self, record: StoredTensor, copy: _Copy, new: Residency) -> None:
+    # -- the one place a copy changes state, and a record's end (lock held) ---------------
+    def _move(self, record: StoredTensor, copy: TierCopy, new: Residency) -> None:
         check_transition(record.key, copy.tier, copy.state, new)
         copy.state = new
         self._cond.notify_all()
-
-    def _fetch(self, record: StoredTensor, tier: Tier, priority: int) -> None:
-        self._check_open()
-        self._backend(tier)  # raises for a tier this store does not have
-        self.fetches += 1
-        if record.lost is not None:
-            raise _lost_error(record) from record.lost
-        copy = record.copy(tier)
-        if copy.state is Residency.STORING:  # being dropped: keep it instead
-            copy.drop_when_idle = False
-            self._move(record, copy, Residency.RESIDENT)
-        if copy.state is not Residency.ABSENT:
-            self.fetch_hits += 1
-            copy.drop_when_idle = False
-            copy.priority = min(copy.priority, priority)
-            return
-        self._check_fits(record, tier)
-        copy.priority = priority
-        copy.error = None  # a new fetch: the error of an earlier one nobody waited for is stale
-        if record.nbytes == 0:
-            self._move(record, copy, Residency.RESIDENT)
-            copy.valid = True
-            return
-        self._move(record, copy, Residency.QUEUED)
-        self._queues[tier].append((record, copy))
-        self._pump(tier)
-
-    def _pump(self, tier: Tier) -> None:
-        """Start queued fetches of ``tier`` in order while space allows."""
-        queue = self._queues[tier]
-        while queue:
-            record, copy = queue[0]
-            source = self._source(record, exclude=copy)
-            if source is None:  # the newest bytes are still on their way somewhere
-                return
-            if not self._reserve(record, copy, source):
-                return
-            queue.pop(0)
-            self._start_load(record, copy, source)
-
-    def _reserve(self, record: StoredTensor, copy: _Copy, source: _Copy) -> bool:
-        backend = self.tiers[copy.tier]
-        needs_stage = not backend.addressable and not self.tiers[source.tier].addressable
-        slot = backend.allocate(record.nbytes)
-        if slot is None:
-            return False
-        if needs_stage:
-            copy.stage = self.staging.try_acquire(record.nbytes)
-            if copy.stage is None:
-                backend.free(slot)
-                return False
-        copy.slot = slot
-        return True
-
-    def _reserve_blocking(self, record: StoredTensor, backend: TierBackend | None, *, stage: bool) -> Any:
-        """A slot in ``backend`` (or a staging buffer), waiting for in-flight work to free room."""
-        while True:
-            got = self.staging.try_acquire(record.nbytes) if stage else backend.allocate(record.nbytes)
-            if got is not None:
-                return got
-            if self._in_flight == 0:
-                raise self._stuck_error(record, Tier.HOST if stage else backend.tier, staging=stage)
-            _wait(self._cond)
-
-    def _start_load(self, record: StoredTensor, copy: _Copy, source: _Copy) -> None:
-        copy.version = record.version
-        self._move(record, copy, Residency.LOADING)
-        self._in_flight += 1
-        source.readers += 1
-        completion, interrupt = _start(lambda: self._transfer(record, source, copy, copy.priority),
-                                       f"load of {record.key!r}")
-        self._trace(completion, "load", record, source.tier, copy.tier)
-        completion.add_done_callback(lambda c: self._loaded(record, copy, source, c))
-        if interrupt is not None:
-            raise interrupt
-
-    def _write_home(self, record: StoredTensor, copy: _Copy) -> None:
-        home = record.copies[record.home]
-        if home.stage is None and not self.tiers[home.tier].addressable \
-                and not self.tiers[copy.tier].addressable:
-            home.stage = self._reserve_blocking(record, None, stage=True)
-        self._move(record, copy, Residency.STORING)
-        self._in_flight += 1
-        copy.readers += 1
-        version = record.version
-        completion, interrupt = _start(lambda: self._transfer(record, copy, home, priority=1),
-                                       f"write-back of {record.key!r}")
-        self._trace(completion, "store", record, copy.tier, home.tier)
-        completion.add_done_callback(lambda c: self._stored(record, copy, home, version, c))
-        if interrupt is not None:
-            raise interrupt
-
-    def _transfer(self, record: StoredTensor, source: _Copy, dest: _Copy, priority: int) -> Any:
-        src, dst, n = self.tiers[source.tier], self.tiers[dest.tier], record.nbytes
-        if dst.addressable:
-            return src.read_into(source.slot, dst.tensor(dest.slot), n, priority=priority)
-        if src.addressable:
-            return dst.write_from(dest.slot, src.tensor(source.slot), n, priority=priority)
-        first = src.read_into(source.slot, dest.stage.bytes, n, priority=priority)
-        return _Chained(first, lambda: dst.write_from(dest.slot, dest.stage.bytes, n, priority=priority))
-
-    def _trace(self, completion: Any, kind: str, record: StoredTensor, source: Tier | None, dest: Tier) -> None:
-        """With a tracer: the transfer as an async span from now to its completion."""
-        tracer = self.tracer
-        if tracer is None:
-            return
-        name = f"{kind} {record.key}"
-        args = {"bytes": record.nbytes, "to": dest.name.lower()}
-        if source is not None:
-            args["from"] = source.name.lower()
-        # into the compute tier: a parameter fetch (what prefetching should hide); else a
-        # transfer between the resting tiers (write-backs, optimizer states)
-        cat = "fetch" if dest is Tier.DEVICE and kind == "load" else "transfer"
-        ident = tracer.begin(name, cat, args)
-        completion.add_done_callback(lambda c: tracer.end(ident, name, cat))
-
-    # -- completions (engine worker threads, CUDA event thread, or inline) ----------------
-    def _loaded(self, record: StoredTensor, copy: _Copy, source: _Copy | None, completion: Any) -> None:
-        error = completion.exception()
-        with DEFER, self._cond:
-            self._in_flight -= 1
-            self._release_stage(copy)
-            if source is not None:
-                self._reader_done(record, source)
-            if error is None and source is not None and copy.version != record.version:
-                # another copy was changed in place (mark_dirty) while this one loaded: its
-                # bytes are stale. Load it again from the newest copy, unless nobody wants it
-                self._move(record, copy, Residency.ABSENT)
-                self._release(record, copy)
-                if copy.drop_when_idle:
-                    copy.drop_when_idle = False
-                else:
-                    self._move(record, copy, Residency.QUEUED)
-                    self._queues[copy.tier].append((record, copy))
-            elif error is None:
-                self._move(record, copy, Residency.RESIDENT)
-                copy.valid = True
-                if copy.drop_when_idle:
-                    copy.drop_when_idle = False
-                    self._drop(record, copy)
-            else:
-                self._move(record, copy, Residency.ABSENT)
-                self._release(record, copy)
-                if source is None:  # a put: its bytes existed nowhere else
-                    record.lost = error
-                if source is None or not isinstance(error, TransferInterrupted):
-                    copy.error = error  # (an interrupted fetch is simply fetched again)
-            self._pump_all()
-
-    def _stored(self, record: StoredTensor, copy: _Copy, home: _Copy, version: int, completion: Any) -> None:
-        error = completion.exception()
-        with DEFER, self._cond:
-            self._in_flight -= 1
-            self._release_stage(home)
-            copy.readers -= 1
-            if error is not None:
-                if not isinstance(error, TransferInterrupted):
-                    copy.error = error  # the bytes are still here; raised at the next wait()
-                if copy.state is Residency.STORING:
-                    self._move(record, copy, Residency.RESIDENT)
-            elif version == record.version:  # else the copy changed again meanwhile: still dirty
-                home.valid, copy.dirty = True, False
-                if copy.state is Residency.STORING:
-                    self._move(record, copy, Residency.RESIDENT)
-                    self._drop(record, copy)
-            if error is None and not copy.dirty and copy.readers == 0 and copy.drop_when_idle \
-                    and copy.state is Residency.RESIDENT:
-                # revived by a fetch while it was written, then evicted: the eviction waited
-                # for this write (a reader); its bytes are home now, so it goes
-                copy.drop_when_idle = False
-                self._drop(record, copy)
-            self._pump_all()
-
-    def _reader_done(self, record: StoredTensor, source: _Copy) -> None:
-        source.readers -= 1
-        if source.readers == 0 and source.drop_when_idle and source.state is Residency.RESIDENT:
-            source.drop_when_idle = False
-            self._drop(record, source)
-
-    def _drop(self, record: StoredTensor, copy: _Copy) -> None:
-        if copy.readers > 0:
-            copy.drop_when_idle = True
-            return
-        self._move(record, copy, Residency.ABSENT)
-        self._release(record, copy)
-        self._pump_all()
-
-    def _release(self, record: StoredTensor, copy: _Copy) -> None:
-        if copy.slot is not None:
-            self.tiers[copy.tier].free(copy.slot)
-            copy.slot = None
-        self._release_stage(copy)
-        copy.valid = copy.dirty = False
-
-    def _release_stage(self, copy: _Copy) -> None:
-        if copy.stage is not None:
-            self.staging.release(copy.stage)
-            copy.stage = None
-
-    def _pump_all(self) -> None:
-        for tier, queue in self._queues.items():
-            if queue:
-                self._pump(tier)
 
     def _delete(self, record: StoredTensor) -> None:
         busy = (Residency.LOADING, Residency.STORING)
@@ -728,16 +344,7 @@ class TensorStore:
         self._pump_all()
 
     # -- helpers --------------------------------------------------------------------------
-    def _source(self, record: StoredTensor, exclude: _Copy) -> _Copy | None:
-        """The fastest copy holding the newest bytes, or None if they are still in flight."""
-        for tier in _ORDER:
-            copy = record.copies.get(tier)
-            if copy is not None and copy is not exclude and copy.valid \
-                    and copy.state in (Residency.RESIDENT, Residency.STORING):
-                return copy
-        return None
-
-    def _view(self, record: StoredTensor, copy: _Copy) -> torch.Tensor | None:
+    def _view(self, record: StoredTensor, copy: TierCopy) -> torch.Tensor | None:
         backend = self.tiers[copy.tier]
         if not backend.addressable and copy.tier is not Tier.DEVICE:
             return None
@@ -748,7 +355,7 @@ class TensorStore:
         flat = backend.tensor(copy.slot)[: record.nbytes]
         return flat.view(record.dtype).view(record.shape)
 
-    def _raise_error(self, record: StoredTensor, copy: _Copy) -> None:
+    def _raise_error(self, record: StoredTensor, copy: TierCopy) -> None:
         if copy.error is not None:
             error, copy.error = copy.error, None
             raise error
@@ -769,74 +376,6 @@ class TensorStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("the store is closed")
-
-    def _check_fits(self, record: StoredTensor, tier: Tier) -> None:
-        backend = self._backend(tier)
-        size = backend.slot_size(record.nbytes) if record.nbytes else 0
-        if size > backend.budget:
-            raise BudgetError(
-                f"tensor {record.key!r} needs {size} bytes in the {tier.value} tier, whose whole "
-                f"budget is {backend.budget} bytes: raise the {tier.value} budget or split the tensor")
-
-    def _stuck_error(self, record: StoredTensor, tier: Tier, *, staging: bool = False) -> BudgetError:
-        what = "host staging buffers" if staging else f"the {tier.value} tier"
-        holders = sorted(((c.state.value, r.key) for r in self._tensors.values()
-                          for c in r.copies.values() if c.tier is tier and c.slot is not None))[:8]
-        backend = self.tiers.get(tier)
-        used = f"{backend.used_bytes} of {backend.budget} bytes held" if backend else ""
-        return BudgetError(
-            f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in {what} ({used}, by "
-            f"{holders}) and nothing in flight will free any: evict() tensors first or raise "
-            f"the {tier.value} budget")
-
-
-class _Chained(Pending):
-    """Completion of two transfers in sequence (disk -> staging -> device)."""
-
-    def __init__(self, first: Any, start_second: Any):
-        super().__init__()
-        first.add_done_callback(lambda c: self._after_first(c, start_second))
-
-    def _after_first(self, first: Any, start_second: Any) -> None:
-        if first.exception() is not None:
-            self._finish(first.exception())
-            return
-        try:
-            second = start_second()
-        except Exception as err:
-            self._finish(err)
-            return
-        second.add_done_callback(lambda c: self._finish(c.exception()))
-
-
-def _lost_error(record: StoredTensor) -> Exception:
-    """What to raise for a tensor whose bytes no copy holds: an I/O error keeps its class
-    (a DiskFullError stays one), anything else becomes a StoreError."""
-    context = f"tensor {record.key!r} is lost"
-    fix = "Its bytes were never stored: put it again (a wrapped model: load a checkpoint)"
-    if isinstance(record.lost, OffloadIOError):
-        return record.lost.with_context(context, fix)
-    return StoreError(f"{context}: {record.lost}. {fix}")
-
-
-def _start(start: Callable[[], Any], what: str) -> tuple[Any, BaseException | None]:
-    """Start a transfer; returns its completion and, when a KeyboardInterrupt (or another
-    BaseException) cut the start short, that exception for the caller to raise once the
-    completion's callback is attached, so that the store's books stay balanced."""
-    try:
-        return start(), None
-    except Exception as err:  # a transfer that could not even start fails like one that did
-        return Done(err), None
-    except BaseException as err:
-        return Done(TransferInterrupted(f"the {what} was interrupted ({type(err).__name__})")), err
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of ``tensor``'s bytes (copied to contiguous when needed)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.dtype is torch.bool:
-        flat = flat.view(torch.uint8)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
 
 
 # Note: stores are closed at interpreter exit so their swap files and lock files go away

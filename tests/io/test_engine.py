@@ -217,6 +217,26 @@ def test_close_fails_pending_requests_and_stops_threads(disk_dir, faulty, no_lea
         eng.read(file, 0, HostBuffer(4096))
 
 
+def test_a_request_racing_close_fails_instead_of_hanging(disk_dir, no_leaks, monkeypatch):
+    """close() runs after a request passed the engine's open check and before its blocks
+    are queued (a hook puts it exactly there): the request fails with EngineClosedError;
+    it must not be queued where no worker will ever run it (its wait would never end)."""
+    import offload.io._engine as engine_module
+
+    eng = FileEngine(threads=2, block_size=1 << 16)
+    file = eng.open(os.path.join(disk_dir, "f.bin"), create=True)
+    view_of = engine_module._memoryview_of
+
+    def close_first(*args):
+        eng.close()
+        return view_of(*args)
+
+    monkeypatch.setattr(engine_module, "_memoryview_of", close_first)
+    with pytest.raises(EngineClosedError):
+        eng.read(file, 0, HostBuffer(1 << 16)).wait(timeout=10)
+    eng.close()
+
+
 def test_bad_arguments_are_refused(disk_dir, no_leaks):
     with pytest.raises(ValueError, match="block_size"):
         FileEngine(block_size=1000)

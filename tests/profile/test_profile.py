@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import offload
+from offload._resolve import resolve_engine
 from offload.profile import CACHE_NAME, find_profile, recommend
 from offload.profile._disk import remove_stale_test_files
 from offload.profile.cli import format_table
@@ -91,9 +92,9 @@ def test_recommendation_loads_and_io_auto_reads_the_cache(profiled):
     assert cfg.nvme_path == str(target)
     # the cache written next to the data is what io="auto" reads, for the path and below it
     assert os.path.isfile(target / CACHE_NAME)
-    auto = offload.OffloadConfig(device="cpu", nvme_path=str(target / "run1" / "x"))
-    assert auto.io_source == str(target / CACHE_NAME)
-    assert (auto.block_size, auto.queue_depth, auto.io_threads) == (
+    auto = resolve_engine(offload.OffloadConfig(device="cpu", nvme_path=str(target / "run1" / "x")))
+    assert auto.source == str(target / CACHE_NAME)
+    assert (auto.block_size, auto.queue_depth, auto.threads) == (
         choice["block_size"], choice["queue_depth"], choice["threads"])
 
 
@@ -154,24 +155,25 @@ def test_recommend_prefetch_is_the_smallest_window_that_reads_at_speed(tmp_path)
 
 def test_io_auto_uses_a_cached_profile_and_keeps_given_values(tmp_path, caplog):
     cache = write_cache(tmp_path, fake_report(tmp_path))
-    auto = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path / "sub"))
-    assert (auto.block_size, auto.queue_depth, auto.io_threads, auto.io_source) == (4 << 20, 8, 12, cache)
-    mixed = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), block_size="1MiB")
-    assert (mixed.block_size, mixed.queue_depth, mixed.io_threads) == (1 << 20, 8, 12)
-    manual = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), io="manual")
-    assert (manual.block_size, manual.queue_depth, manual.io_threads, manual.io_source) == (
+    auto = resolve_engine(offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path / "sub")))
+    assert (auto.block_size, auto.queue_depth, auto.threads, auto.source) == (4 << 20, 8, 12, cache)
+    mixed_config = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), block_size="1MiB")
+    mixed = resolve_engine(mixed_config)
+    assert (mixed.block_size, mixed.queue_depth, mixed.threads) == (1 << 20, 8, 12)
+    manual = resolve_engine(offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), io="manual"))
+    assert (manual.block_size, manual.queue_depth, manual.threads, manual.source) == (
         8 << 20, 32, 32, "built-in")
-    given = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), block_size=4096, io_threads=2,
-                                  queue_depth=2)
-    assert given.io_source == "given"
+    given = resolve_engine(offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), block_size=4096,
+                                                 io_threads=2, queue_depth=2))
+    assert given.source == "given"
     # a config that needs no disk reads no profile
-    host_only = offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host")
-    assert host_only.io_source == "built-in"
+    host_only = resolve_engine(offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host"))
+    assert host_only.source == "built-in"
     # replace() resolves again for a new path; values given stay given
     elsewhere = tmp_path.parent / f"{tmp_path.name}-other"
     elsewhere.mkdir()
-    moved = mixed.replace(nvme_path=str(elsewhere))
-    assert (moved.block_size, moved.queue_depth, moved.io_source) == (1 << 20, 32, "built-in")
+    moved = resolve_engine(mixed_config.replace(nvme_path=str(elsewhere)))
+    assert (moved.block_size, moved.queue_depth, moved.source) == (1 << 20, 32, "built-in")
     with pytest.raises(ValueError, match="io='sometimes' is not an I/O mode"):
         offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), io="sometimes")
 
@@ -192,8 +194,8 @@ def test_io_auto_skips_a_bad_cache_with_a_warning(tmp_path, caplog, damage):
             del report["engine_choice"]
         write_cache(tmp_path, report)
     with caplog.at_level(logging.WARNING, logger="offload"):
-        cfg = offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path))
-    assert cfg.io_source == "built-in" and cfg.block_size == 8 << 20
+        cfg = resolve_engine(offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path)))
+    assert cfg.source == "built-in" and cfg.block_size == 8 << 20
     assert f"ignoring the cached profile {path}" in caplog.text
     assert "re-run offload-profile" in caplog.text
 

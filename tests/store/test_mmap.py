@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import offload
+from offload._resolve import choose_io_backend
 from offload.profile import CACHE_NAME
 from offload.profile._run import REPORT_VERSION
 from offload.store import MmapTier, Tier, create_store
@@ -57,6 +58,42 @@ def test_direct_io_leaves_the_page_cache_alone(disk_dir, no_leaks):
         assert store.stats()["nvme"]["page_cache_bytes"] < MiB
 
 
+def test_a_demand_read_overtakes_queued_prefetches(disk_dir, no_leaks, monkeypatch):
+    """One worker, held inside a first read: prefetches (priority 1) queue behind it, then a
+    demand read (priority 0) arrives last and still runs first once the worker is free."""
+    import threading
+
+    store = create_store(device="cpu", device_budget="32MiB", host_budget="8MiB", nvme_path=disk_dir,
+                         file_size="1MiB", threads=1, io_backend="mmap")
+    with store:
+        tier = store.tiers[Tier.NVME]
+        slots = {name: tier.allocate(4096) for name in ("held", "p1", "p2", "p3", "demand")}
+        tier.read_into(slots["held"], torch.empty(4096, dtype=torch.uint8), 4096).wait()  # maps the file
+        entered, release = threading.Event(), threading.Event()
+        check = tier._check_size
+
+        def held_first(slot, *args, **kw):
+            if slot is slots["held"]:
+                entered.set()
+                release.wait(30)
+            return check(slot, *args, **kw)
+
+        monkeypatch.setattr(tier, "_check_size", held_first)
+        order, handles = [], []
+        for name, priority in (("held", 1), ("p1", 1), ("p2", 1), ("p3", 1), ("demand", 0)):
+            handles.append(tier.read_into(slots[name], torch.empty(4096, dtype=torch.uint8), 4096,
+                                          priority=priority))
+            handles[-1].add_done_callback(lambda _, name=name: order.append(name))
+            if name == "held":
+                assert entered.wait(30), "the worker never started the first read"
+        release.set()
+        for handle in handles:
+            handle.wait(30)
+        assert order == ["held", "demand", "p1", "p2", "p3"]
+        for slot in slots.values():
+            tier.free(slot)
+
+
 def _profile(directory, *, warm, direct=2.5):
     report = {"version": REPORT_VERSION, "fs_device": os.stat(directory).st_dev, "disk_read_gbps": direct,
               "engine_choice": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32},
@@ -73,32 +110,33 @@ def _cfg(tmp_path, **kw):
 
 def test_auto_chooses_by_measurement_and_budgets(tmp_path):
     cfg = _cfg(tmp_path)
-    backend, reason = cfg.choose_io_backend(100 * MiB)
+    backend, reason = choose_io_backend(cfg, 100 * MiB)
     assert backend == "direct" and "no offload-profile measurement of mmap" in reason
     _profile(tmp_path, warm=9.0)
-    backend, reason = cfg.choose_io_backend(100 * MiB)
+    backend, reason = choose_io_backend(cfg, 100 * MiB)
     assert backend == "mmap" and "fits in host_budget and free RAM" in reason and "9.00 GB/s" in reason
-    backend, reason = cfg.choose_io_backend(2 << 30)
+    backend, reason = choose_io_backend(cfg, 2 << 30)
     assert backend == "direct" and "larger than host_budget" in reason
     big = _cfg(tmp_path, host_budget="100TiB")
-    backend, reason = big.choose_io_backend(50 << 40)
+    backend, reason = choose_io_backend(big, 50 << 40)
     assert backend == "direct" and "larger than the RAM left free" in reason
     _profile(tmp_path, warm=2.0)
-    backend, reason = cfg.choose_io_backend(100 * MiB)
+    backend, reason = choose_io_backend(cfg, 100 * MiB)
     assert backend == "direct" and "not faster than O_DIRECT" in reason
-    assert _cfg(tmp_path, io_backend="mmap").choose_io_backend(1 << 50)[0] == "mmap"  # given: kept
-    assert _cfg(tmp_path, io="manual").choose_io_backend(100 * MiB)[0] == "direct"  # no profile read
+    assert choose_io_backend(_cfg(tmp_path, io_backend="mmap"), 1 << 50)[0] == "mmap"  # given: kept
+    assert choose_io_backend(_cfg(tmp_path, io="manual"), 100 * MiB)[0] == "direct"  # no profile read
 
 
 def test_auto_takes_mmap_where_o_direct_is_refused(tmp_path, monkeypatch):
     """No file system here refuses O_DIRECT (tmpfs accepts it since Linux 6.6): the probe's
     answer is replaced; the probe itself is checked on the real disk."""
     import offload._os as os_helpers
+    import offload._resolve as resolve
 
     assert os_helpers.direct_io_supported(str(tmp_path / "nvme"))  # a real file, written O_DIRECT
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".offload-direct-probe")]
-    monkeypatch.setattr(os_helpers, "direct_io_supported", lambda path: False)
-    backend, reason = _cfg(tmp_path).choose_io_backend(MiB)
+    monkeypatch.setattr(resolve, "direct_io_supported", lambda path: False)
+    backend, reason = choose_io_backend(_cfg(tmp_path), MiB)
     assert backend == "mmap" and "refuses O_DIRECT" in reason
 
 

@@ -7,21 +7,9 @@ import pytest
 import torch
 
 from offload.io import BudgetError, BufferPool
-from offload.store import FakeTier, HostMemoryTier, Residency, StoreError, TensorStore, Tier
+from offload.store import HostMemoryTier, Residency, StoreError, TensorStore, Tier
 
 KB = 4096  # one slot of the host-memory tiers (page rounded)
-
-
-def make_store(*, device_slots: int = 4, host_slots: int = 16, manual: bool = True):
-    log: list = []
-    fake = FakeTier(Tier.NVME, manual=manual, log=log)
-    host_pool = BufferPool(host_slots * KB, name="host")
-    tiers = {
-        Tier.DEVICE: HostMemoryTier(Tier.DEVICE, BufferPool(device_slots * KB, name="device")),
-        Tier.HOST: HostMemoryTier(Tier.HOST, host_pool),
-        Tier.NVME: fake,
-    }
-    return TensorStore(tiers, staging=host_pool), fake, log
 
 
 def tensor(i: int) -> torch.Tensor:
@@ -34,7 +22,7 @@ def put_all(store, fake, n):
     fake.complete()
 
 
-def test_fetch_returns_at_once_and_wait_sees_the_bytes():
+def test_fetch_returns_at_once_and_wait_sees_the_bytes(make_store):
     store, fake, log = make_store()
     put_all(store, fake, 1)
     log.clear()
@@ -46,7 +34,7 @@ def test_fetch_returns_at_once_and_wait_sees_the_bytes():
     assert torch.equal(store.wait("t0", Tier.DEVICE), tensor(0))
 
 
-def test_put_into_slow_tier_is_in_flight_until_complete():
+def test_put_into_slow_tier_is_in_flight_until_complete(make_store):
     store, fake, _ = make_store()
     store.put("a", tensor(1), Tier.NVME)
     assert store.state("a", Tier.NVME) is Residency.LOADING
@@ -58,7 +46,7 @@ def test_put_into_slow_tier_is_in_flight_until_complete():
     assert torch.equal(store.wait("a", Tier.DEVICE), tensor(1))
 
 
-def test_many_fetches_with_interleaved_evictions_and_deletes_stay_in_budget():
+def test_many_fetches_with_interleaved_evictions_and_deletes_stay_in_budget(make_store):
     store, fake, log = make_store(device_slots=4)
     put_all(store, fake, 10)
     for i in range(10):
@@ -85,14 +73,14 @@ def test_many_fetches_with_interleaved_evictions_and_deletes_stay_in_budget():
     assert reads == [1, 2, 3, 4, 5, 8, 9, 10]  # slot ids of t0..t4, t7..t9: FIFO, none twice
 
 
-def test_request_that_can_never_fit_raises_at_once():
+def test_request_that_can_never_fit_raises_at_once(make_store):
     store, fake, _ = make_store(device_slots=2, host_slots=32)
     store.put("big", torch.zeros(5 * KB), Tier.HOST)
     with pytest.raises(BudgetError, match=r"'big' needs 81920 bytes in the device tier.*budget is 8192"):
         store.fetch("big", Tier.DEVICE)
 
 
-def test_wait_that_would_deadlock_raises_instead():
+def test_wait_that_would_deadlock_raises_instead(make_store):
     store, fake, _ = make_store(device_slots=2)
     put_all(store, fake, 3)
     store.fetch("t0", Tier.DEVICE)
@@ -107,7 +95,7 @@ def test_wait_that_would_deadlock_raises_instead():
     assert torch.equal(store.wait("t2", Tier.DEVICE), tensor(2))
 
 
-def test_dirty_eviction_writes_home_and_a_refetch_revives_it():
+def test_dirty_eviction_writes_home_and_a_refetch_revives_it(make_store):
     store, fake, log = make_store()
     put_all(store, fake, 1)
     store.fetch("t0", Tier.DEVICE)
@@ -130,7 +118,7 @@ def test_dirty_eviction_writes_home_and_a_refetch_revives_it():
     assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 42.0))
 
 
-def test_a_copy_revived_then_evicted_during_its_write_back_goes_when_the_write_ends():
+def test_a_copy_revived_then_evicted_during_its_write_back_goes_when_the_write_ends(make_store):
     """The eviction waits for the write (it reads the copy); once the bytes are home the
     copy is dropped and its budget given back, not left resident for ever."""
     store, fake, log = make_store()
@@ -153,7 +141,7 @@ def test_a_copy_revived_then_evicted_during_its_write_back_goes_when_the_write_e
     assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 7.0))
 
 
-def test_a_write_back_of_an_older_version_does_not_clean_a_newer_one():
+def test_a_write_back_of_an_older_version_does_not_clean_a_newer_one(make_store):
     store, fake, log = make_store()
     put_all(store, fake, 1)
     store.fetch("t0", Tier.DEVICE)
@@ -173,7 +161,7 @@ def test_a_write_back_of_an_older_version_does_not_clean_a_newer_one():
     assert torch.equal(store.wait("t0", Tier.HOST), torch.full((1000,), 2.0))
 
 
-def test_failed_read_raises_at_wait_frees_the_slot_and_can_be_retried():
+def test_failed_read_raises_at_wait_frees_the_slot_and_can_be_retried(make_store):
     store, fake, _ = make_store()
     put_all(store, fake, 1)
     fake.fail_reads.append(OSError(5, "Input/output error"))
@@ -188,7 +176,7 @@ def test_failed_read_raises_at_wait_frees_the_slot_and_can_be_retried():
     assert torch.equal(store.wait("t0", Tier.DEVICE), tensor(0))
 
 
-def test_failed_put_marks_the_tensor_lost_never_silent_zeros():
+def test_failed_put_marks_the_tensor_lost_never_silent_zeros(make_store):
     store, fake, _ = make_store()
     fake.fail_writes.append(OSError(28, "No space left on device"))
     store.put("a", tensor(1), Tier.NVME)
@@ -199,7 +187,7 @@ def test_failed_put_marks_the_tensor_lost_never_silent_zeros():
         store.fetch("a", Tier.DEVICE)
 
 
-def test_failed_write_back_keeps_the_bytes_and_reports():
+def test_failed_write_back_keeps_the_bytes_and_reports(make_store):
     store, fake, _ = make_store()
     put_all(store, fake, 1)
     store.fetch("t0", Tier.DEVICE)
@@ -215,7 +203,7 @@ def test_failed_write_back_keeps_the_bytes_and_reports():
     assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 9.0))
 
 
-def test_transitions_that_make_no_sense_are_refused():
+def test_transitions_that_make_no_sense_are_refused(make_store):
     store, fake, _ = make_store()
     put_all(store, fake, 1)
     with pytest.raises(StoreError, match="home tier"):
@@ -228,12 +216,12 @@ def test_transitions_that_make_no_sense_are_refused():
         store.fetch("t0", "ssd")
 
 
-def test_staging_through_host_memory_counts_in_the_host_budget():
+def test_staging_through_host_memory_counts_in_the_host_budget(fake_tier):
     # DEVICE here is a fake non-addressable tier, like CUDA: NVMe -> host staging -> device
     log: list = []
     host_pool = BufferPool(2 * KB, name="host")
-    store = TensorStore({Tier.DEVICE: FakeTier(Tier.DEVICE, log=log), Tier.HOST: HostMemoryTier(Tier.HOST, host_pool),
-                         Tier.NVME: FakeTier(Tier.NVME, log=log)}, staging=host_pool)
+    store = TensorStore({Tier.DEVICE: fake_tier(Tier.DEVICE, log=log), Tier.HOST: HostMemoryTier(Tier.HOST, host_pool),
+                         Tier.NVME: fake_tier(Tier.NVME, log=log)}, staging=host_pool)
     store.put("a", tensor(3), Tier.NVME)
     store.fetch("a", Tier.DEVICE)
     assert [e[0] for e in log[-2:]] == ["read", "write"]  # nvme read into staging, then device write
@@ -242,7 +230,7 @@ def test_staging_through_host_memory_counts_in_the_host_budget():
     assert torch.equal(store.wait("a", Tier.HOST), tensor(3))
 
 
-def test_a_load_that_began_before_another_copy_changed_is_loaded_again():
+def test_a_load_that_began_before_another_copy_changed_is_loaded_again(make_store):
     """A device copy still reading the old bytes from NVMe when the host copy is changed in
     place (an optimizer updating a parameter group) must not arrive as the newest bytes."""
     store, fake, _ = make_store()

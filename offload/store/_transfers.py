@@ -1,0 +1,288 @@
+"""Moving a stored tensor's bytes between tiers: the route a copy is made by, the room
+reserved for it, the transfer started, and its completion booked.
+
+Part of :class:`~offload.store.TensorStore` (a mixin, so that one object keeps owning
+the records, the lock and the books). Everything here runs with the store's lock held,
+but the completions, which take it: they come from engine worker threads, the CUDA event
+thread, or inline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .._signals import DEFER, wait as _wait
+from ..io import BudgetError
+from ._records import FASTEST_FIRST, StoredTensor, TierCopy, lost_error
+from ._state import Residency, Tier, TransferInterrupted
+from ._tiers import Done, Pending, TierBackend
+
+__all__ = ["Transfers", "start_transfer"]
+
+
+class Transfers:
+    """Routing, reservations, transfers and completions of a TensorStore."""
+
+    # -- issuing (lock held) --------------------------------------------------------------
+    def _fetch(self, record: StoredTensor, tier: Tier, priority: int) -> None:
+        self._check_open()
+        self._backend(tier)  # raises for a tier this store does not have
+        self.fetches += 1
+        if record.lost is not None:
+            raise lost_error(record) from record.lost
+        copy = record.copy(tier)
+        if copy.state is Residency.STORING:  # being dropped: keep it instead
+            copy.drop_when_idle = False
+            self._move(record, copy, Residency.RESIDENT)
+        if copy.state is not Residency.ABSENT:
+            self.fetch_hits += 1
+            copy.drop_when_idle = False
+            copy.priority = min(copy.priority, priority)
+            return
+        self._check_fits(record, tier)
+        copy.priority = priority
+        copy.error = None  # a new fetch: the error of an earlier one nobody waited for is stale
+        if record.nbytes == 0:
+            self._move(record, copy, Residency.RESIDENT)
+            copy.valid = True
+            return
+        self._move(record, copy, Residency.QUEUED)
+        self._queues[tier].append((record, copy))
+        self._pump(tier)
+
+    def _pump(self, tier: Tier) -> None:
+        """Start queued fetches of ``tier`` in order while space allows."""
+        queue = self._queues[tier]
+        while queue:
+            record, copy = queue[0]
+            source = self._source(record, exclude=copy)
+            if source is None:  # the newest bytes are still on their way somewhere
+                return
+            if not self._reserve(record, copy, source):
+                return
+            queue.pop(0)
+            self._start_load(record, copy, source)
+
+    def _reserve(self, record: StoredTensor, copy: TierCopy, source: TierCopy) -> bool:
+        backend = self.tiers[copy.tier]
+        needs_stage = not backend.addressable and not self.tiers[source.tier].addressable
+        slot = backend.allocate(record.nbytes)
+        if slot is None:
+            return False
+        if needs_stage:
+            copy.stage = self.staging.try_acquire(record.nbytes)
+            if copy.stage is None:
+                backend.free(slot)
+                return False
+        copy.slot = slot
+        return True
+
+    def _reserve_blocking(self, record: StoredTensor, backend: TierBackend | None, *, stage: bool) -> Any:
+        """A slot in ``backend`` (or a staging buffer), waiting for in-flight work to free room."""
+        while True:
+            got = self.staging.try_acquire(record.nbytes) if stage else backend.allocate(record.nbytes)
+            if got is not None:
+                return got
+            if self._in_flight == 0:
+                raise self._stuck_error(record, Tier.HOST if stage else backend.tier, staging=stage)
+            _wait(self._cond)
+
+    def _start_load(self, record: StoredTensor, copy: TierCopy, source: TierCopy) -> None:
+        copy.version = record.version
+        self._move(record, copy, Residency.LOADING)
+        self._in_flight += 1
+        source.readers += 1
+        completion, interrupt = start_transfer(lambda: self._transfer(record, source, copy, copy.priority),
+                                               f"load of {record.key!r}")
+        self._trace(completion, "load", record, source.tier, copy.tier)
+        completion.add_done_callback(lambda c: self._loaded(record, copy, source, c))
+        if interrupt is not None:
+            raise interrupt
+
+    def _write_home(self, record: StoredTensor, copy: TierCopy) -> None:
+        home = record.copies[record.home]
+        if home.stage is None and not self.tiers[home.tier].addressable \
+                and not self.tiers[copy.tier].addressable:
+            home.stage = self._reserve_blocking(record, None, stage=True)
+        self._move(record, copy, Residency.STORING)
+        self._in_flight += 1
+        copy.readers += 1
+        version = record.version
+        completion, interrupt = start_transfer(lambda: self._transfer(record, copy, home, priority=1),
+                                               f"write-back of {record.key!r}")
+        self._trace(completion, "store", record, copy.tier, home.tier)
+        completion.add_done_callback(lambda c: self._stored(record, copy, home, version, c))
+        if interrupt is not None:
+            raise interrupt
+
+    def _transfer(self, record: StoredTensor, source: TierCopy, dest: TierCopy, priority: int) -> Any:
+        src, dst, n = self.tiers[source.tier], self.tiers[dest.tier], record.nbytes
+        if dst.addressable:
+            return src.read_into(source.slot, dst.tensor(dest.slot), n, priority=priority)
+        if src.addressable:
+            return dst.write_from(dest.slot, src.tensor(source.slot), n, priority=priority)
+        first = src.read_into(source.slot, dest.stage.bytes, n, priority=priority)
+        return _Chained(first, lambda: dst.write_from(dest.slot, dest.stage.bytes, n, priority=priority))
+
+    def _trace(self, completion: Any, kind: str, record: StoredTensor, source: Tier | None, dest: Tier) -> None:
+        """With a tracer: the transfer as an async span from now to its completion."""
+        tracer = self.tracer
+        if tracer is None:
+            return
+        name = f"{kind} {record.key}"
+        args = {"bytes": record.nbytes, "to": dest.name.lower()}
+        if source is not None:
+            args["from"] = source.name.lower()
+        # into the compute tier: a parameter fetch (what prefetching should hide); else a
+        # transfer between the resting tiers (write-backs, optimizer states)
+        cat = "fetch" if dest is Tier.DEVICE and kind == "load" else "transfer"
+        ident = tracer.begin(name, cat, args)
+        completion.add_done_callback(lambda c: tracer.end(ident, name, cat))
+
+    # -- completions (engine worker threads, CUDA event thread, or inline) ----------------
+    def _loaded(self, record: StoredTensor, copy: TierCopy, source: TierCopy | None, completion: Any) -> None:
+        error = completion.exception()
+        with DEFER, self._cond:
+            self._in_flight -= 1
+            self._release_stage(copy)
+            if source is not None:
+                self._reader_done(record, source)
+            if error is None and source is not None and copy.version != record.version:
+                # another copy was changed in place (mark_dirty) while this one loaded: its
+                # bytes are stale. Load it again from the newest copy, unless nobody wants it
+                self._move(record, copy, Residency.ABSENT)
+                self._release(record, copy)
+                if copy.drop_when_idle:
+                    copy.drop_when_idle = False
+                else:
+                    self._move(record, copy, Residency.QUEUED)
+                    self._queues[copy.tier].append((record, copy))
+            elif error is None:
+                self._move(record, copy, Residency.RESIDENT)
+                copy.valid = True
+                if copy.drop_when_idle:
+                    copy.drop_when_idle = False
+                    self._drop(record, copy)
+            else:
+                self._move(record, copy, Residency.ABSENT)
+                self._release(record, copy)
+                if source is None:  # a put: its bytes existed nowhere else
+                    record.lost = error
+                if source is None or not isinstance(error, TransferInterrupted):
+                    copy.error = error  # (an interrupted fetch is simply fetched again)
+            self._pump_all()
+
+    def _stored(self, record: StoredTensor, copy: TierCopy, home: TierCopy, version: int, completion: Any) -> None:
+        error = completion.exception()
+        with DEFER, self._cond:
+            self._in_flight -= 1
+            self._release_stage(home)
+            copy.readers -= 1
+            if error is not None:
+                if not isinstance(error, TransferInterrupted):
+                    copy.error = error  # the bytes are still here; raised at the next wait()
+                if copy.state is Residency.STORING:
+                    self._move(record, copy, Residency.RESIDENT)
+            elif version == record.version:  # else the copy changed again meanwhile: still dirty
+                home.valid, copy.dirty = True, False
+                if copy.state is Residency.STORING:
+                    self._move(record, copy, Residency.RESIDENT)
+                    self._drop(record, copy)
+            if error is None and not copy.dirty and copy.readers == 0 and copy.drop_when_idle \
+                    and copy.state is Residency.RESIDENT:
+                # revived by a fetch while it was written, then evicted: the eviction waited
+                # for this write (a reader); its bytes are home now, so it goes
+                copy.drop_when_idle = False
+                self._drop(record, copy)
+            self._pump_all()
+
+    def _reader_done(self, record: StoredTensor, source: TierCopy) -> None:
+        source.readers -= 1
+        if source.readers == 0 and source.drop_when_idle and source.state is Residency.RESIDENT:
+            source.drop_when_idle = False
+            self._drop(record, source)
+
+    def _drop(self, record: StoredTensor, copy: TierCopy) -> None:
+        if copy.readers > 0:
+            copy.drop_when_idle = True
+            return
+        self._move(record, copy, Residency.ABSENT)
+        self._release(record, copy)
+        self._pump_all()
+
+    def _release(self, record: StoredTensor, copy: TierCopy) -> None:
+        if copy.slot is not None:
+            self.tiers[copy.tier].free(copy.slot)
+            copy.slot = None
+        self._release_stage(copy)
+        copy.valid = copy.dirty = False
+
+    def _release_stage(self, copy: TierCopy) -> None:
+        if copy.stage is not None:
+            self.staging.release(copy.stage)
+            copy.stage = None
+
+    def _pump_all(self) -> None:
+        for tier, queue in self._queues.items():
+            if queue:
+                self._pump(tier)
+
+    # -- route and room -------------------------------------------------------------------
+    def _source(self, record: StoredTensor, exclude: TierCopy) -> TierCopy | None:
+        """The fastest copy holding the newest bytes, or None if they are still in flight."""
+        for tier in FASTEST_FIRST:
+            copy = record.copies.get(tier)
+            if copy is not None and copy is not exclude and copy.valid \
+                    and copy.state in (Residency.RESIDENT, Residency.STORING):
+                return copy
+        return None
+
+    def _check_fits(self, record: StoredTensor, tier: Tier) -> None:
+        backend = self._backend(tier)
+        size = backend.slot_size(record.nbytes) if record.nbytes else 0
+        if size > backend.budget:
+            raise BudgetError(
+                f"tensor {record.key!r} needs {size} bytes in the {tier.value} tier, whose whole "
+                f"budget is {backend.budget} bytes: raise the {tier.value} budget or split the tensor")
+
+    def _stuck_error(self, record: StoredTensor, tier: Tier, *, staging: bool = False) -> BudgetError:
+        what = "host staging buffers" if staging else f"the {tier.value} tier"
+        holders = sorted(((c.state.value, r.key) for r in self._tensors.values()
+                          for c in r.copies.values() if c.tier is tier and c.slot is not None))[:8]
+        backend = self.tiers.get(tier)
+        used = f"{backend.used_bytes} of {backend.budget} bytes held" if backend else ""
+        return BudgetError(
+            f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in {what} ({used}, by "
+            f"{holders}) and nothing in flight will free any: evict() tensors first or raise "
+            f"the {tier.value} budget")
+
+
+class _Chained(Pending):
+    """Completion of two transfers in sequence (disk -> staging -> device)."""
+
+    def __init__(self, first: Any, start_second: Any):
+        super().__init__()
+        first.add_done_callback(lambda c: self._after_first(c, start_second))
+
+    def _after_first(self, first: Any, start_second: Any) -> None:
+        if first.exception() is not None:
+            self._finish(first.exception())
+            return
+        try:
+            second = start_second()
+        except Exception as err:
+            self._finish(err)
+            return
+        second.add_done_callback(lambda c: self._finish(c.exception()))
+
+
+def start_transfer(start: Callable[[], Any], what: str) -> tuple[Any, BaseException | None]:
+    """Start a transfer; returns its completion and, when a KeyboardInterrupt (or another
+    BaseException) cut the start short, that exception for the caller to raise once the
+    completion's callback is attached, so that the store's books stay balanced."""
+    try:
+        return start(), None
+    except Exception as err:  # a transfer that could not even start fails like one that did
+        return Done(err), None
+    except BaseException as err:
+        return Done(TransferInterrupted(f"the {what} was interrupted ({type(err).__name__})")), err
