@@ -175,7 +175,6 @@ class Item:
     placement: Placement
     start: int
     stop: int
-    reports: bool  # it requires a gradient
 
 
 def cut(items: list[Item], *, first_index: int, shard_size: int | None,

@@ -129,8 +129,7 @@ class ShardBook:
             master = master_mode(p.dtype, resident=False, group_fp32=False, param_home=None,
                                  cpu=p.device.type == "cpu")
             start, stop = 0, p.numel()
-        return Item(p, entry.group_index, entry.owner, rows, master is MasterMode.ROW, placement, start, stop,
-                    p.requires_grad)
+        return Item(p, entry.group_index, entry.owner, rows, master is MasterMode.ROW, placement, start, stop)
 
     def _placement(self, manager: Any) -> Placement:
         store = manager.store

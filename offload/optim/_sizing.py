@@ -146,7 +146,7 @@ def plan_rows(groups: list[Any], config: Any, kind: str, *, param_staging: int) 
             owner = Owner(None, group, slot)
             master = wrapped_mode(owner, param_home, cpu) is MasterMode.ROW
             items.append(Item(slot.param, 0, owner, len(rows), master, placement, slot.first,
-                              slot.first + slot.count, slot.param.requires_grad))
+                              slot.first + slot.count))
     if not items:
         return []
     shards = cut(items, first_index=0, shard_size=None, grad_room=grad_room(items, "auto"))
