@@ -18,7 +18,7 @@ from ..config import OffloadConfig
 from ..store import MmapTier, Tier, TensorStore, create_store
 from ._access import DemandAccess
 from ._coordinator import Coordinator
-from ._groups import ParamGroup, ParamSlot, point
+from ._groups import ParamGroup, ParamSlot, point, slice_groups
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
 from ._originals import Originals
@@ -238,7 +238,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     # several ranks: every group is partitioned, none stays whole on the device
     layout = device_layout(model, config, partitioned=partition is not None)
     groups, needs = layout.groups, layout.needs
-    mine = groups if partition is None else distributed.slice_groups(groups, partition)
+    mine = groups if partition is None else slice_groups(groups, partition)
     if partition is not None:
         check_partitioned(groups, config, mine)
     from .._plan import host_param_bytes, plan_groups
@@ -269,7 +269,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
         originals = Originals(store)
         load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
         if partition is not None:  # after loading: it may have replaced meta parameters
-            mine = distributed.slice_groups(groups, partition)
+            mine = slice_groups(groups, partition)
         move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon
         hooks = ModuleHooks(model, needs, coordinator)
