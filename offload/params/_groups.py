@@ -18,7 +18,7 @@ from .._units import PARAM_ALIGN
 if TYPE_CHECKING:
     from ..distributed import Partition
 
-__all__ = ["ParamSlot", "ParamGroup", "build_groups", "slice_groups", "point"]
+__all__ = ["ParamSlot", "ParamGroup", "build_groups", "slice_groups", "point", "Placeholders", "versions"]
 
 
 @dataclass(eq=False)
@@ -147,3 +147,25 @@ def point(param: nn.Parameter, data: torch.Tensor) -> None:
     parameter's would take it for a user's write, see ``_demand``)."""
     with torch._C.DisableTorchFunctionSubclass():
         param.data = data
+
+
+class Placeholders:
+    """What a released parameter's ``.data`` is: a stride-0 tensor of its shape holding NaN
+    (0 for integers), so code that reads shapes outside forward works; one element per dtype."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bases: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        base = self._bases.get(dtype)
+        if base is None:
+            fill = float("nan") if (dtype.is_floating_point or dtype.is_complex) else 0
+            base = self._bases[dtype] = torch.full((1,), fill, dtype=dtype, device=self.device)
+        return base.expand(shape) if len(shape) else base.view(())
+
+
+def versions(group: ParamGroup) -> tuple:
+    """The version counters of the group's parameters (an in-place op bumps its tensor's)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tuple(slot.param._version for slot in group.slots)

@@ -15,12 +15,16 @@ from torch import nn
 from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
-from ..store import MmapTier, Tier, TensorStore, create_store
+from ..store import Tier, TensorStore, create_store
 from ._access import DemandAccess
 from ._coordinator import Coordinator
+from ._from_store import StoreCopies
+from ._gathering import GatheredSlices
 from ._groups import ParamGroup, ParamSlot, point, slice_groups
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
+from ._mapped import MappedViews
+from ._materializer import Materializer
 from ._originals import Originals
 from ._placing import load_groups, move_buffers
 from ._sizing import check_partitioned, device_layout
@@ -201,13 +205,12 @@ def manager_of(model: nn.Module) -> ParamManager:
 
 
 def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLike | None = None,
-         events: list | None = None, process_group: Any = None) -> nn.Module:
+         process_group: Any = None) -> nn.Module:
     """Manage ``model``'s parameters as ``config`` says; returns the same module.
 
     ``checkpoint``: a safetensors file, a directory of shards with
     ``model.safetensors.index.json``, or a ``save_pretrained`` directory, streamed into the
     parameter tier (the model may then have been built on the meta device).
-    ``events``: a list that receives the schedule as ``(event, group, phase)`` tuples.
     ``process_group``: with torch.distributed initialised, the ranks to partition the
     parameters over (default: the default group; see ``OffloadConfig.world_size`` and
     docs/distributed.md). Every rank calls ``wrap`` with the same model and config.
@@ -253,19 +256,10 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
         median = streamed[len(streamed) // 2] if streamed else 0
-        # views of the mapped files instead of copies: only where the tier's data stays in
-        # the page cache (a view of an uncached page faults it in 4 KiB at a time: 0.08
-        # tok/s cold against 1.8 for direct I/O, docs/benchmarks.md); else mmap copies
-        nvme_tier = store.tiers.get(Tier.NVME)
-        zero_copy = device.type == "cpu" and config.param_tier == "nvme" and \
-            isinstance(nvme_tier, MmapTier) and sum(streamed) <= nvme_tier.cache_limit
-        zero_copy = zero_copy and partition is None  # a gathered group is a copy anyway
-        coordinator = Coordinator(store, groups, device=device,
+        coordinator = Coordinator(store, groups, _materializer(store, config, partition, sum(streamed)),
+                                  device=device, layout=layout,
                                   prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
-                                  device_budget=config.device_budget, cache_bytes=config.cache_bytes,
-                                  layout=layout,
-                                  events=events, zero_copy=zero_copy, partition=partition,
-                                  home=_HOME[config.param_tier])
+                                  device_budget=config.device_budget, cache_bytes=config.cache_bytes)
         originals = Originals(store)
         load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
         if partition is not None:  # after loading: it may have replaced meta parameters
@@ -367,7 +361,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
     reclaim and which do not count in ``host_bytes``."""
     manager = manager_of(model)
     s = manager.store.stats()
-    c = manager.coordinator
+    c = manager.coordinator.counts
     return {
         "device_bytes": s["device"]["bytes"], "device_peak_bytes": s["device"]["peak_bytes"],
         "host_bytes": s["host_pool"]["bytes"], "host_peak_bytes": s["host_pool"]["peak_bytes"],
@@ -422,6 +416,16 @@ def reset_peak_stats(model: nn.Module) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _materializer(store: TensorStore, config: OffloadConfig, partition: Any, streamed_bytes: int) -> Materializer:
+    """The one materializer of this model, for its whole life (see ``_materializer``)."""
+    home, budget = _HOME[config.param_tier], config.device_budget
+    if partition is not None:
+        return GatheredSlices(store, home, device_budget=budget, partition=partition)
+    if MappedViews.serves(store, config.torch_device, config.param_tier, streamed_bytes):
+        return MappedViews(store, home, device_budget=budget)
+    return StoreCopies(store, home, device_budget=budget)
+
+
 def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
     """The parameters the store will keep on NVMe (what io_backend="auto" weighs: whether
     an optimizer will add states is not known yet; one that does warns when they make an
