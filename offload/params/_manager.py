@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
 from ..store import Tier, TensorStore, create_store
@@ -28,6 +25,7 @@ from ._materializer import Materializer
 from ._originals import Originals
 from ._placing import load_groups, move_buffers
 from ._sizing import check_partitioned, device_layout
+from ._steplog import StepLog, stats_of
 
 __all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of", "owner_of"]
 
@@ -56,57 +54,13 @@ class ParamManager:
         # takes them as masters; a write outside the optimizer makes them stale
         self.originals = originals if originals is not None else Originals(store)
         self.access.on_write(self._written_outside)
-        self.optimizer_seconds = 0.0
-        self.steps = 0
-        self.tracer: Tracer | None = None
-        if config.trace_path is not None:
-            self.tracer = Tracer()
-            store.tracer = coordinator.tracer = self.tracer
-        self._noted: dict[str, Any] = {}
-        self._last: dict[str, Any] | None = None
-        self._last_time = time.time()
+        self.steplog = StepLog(self)
+        if self.steplog.tracer is not None:
+            store.tracer = coordinator.tracer = self.steplog.tracer
 
-    # -- observability ------------------------------------------------------------------------
     def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool) -> None:
-        self.optimizer_seconds += seconds
-        self.note(lr=lr, skipped_step=skipped)
-        self.log_step()
-
-    def start_step_log(self) -> None:
-        self._last, self._last_time = stats(self.model), time.time()
-
-    def note(self, **fields: Any) -> None:
-        self._noted.update(fields)
-
-    def log_step(self, **fields: Any) -> dict[str, Any]:
-        """One step's record: what moved and waited since the previous record, the fields
-        noted since then and ``fields``; appended to ``config.log_path`` when set."""
-        now = time.time()
-        current = stats(self.model)
-        previous = self._last
-        record: dict[str, Any] = {"step": self.steps, "time": round(now, 3),
-                                  "step_seconds": round(now - self._last_time, 6)}
-        for key in _DELTA_KEYS:
-            delta = current[key] - previous[key]
-            record[key] = round(delta, 6) if isinstance(delta, float) else delta
-        for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes"):
-            record[key] = current[key]
-        record.update(self._noted)
-        record.update(fields)
-        self._noted = {}
-        self._last, self._last_time = current, now
-        self.steps += 1
-        if self.config.log_path is not None:
-            with open(self.config.log_path, "a") as fh:
-                fh.write(json.dumps(record, default=float) + "\n")
-        return record
-
-    def write_trace(self, path: str | None = None) -> str:
-        target = path or self.config.trace_path
-        if self.tracer is None or target is None:
-            raise ValueError("no trace was recorded: wrap with OffloadConfig(trace_path='trace.json') to "
-                             "record the fetch/compute/optimizer timeline")
-        return self.tracer.write(target)
+        """An offloaded optimizer's step over these parameters took ``seconds``: the step's record."""
+        self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped)
 
     @property
     def home(self) -> Tier:
@@ -273,7 +227,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
         raise
     _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition, originals)
     manager.access.attach(model, groups)
-    manager.start_step_log()  # the first step's line counts that step, not the loading above
+    manager.steplog.start()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
     log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s%s",
              len(groups), format_size(total), config.param_tier, format_size(config.device_budget),
@@ -347,9 +301,9 @@ def _release(model: nn.Module, manager: ParamManager) -> None:
     try:
         manager.store.close()
     finally:
-        if manager.tracer is not None:
+        if manager.steplog.tracer is not None:
             log.info("offload: timeline written to %s (open in ui.perfetto.dev or chrome://tracing)",
-                     manager.write_trace())
+                     manager.steplog.write_trace())
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -359,30 +313,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
     file pages in the kernel's page cache (``io_backend="mmap"`` keeps the recently used
     ones there, within the host budget; direct I/O leaves few), which the kernel may
     reclaim and which do not count in ``host_bytes``."""
-    manager = manager_of(model)
-    s = manager.store.stats()
-    c = manager.coordinator.counts
-    return {
-        "device_bytes": s["device"]["bytes"], "device_peak_bytes": s["device"]["peak_bytes"],
-        "host_bytes": s["host_pool"]["bytes"], "host_peak_bytes": s["host_pool"]["peak_bytes"],
-        "nvme_bytes": s["nvme"]["bytes"] if "nvme" in s else 0,
-        "read_bytes": s["nvme"]["read_bytes"] if "nvme" in s else 0,
-        "write_bytes": s["nvme"]["write_bytes"] if "nvme" in s else 0,
-        "stall_seconds": c.stall_seconds, "prefetch_hits": c.prefetch_hits,
-        "prefetch_misses": c.prefetch_misses, "demand_fetches": c.demand_fetches, "groups": len(manager.groups),
-        "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
-        "page_cache_bytes": s["nvme"].get("page_cache_bytes", 0) if "nvme" in s else 0,
-        "optimizer_seconds": manager.optimizer_seconds,
-        "gather_seconds": c.gather_seconds, "gathered_ahead": c.gathered_ahead,
-        "gather_over_budget_bytes": c.gather_over_budget_bytes,
-        "world_size": manager.partition.world if manager.partition is not None else 1,
-        "rank": manager.partition.rank if manager.partition is not None else 0,
-    }
-
-
-_DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
-               "gather_seconds",
-               "prefetch_hits", "prefetch_misses", "demand_fetches")
+    return stats_of(manager_of(model))
 
 
 def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:
@@ -396,19 +327,19 @@ def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:
     An offloaded optimizer serving the model calls this after each ``step()``; call it
     yourself per pass for inference, or in loops with no offloaded optimizer.
     """
-    return manager_of(model).log_step(**fields)
+    return manager_of(model).steplog.record(**fields)
 
 
 def note_step(model: nn.Module, **fields: Any) -> None:
     """Attach ``fields`` (e.g. ``loss=loss.item()``) to the current step's log record."""
-    manager_of(model).note(**fields)
+    manager_of(model).steplog.note(**fields)
 
 
 def write_trace(model: nn.Module, path: str | os.PathLike | None = None) -> str:
     """Write the recorded timeline (``OffloadConfig(trace_path=...)``) as a Chrome trace
     (open it in chrome://tracing or ui.perfetto.dev); returns the path. ``unwrap`` writes
     it too."""
-    return manager_of(model).write_trace(os.fspath(path) if path is not None else None)
+    return manager_of(model).steplog.write_trace(os.fspath(path) if path is not None else None)
 
 
 def reset_peak_stats(model: nn.Module) -> None:
