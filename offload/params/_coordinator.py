@@ -34,7 +34,7 @@ from ._groups import ParamGroup, Placeholders, point, versions
 from ._materializer import Materializer
 from ._schedule import Schedule, choose_cached
 from ._sizing import no_room_error
-from ._state import ON_DEVICE, VIEWED, Counts, GroupRecord, GroupState, check_transition
+from ._state import Counts, GroupRecord, GroupState, check_transition
 
 __all__ = ["Coordinator"]
 
@@ -182,7 +182,7 @@ class Coordinator:
 
     def room_error(self, group: ParamGroup, err: BudgetError) -> BudgetError:
         """The store has no room for ``group`` at this point of the pass: the refusal."""
-        held = [g for g, rec in self.records.items() if rec.state in VIEWED]
+        held = [g for g, rec in self.records.items() if rec.state.viewed]
         return no_room_error(group, err, device=self.store.tiers[Tier.DEVICE], device_budget=self.device_budget,
                              held=held, parked=self.parked)
 
@@ -313,7 +313,7 @@ class Coordinator:
         """The caller changed ``group``'s materialized bytes in place: keep the change
         (copies taken before are stale; its release need not find the change again)."""
         rec = self.records[group]
-        if rec.state in VIEWED:
+        if rec.state.viewed:
             self.materializer.keep_write(group, rec, True)
         rec.written += 1
         if rec.flat is not None:
@@ -367,7 +367,7 @@ class Coordinator:
         window: list[ParamGroup] = []
         total = 0
         for group in self.schedule.upcoming():
-            if group in window or self.records[group].state in ON_DEVICE:
+            if group in window or self.records[group].state.on_device:
                 continue
             if total + group.nbytes > self.prefetch_limit:
                 break

@@ -23,7 +23,7 @@ from ..io import BudgetError
 from ..store import TensorStore, Tier
 from ._from_store import StoreCopies
 from ._groups import ParamGroup
-from ._state import VIEWED, GroupRecord, GroupState, Materialized, PendingGather
+from ._state import GroupRecord, GroupState, Materialized, PendingGather
 
 __all__ = ["GatheredSlices"]
 
@@ -46,7 +46,7 @@ class GatheredSlices(StoreCopies):
             part = self.partition.slice_bytes(group.nbytes)
             if self._holds_slice(record):
                 total += device.slot_size(part)
-            if record.state in VIEWED or group in self.pending:
+            if record.state.viewed or group in self.pending:
                 total += device.slot_size(part * world)
         return total
 
@@ -142,7 +142,7 @@ class GatheredSlices(StoreCopies):
         if nxt is None or nxt in self.pending:
             return
         record = coordinator.records[nxt]
-        if record.state in VIEWED:
+        if record.state.viewed:
             return
         device, world = self.device_tier, self.partition.world
         size = self.partition.slice_bytes(nxt.nbytes) * world

@@ -9,8 +9,10 @@ view, and how that buffer goes back. One implementation per mode, chosen once at
 
 The coordinator (``_coordinator``) decides what to fetch, keep and drop, and owns each
 group's state; it calls the materializer without asking which one it is. The materializer
-reads back from the coordinator only what its mode needs (``bind``): making room, the
-schedule's next group, the counters, the event log.
+reads back from the coordinator (``bind``) only what its mode needs: ``counts``, ``tracer``,
+``make_room``, ``room_error`` and ``log_event`` on the copy path; with several ranks also
+the group records (its own count of device bytes), ``schedule.next_in_pass`` and
+``note_read_ahead``.
 """
 
 from __future__ import annotations

@@ -34,33 +34,42 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["GroupState", "check_transition", "GroupRecord", "Materialized", "PendingGather", "Counts", "VIEWED",
-           "ON_DEVICE"]
+__all__ = ["GroupState", "check_transition", "GroupRecord", "Materialized", "PendingGather", "Counts"]
 
 
 class GroupState(enum.Enum):
-    RELEASED = "released"
-    AHEAD = "ahead"
-    CACHED = "cached"
-    MATERIALIZED = "materialized"
-    PARKED = "parked"
+    # Note: each member carries its answers (viewed, on_device, the states it may become) as
+    # plain attributes: the coordinator asks them on every acquisition, and set or dict
+    # lookups of an Enum member call its Python-level __hash__.
+    def __new__(cls, label: str, viewed: bool, on_device: bool) -> "GroupState":
+        member = object.__new__(cls)
+        member._value_ = label
+        member.viewed = viewed  # its parameters point at its buffer
+        member.on_device = on_device  # its bytes are on the device for the coordinator: nothing to read ahead
+        member.allowed = ()  # the states it may become (set below)
+        return member
+
+    RELEASED = ("released", False, False)
+    AHEAD = ("ahead", False, False)
+    CACHED = ("cached", False, True)
+    MATERIALIZED = ("materialized", True, True)
+    PARKED = ("parked", True, True)
 
 
-_ALLOWED: dict[GroupState, frozenset[GroupState]] = {
-    GroupState.RELEASED: frozenset({GroupState.AHEAD, GroupState.MATERIALIZED}),
-    GroupState.AHEAD: frozenset({GroupState.RELEASED}),
-    GroupState.CACHED: frozenset({GroupState.MATERIALIZED, GroupState.RELEASED}),
-    GroupState.MATERIALIZED: frozenset({GroupState.PARKED, GroupState.RELEASED, GroupState.CACHED}),
-    GroupState.PARKED: frozenset({GroupState.MATERIALIZED, GroupState.RELEASED, GroupState.CACHED}),
+_ALLOWED: dict[GroupState, tuple[GroupState, ...]] = {
+    GroupState.RELEASED: (GroupState.AHEAD, GroupState.MATERIALIZED),
+    GroupState.AHEAD: (GroupState.RELEASED,),
+    GroupState.CACHED: (GroupState.MATERIALIZED, GroupState.RELEASED),
+    GroupState.MATERIALIZED: (GroupState.PARKED, GroupState.RELEASED, GroupState.CACHED),
+    GroupState.PARKED: (GroupState.MATERIALIZED, GroupState.RELEASED, GroupState.CACHED),
 }
-
-VIEWED = frozenset({GroupState.MATERIALIZED, GroupState.PARKED})  # parameters point at its buffer
-ON_DEVICE = frozenset({GroupState.MATERIALIZED, GroupState.PARKED, GroupState.CACHED})  # nothing to read ahead
+for _state, _targets in _ALLOWED.items():
+    _state.allowed = _targets
 
 
 def check_transition(key: str, old: GroupState, new: GroupState) -> None:
     """Raise on a change of state the coordinator never makes."""
-    if new not in _ALLOWED[old]:
+    if new not in old.allowed:
         raise RuntimeError(f"parameter group {key!r}: {old.value} -> {new.value} is not a transition of the "
                            "coordinator's group states; this is a bug in offload, please report it with "
                            "the traceback")
