@@ -9,9 +9,9 @@ from torch import nn
 
 from ._plan import MemoryPlan, host_param_bytes, plan_groups
 from .config import OffloadConfig
-from .distributed import Partition, slice_groups
+from .distributed import Partition
 from .optim import plan_rows, state_rows
-from .params import device_layout
+from .params import device_layout, slice_groups
 
 __all__ = ["plan"]
 

@@ -1,10 +1,17 @@
-"""Byte sizes: parse "8GiB" / "512MB" / 4096 and print them back readably."""
+"""Byte sizes: parse "8GiB" / "512MB" / 4096 and print them back readably; the alignment of
+a parameter inside its group's flat buffer."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "PARAM_ALIGN"]
+
+# Every parameter starts at a multiple of this in its group's flat buffer, so any dtype can
+# view it and vector loads stay aligned; a rank's slice of a group is a multiple of it too,
+# so no element straddles two ranks (offload.params builds the groups, offload.distributed
+# sizes the slices: both read it here, below either).
+PARAM_ALIGN = 256
 
 _UNITS = {
     "": 1,

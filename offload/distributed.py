@@ -1,13 +1,15 @@
 """ZeRO-3 partitioning over torch.distributed (gloo on CPU, NCCL on GPU).
 
-Each parameter group's flat buffer is padded to a multiple of ``world * 256`` bytes and cut
-into ``world`` equal slices; rank ``r`` keeps slice ``r`` in its own tiers (its own
+Each parameter group's flat buffer is padded to a multiple of ``world * PARAM_ALIGN``
+bytes and cut into ``world`` equal slices; rank ``r`` keeps slice ``r`` in its own tiers (its own
 ``nvme_path``), all-gathers the whole group before a module uses it, reduce-scatters the
 group's gradients so that it keeps only its slice's fp32 sums, and its optimizer updates
 only that slice. This module holds what is specific to several ranks: resolving the
 process group from the config, the checks made at ``wrap`` (same config and model on
-every rank, one ``nvme_path`` per rank of a machine), cutting groups into slices, and the
-collectives on byte buffers. It imports nothing of ours but the parameter groups.
+every rank, one ``nvme_path`` per rank of a machine), the size of each rank's slice, and
+the collectives on byte buffers. Cutting the parameter groups into slices is
+``offload.params.slice_groups``: this module imports nothing of ours but ``_units``, so
+``params`` may use it without a cycle.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .params._groups import _ALIGN, ParamGroup, ParamSlot
+from ._units import PARAM_ALIGN
 
-__all__ = ["Partition", "resolve", "check_ranks", "slice_groups", "local_nvme_path"]
+__all__ = ["Partition", "resolve", "check_ranks", "local_nvme_path"]
 
 # fields that may differ between ranks: each rank's own paths
 _PER_RANK_FIELDS = ("nvme_path", "log_path", "trace_path")
@@ -44,8 +46,8 @@ class Partition:
 
     def slice_bytes(self, nbytes: int) -> int:
         """Bytes of each rank's slice of a group of ``nbytes`` (padded: equal slices, each a
-        multiple of 256 bytes, so every element of every dtype falls in one slice)."""
-        unit = self.world * _ALIGN
+        multiple of ``PARAM_ALIGN`` bytes, so every element of every dtype falls in one slice)."""
+        unit = self.world * PARAM_ALIGN
         return max(1, -(-nbytes // unit)) * unit // self.world
 
     @property
@@ -196,24 +198,3 @@ def check_ranks(partition: Partition, config: Any, model: nn.Module, nvme_path: 
                 f"{info['nvme_path']!r}: each rank needs its own swap directory. Put {{rank}} in the "
                 f"path, e.g. nvme_path={(info['template'].rstrip('/') + '/rank{rank}')!r}")
         seen[key] = rank
-
-
-def slice_groups(groups: list[ParamGroup], partition: Partition) -> list[ParamGroup]:
-    """Rank ``partition.rank``'s slice of each group: a group of ``slice_bytes`` whose slots
-    say which elements of each parameter it holds (possibly none)."""
-    out = []
-    for whole in groups:
-        size = partition.slice_bytes(whole.nbytes)
-        begin = partition.rank * size
-        end = begin + size
-        part = ParamGroup(whole.key, nbytes=size, resident=False, whole=whole, begin=begin)
-        for slot in whole.slots:
-            itemsize = slot.dtype.itemsize
-            lo = min(max(begin - slot.offset, 0), slot.nbytes)
-            hi = max(min(end - slot.offset, slot.nbytes), lo)
-            first = lo // itemsize if itemsize else 0
-            count = (hi - lo) // itemsize if itemsize else 0
-            part.slots.append(ParamSlot(slot.names, slot.param, slot.offset - begin, slot.nbytes, slot.dtype,
-                                        slot.shape, first=first if count else 0, count=count, whole=slot))
-        out.append(part)
-    return out

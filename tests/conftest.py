@@ -36,6 +36,22 @@ def _is_file(fd: int) -> bool:
 
 
 @pytest.fixture
+def record_schedule():
+    """``record_schedule(model) -> list``: the schedule of a wrapped model as it runs, as
+    ``(event, group key, phase)`` tuples (events "acquire", "fetch", "ready", "release";
+    phases "forward", "backward", "demand", "prefetch"). Call it after ``offload.wrap`` and
+    before the first forward."""
+    import offload
+
+    def record(model) -> list:
+        log: list = []
+        offload.params.manager_of(model).coordinator.schedule_log = log
+        return log
+
+    return record
+
+
+@pytest.fixture
 def disk_dir(tmp_path):
     """A directory on the local disk (not tmpfs), where O_DIRECT works."""
     return str(tmp_path)

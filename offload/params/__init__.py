@@ -1,14 +1,15 @@
 """Parameter offload: groups, hooks, and the coordinator that prefetches along the recorded order."""
 
 from ._loading import init_empty_weights
-from ._coordinator import graph_task
+from ._autograd import graph_task
 from ._calls import Kind, kind_of, write_targets, NO_DATA, LAYOUT
 from ._gradients import defer_to, hold_gradients, holder_of as gradient_holder, release_gradients
+from ._groups import slice_groups
 from ._sizing import DeviceLayout, device_layout
 from ._originals import narrows
 from ._manager import (ParamManager, close, log_step, manager_of, note_step, owner_of, reset_peak_stats, stats, unwrap,
                        wrap, write_trace)
 
 __all__ = ["wrap", "unwrap", "close", "stats", "reset_peak_stats", "init_empty_weights", "manager_of", "owner_of",
-           "ParamManager", "log_step", "note_step", "write_trace", "device_layout", "DeviceLayout", "graph_task",
+           "ParamManager", "slice_groups", "log_step", "note_step", "write_trace", "device_layout", "DeviceLayout", "graph_task",
            "hold_gradients", "release_gradients", "gradient_holder", "defer_to", "narrows", "Kind", "kind_of", "write_targets", "NO_DATA", "LAYOUT"]

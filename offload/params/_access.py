@@ -23,9 +23,9 @@ from torch import nn
 
 from .._units import format_size
 from ..io import BudgetError
-from ..store import Tier
-from ._coordinator import Coordinator, in_backward, refuse_copy
-from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, register, unregister
+from ._autograd import in_backward
+from ._coordinator import Coordinator
+from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, refuse_copy, register, unregister
 from ._groups import ParamGroup
 
 __all__ = ["DemandAccess"]
@@ -102,13 +102,13 @@ class DemandAccess:
         return owner is not None and owner.access is self
 
     def materialized(self, group: ParamGroup) -> bool:
-        return group.resident or self.coordinator.live[group].flat is not None
+        return group.resident or self.coordinator.flat_of(group) is not None
 
     def maybe_written(self, group: ParamGroup) -> None:
         """A ``.data`` alias of a materialized group was handed out: in-place writes through
         it bump no counter offload sees, so the group is stored back when released."""
         if not group.resident:
-            self.coordinator.live[group].maybe_written = True
+            self.coordinator.note_handed_out(group)
 
     def check_readable(self, owner: Owner) -> None:
         """With several ranks a fetch is an all-gather, which every rank must join: only the
@@ -128,7 +128,7 @@ class DemandAccess:
 
     def buffer_address(self, group: ParamGroup) -> int:
         with torch._C.DisableTorchFunctionSubclass():
-            return self.coordinator.live[group].flat.untyped_storage().data_ptr()
+            return self.coordinator.flat_of(group).untyped_storage().data_ptr()
 
     def saving(self) -> Any:
         """What autograd saves in a demand call goes through the hooks' references."""
@@ -144,9 +144,6 @@ class DemandAccess:
     def written(self, group: ParamGroup) -> None:
         """The caller changed ``group``'s materialized bytes in place."""
         if not group.resident:
-            live = self.coordinator.live[group]
-            if live.release is None:  # (a mapped view is the home copy)
-                self.coordinator.store.mark_dirty(group.key, Tier.DEVICE)
             self.coordinator.note_written(group)
         self.notify(group)
 

@@ -47,12 +47,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
-from ._coordinator import in_backward
+from ._autograd import in_backward
 from ._copies import DetachedCopy, read_only
 from ._gradients import DEFERRED, get_grad, set_grad
 from ._groups import ParamGroup, ParamSlot
 
-__all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of"]
+__all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of", "refuse_copy"]
 
 _plain = torch._C.DisableTorchFunctionSubclass
 _GRAD_GET, _GRAD_SET = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
@@ -342,3 +342,11 @@ def value_of(param: nn.Parameter) -> torch.Tensor:
 
 
 DetachedCopy.route = OffloadedParameter.__torch_function__
+
+
+def refuse_copy() -> None:
+    """copy.deepcopy / pickling of a wrapped model reaches the objects behind its hooks."""
+    raise TypeError("copy.deepcopy or pickling of a model wrapped by offload: its parameters rest in offload's tiers "
+                    "and its hooks hold files and threads. For a copy in memory, build the model again and "
+                    "load_state_dict(offload.state_dict(model)), or offload.unwrap(model) first; to save it, "
+                    "offload.save_checkpoint(path, model) or offload.export(model, directory)")

@@ -1,13 +1,14 @@
-"""Several ranks: a rank's store holds its slice of each group, and materializing gathers
-the whole group into a device slot of its own (counted in the device budget, freed at
-release). From the second pass each acquisition also issues the asynchronous all-gather of
-the next group of the recorded order, so it runs while the module computes. Collectives
-must be issued in one order on every rank, so every decision that leads to one uses the
-coordinator's own count of the device bytes it holds, never the tier's, which moves with
-the timing of reads.
+"""Gathered slices: with several ranks a rank's store holds its slice of each group (key =
+the group's key), and materializing all-gathers the whole group into a device slot of its
+own (counted in the device budget, freed at release). From the second pass each
+acquisition also issues the asynchronous all-gather of the next group of the recorded
+order, so it runs while the module computes.
 
-``Gathering`` is a part of ``Coordinator`` (its state lives there); it is kept apart because
-only several ranks use it.
+Note: one order of collectives. Every rank must issue the same collectives in the same
+order, so every decision that leads to one (gather ahead or not, which read-aheads to drop
+for room) uses this materializer's own count of the device bytes the coordinator holds
+(``used_bytes``), never the tier's count, which moves with the timing of reads and differs
+from rank to rank.
 """
 
 from __future__ import annotations
@@ -19,123 +20,155 @@ from typing import Any
 import torch
 
 from ..io import BudgetError
-from ..store import Tier
+from ..store import TensorStore, Tier
+from ._from_store import StoreCopies
 from ._groups import ParamGroup
+from ._state import GroupRecord, GroupState, Materialized, PendingGather
 
-__all__ = ["Gathering"]
+__all__ = ["GatheredSlices"]
 
 log = logging.getLogger(__name__)
 
 
-class Gathering:
-    """The all-gather half of ``Coordinator`` (module docstring)."""
+class GatheredSlices(StoreCopies):
+    def __init__(self, store: TensorStore, home: Tier, *, device_budget: int, partition: Any):
+        super().__init__(store, home, device_budget=device_budget)
+        self.partition = partition  # an offload.distributed.Partition
+        self.pending: dict[ParamGroup, PendingGather] = {}  # all-gathers issued ahead of use
+        self._warned = False
 
-    def _gather(self, group: ParamGroup, live: Any, mine: torch.Tensor) -> torch.Tensor:
-        """All ranks' slices of ``group`` into one device buffer: its whole flat bytes."""
+    def used_bytes(self) -> int:
+        """The device bytes the coordinator's bookkeeping says are held: slices it fetched and
+        has not dropped, whole groups gathered or being gathered."""
+        device, world = self.device_tier, self.partition.world
+        total = 0
+        for group, record in self.coordinator.records.items():
+            part = self.partition.slice_bytes(group.nbytes)
+            if self._holds_slice(record):
+                total += device.slot_size(part)
+            if record.state.viewed or group in self.pending:
+                total += device.slot_size(part * world)
+        return total
+
+    def _holds_slice(self, record: GroupRecord) -> bool:
+        return self.home is Tier.DEVICE or record.state is not GroupState.RELEASED
+
+    def prefetch(self, candidates: list[ParamGroup], room: int) -> list[ParamGroup]:
+        device = self.device_tier
+        counted = self.used_bytes()  # counted once, then kept up
+        started = []
+        for group in candidates:
+            if group.nbytes > room or counted + device.slot_size(group.nbytes) > self.device_budget:
+                break
+            self.store.fetch(group.key, Tier.DEVICE, priority=1)
+            started.append(group)
+            room -= group.nbytes
+            counted += device.slot_size(self.partition.slice_bytes(group.nbytes))
+        return started
+
+    def materialize(self, group: ParamGroup, source: GroupState) -> Materialized:
+        counts = self.coordinator.counts
+        pending = self.pending.pop(group, None)
+        if pending is not None:  # gathered ahead of use
+            counts.prefetch_hits += 1
+            started = time.perf_counter()
+            pending.work.wait()
+            counts.gather_seconds += time.perf_counter() - started
+            return Materialized(pending.whole, pending.slot)
+        mine = self.load(group, source)
         size = mine.numel() * self.partition.world
-        device = self.store.tiers[Tier.DEVICE]
-        while self.ahead and self._used() + device.slot_size(size) > self.device_budget:
-            self._drop_ahead(next(reversed(self.ahead)))
-        if self._used() + device.slot_size(size) > self.device_budget:
+        slot_size = self.device_tier.slot_size(size)
+        self.coordinator.make_room(size)
+        if self.used_bytes() + slot_size > self.device_budget:
             raise BudgetError(
                 f"device_budget {self.device_budget} bytes cannot hold parameter group {group.key!r} "
                 f"gathered from {self.partition.world} ranks ({size} bytes) next to the "
-                f"{self._used()} bytes in use: raise device_budget")
-        live.gathered, whole = self._gather_buffer(group, size)
+                f"{self.used_bytes()} bytes in use: raise device_budget")
+        slot, whole = self._buffer(group, size)
         started = time.perf_counter()
         self.partition.all_gather(whole, mine)
-        self.gather_seconds += time.perf_counter() - started
-        return whole
+        counts.gather_seconds += time.perf_counter() - started
+        return Materialized(whole, slot)
 
-    def _gather_buffer(self, group: ParamGroup, size: int) -> tuple[Any, torch.Tensor]:
+    def _buffer(self, group: ParamGroup, size: int) -> tuple[Any, torch.Tensor]:
         """(slot, tensor) of ``size`` bytes on the device for a gathered group: a device-tier
-        slot, counted in the budget. Room is decided by the coordinator's own count, the same
-        on every rank; where the tier holds more at that moment (a copy evicted while loading
-        frees its room when it lands, a reused pool buffer may be larger than asked), the
-        buffer is allocated beside the tier, logged once and counted in
+        slot, counted in the budget. Room is decided by our own count, the same on every
+        rank; where the tier holds more at that moment (a copy evicted while loading frees
+        its room when it lands, a reused pool buffer may be larger than asked), the buffer
+        is allocated beside the tier, logged once and counted in
         ``gather_over_budget_bytes``: the ranks must issue the same collectives."""
-        device = self.store.tiers[Tier.DEVICE]
+        device = self.device_tier
         slot = device.allocate(size)
         if slot is not None:
             return slot, device.tensor(slot)[:size]
-        self.gather_over_budget_bytes = max(self.gather_over_budget_bytes, size)
-        if "over_budget" not in self._warned:
-            self._warned.add("over_budget")
+        counts = self.coordinator.counts
+        counts.gather_over_budget_bytes = max(counts.gather_over_budget_bytes, size)
+        if not self._warned:
+            self._warned = True
             log.warning("offload: gathering parameter group %r (%d bytes) beside the device tier, which "
                         "holds %d of %d bytes now (pool rounding or copies still loading); further cases "
                         "are counted in stats()['gather_over_budget_bytes']", group.key, size,
                         device.used_bytes, self.device_budget)
-        return None, torch.empty(size, dtype=torch.uint8, device=self.device)
+        return None, torch.empty(size, dtype=torch.uint8, device=self.coordinator.device)
 
-    def _gather_ahead(self) -> None:
-        """Several ranks: start the all-gather of the next group of the recorded order, so it
-        runs while this module computes. Whether to start it depends only on what every rank
-        agrees on (the recorded order, the coordinator's own bookkeeping, the budget), never
-        on how fast a read or a peer was, so the ranks issue their collectives in one order."""
-        p = self.current
-        trace = self.traces.get(p.key) if p is not None and not p.diverged else None
-        if not trace or p.cursor >= len(trace):
-            return  # not past the end of the pass: the optimizer may change the next pass's bytes
-        nxt = trace[p.cursor]
-        live = self.live[nxt]
-        if live.flat is not None or live.pending is not None or nxt in self.parked:
+    def give_back(self, group: ParamGroup, record: GroupRecord) -> bool:
+        if record.lease is not None:
+            device = self.device_tier
+            if hasattr(device, "fence"):
+                device.fence(record.lease)  # kernels queued on it finish before reuse
+            device.free(record.lease)
+        return True  # the slice's device copy stays until evicted
+
+    def keep_write(self, group: ParamGroup, record: GroupRecord, certain: bool) -> bool:
+        if certain:
+            raise RuntimeError(
+                f"parameter group {group.key!r} was written in place inside its module's forward with the "
+                "model partitioned over ranks: each rank stores a slice, not the gathered copy that was "
+                "written. Write parameters before offload.wrap, or load them with offload.load_checkpoint")
+        return False  # (a .data handed out, not written: nothing to keep)
+
+    def evict(self, group: ParamGroup) -> None:
+        pending = self.pending.get(group)
+        if pending is not None:
+            pending.work.wait()  # it reads the slice: done before the slice goes
+        super().evict(group)
+
+    def after_acquire(self) -> None:
+        """Start the all-gather of the next group of the recorded order, so it runs while this
+        module computes. Whether to start it depends only on what every rank agrees on (the
+        recorded order, our own count, the budget), never on how fast a read or a peer was."""
+        coordinator = self.coordinator
+        nxt = coordinator.schedule.next_in_pass()
+        if nxt is None or nxt in self.pending:
             return
-        device = self.store.tiers[Tier.DEVICE]
-        size = self.partition.slice_bytes(nxt.nbytes) * self.partition.world
+        record = coordinator.records[nxt]
+        if record.state.viewed:
+            return
+        device, world = self.device_tier, self.partition.world
+        size = self.partition.slice_bytes(nxt.nbytes) * world
+        holds = self._holds_slice(record)
         # room by our own count, with as much again to spare (the tier's buffers may be
         # larger than asked: pool reuse); else it is gathered when used
-        if self._accounted_device_bytes() + 2 * device.slot_size(size) + \
-                (0 if self._holds_slice(nxt) else device.slot_size(size // self.partition.world)) \
-                > self.device_budget:
+        if self.used_bytes() + 2 * device.slot_size(size) + \
+                (0 if holds else device.slot_size(size // world)) > self.device_budget:
             return
-        if not self._holds_slice(nxt):
-            self._log("fetch", nxt, "prefetch")
+        if not holds:
+            coordinator.log_event("fetch", nxt, "prefetch")
             self.store.fetch(nxt.key, Tier.DEVICE, priority=0)
-            self.ahead[nxt] = None
+            coordinator.note_read_ahead(nxt)
         mine = self.store.wait(nxt.key, Tier.DEVICE)
-        slot, whole = self._gather_buffer(nxt, size)
+        slot, whole = self._buffer(nxt, size)
         work = self.partition.all_gather(whole, mine, async_op=True)
-        live.pending = (work, slot, whole)
-        self.gathered_ahead += 1
+        self.pending[nxt] = PendingGather(work, slot, whole)
+        coordinator.counts.gathered_ahead += 1
 
-    def _holds_slice(self, group: ParamGroup) -> bool:
-        return self.home is Tier.DEVICE or group in self.ahead or bool(self.cached.get(group)) \
-            or self.live[group].flat is not None
-
-    def _accounted_device_bytes(self) -> int:
-        """Device bytes the coordinator's own bookkeeping says are held: slices it fetched and
-        has not dropped, whole groups gathered or being gathered."""
-        device = self.store.tiers[Tier.DEVICE]
-        world = self.partition.world
-        total = 0
-        for group, live in self.live.items():
-            part = self.partition.slice_bytes(group.nbytes)
-            if self._holds_slice(group):
-                total += device.slot_size(part)
-            if live.flat is not None or live.pending is not None:  # a whole group gathered
-                total += device.slot_size(part * world)
-        return total
-
-    def _take_pending(self, group: ParamGroup, live: Any) -> None:
-        """Use the all-gather issued ahead for ``group``."""
-        work, slot, whole = live.pending
-        live.pending = None
-        self.prefetch_hits += 1
-        self.ahead.pop(group, None)
-        started = time.perf_counter()
-        work.wait()
-        self.gather_seconds += time.perf_counter() - started
-        live.gathered = slot
-        self._point(group, live, whole)
-
-    def _drop_pending(self, group: ParamGroup) -> None:
-        """Discard a gather issued ahead (its group's bytes changed, or the order did); the
-        collective itself was issued by every rank and completes."""
-        live = self.live[group]
-        if live.pending is None:
-            return
-        work, slot, _ = live.pending
-        live.pending = None
-        work.wait()
-        if slot is not None:
-            self.store.tiers[Tier.DEVICE].free(slot)
+    def cancel_ahead(self, group: ParamGroup | None = None) -> None:
+        """Discard gathers issued ahead (the group's bytes changed, or the order did); each
+        collective was issued by every rank and completes."""
+        for target in list(self.pending) if group is None else [group]:
+            pending = self.pending.pop(target, None)
+            if pending is None:
+                continue
+            pending.work.wait()
+            if pending.slot is not None:
+                self.device_tier.free(pending.slot)

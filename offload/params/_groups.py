@@ -1,4 +1,5 @@
-"""Parameter groups: a module's own parameters laid out in one flat buffer.
+"""Parameter groups: a module's own parameters laid out in one flat buffer, and a rank's
+slice of each group when the model is partitioned over several ranks.
 
 A parameter shared by several modules (tied embeddings) belongs to the group of the
 first module that registers it; every module that holds it needs that group too.
@@ -7,13 +8,17 @@ first module that registers it; every module that holds it needs that group too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-__all__ = ["ParamSlot", "ParamGroup", "build_groups", "point"]
+from .._units import PARAM_ALIGN
 
-_ALIGN = 256  # bytes: every parameter starts aligned for any dtype and vector loads
+if TYPE_CHECKING:
+    from ..distributed import Partition
+
+__all__ = ["ParamSlot", "ParamGroup", "build_groups", "slice_groups", "point", "Placeholders", "versions"]
 
 
 @dataclass(eq=False)
@@ -67,7 +72,7 @@ class ParamGroup:
 
     def add(self, name: str, param: nn.Parameter, dtype: torch.dtype) -> None:
         nbytes = param.numel() * torch.empty((), dtype=dtype).element_size()
-        offset = -(-self.nbytes // _ALIGN) * _ALIGN
+        offset = -(-self.nbytes // PARAM_ALIGN) * PARAM_ALIGN
         self.slots.append(ParamSlot([name], param, offset, nbytes, dtype, param.shape))
         self.nbytes = offset + nbytes
 
@@ -116,8 +121,51 @@ def build_groups(model: nn.Module, *, dtype: torch.dtype | None, resident_bytes:
     return groups, needs
 
 
+def slice_groups(groups: list[ParamGroup], partition: "Partition") -> list[ParamGroup]:
+    """Rank ``partition.rank``'s slice of each group: a group of ``slice_bytes`` whose slots
+    say which elements of each parameter it holds (possibly none)."""
+    out = []
+    for whole in groups:
+        size = partition.slice_bytes(whole.nbytes)
+        begin = partition.rank * size
+        end = begin + size
+        part = ParamGroup(whole.key, nbytes=size, resident=False, whole=whole, begin=begin)
+        for slot in whole.slots:
+            itemsize = slot.dtype.itemsize
+            lo = min(max(begin - slot.offset, 0), slot.nbytes)
+            hi = max(min(end - slot.offset, slot.nbytes), lo)
+            first = lo // itemsize if itemsize else 0
+            count = (hi - lo) // itemsize if itemsize else 0
+            part.slots.append(ParamSlot(slot.names, slot.param, slot.offset - begin, slot.nbytes, slot.dtype,
+                                        slot.shape, first=first if count else 0, count=count, whole=slot))
+        out.append(part)
+    return out
+
+
 def point(param: nn.Parameter, data: torch.Tensor) -> None:
     """``param.data = data``, past the parameter class's ``__torch_function__`` (a managed
     parameter's would take it for a user's write, see ``_demand``)."""
     with torch._C.DisableTorchFunctionSubclass():
         param.data = data
+
+
+class Placeholders:
+    """What a released parameter's ``.data`` is: a stride-0 tensor of its shape holding NaN
+    (0 for integers), so code that reads shapes outside forward works; one element per dtype."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bases: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        base = self._bases.get(dtype)
+        if base is None:
+            fill = float("nan") if (dtype.is_floating_point or dtype.is_complex) else 0
+            base = self._bases[dtype] = torch.full((1,), fill, dtype=dtype, device=self.device)
+        return base.expand(shape) if len(shape) else base.view(())
+
+
+def versions(group: ParamGroup) -> tuple:
+    """The version counters of the group's parameters (an in-place op bumps its tensor's)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tuple(slot.param._version for slot in group.slots)

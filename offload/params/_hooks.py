@@ -37,8 +37,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._coordinator import Coordinator, graph_task, in_backward, refuse_copy
-from ._demand import owner_of_param
+from ._autograd import graph_task, in_backward
+from ._coordinator import Coordinator
+from ._demand import owner_of_param, refuse_copy
 from ._groups import ParamGroup
 
 __all__ = ["ModuleHooks"]
@@ -174,7 +175,7 @@ class ModuleHooks:
             group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
             if group is None:
                 return tensor
-            flat = self.coordinator.live[group].flat
+            flat = self.coordinator.flat_of(group)
             offset = tensor.storage_offset() * tensor.element_size() - flat.storage_offset()
             return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride(),
                              self.coordinator.written_version(group))
@@ -186,16 +187,15 @@ class ModuleHooks:
         if not in_backward():  # read outside backward (grad_fn._saved_*): a copy, fetched for it
             self.coordinator.acquire(packed.group, "demand", record=False)
             try:
-                return _rebuild(packed, self.coordinator.live[packed.group].flat).clone()
+                return _rebuild(packed, self.coordinator.flat_of(packed.group)).clone()
             finally:
                 self.coordinator.release(packed.group, "demand")
-        live = self.coordinator.live[packed.group]
-        if live.flat is None:  # backward reached an op before its module's hook: fetch now
+        if self.coordinator.flat_of(packed.group) is None:  # backward reached an op before its module's hook: fetch now
             self._release_node_holds()
             self.coordinator.acquire(packed.group, "backward")
             self._queue_end_of_backward()
             self._node_holds.append((torch._C._current_autograd_node(), packed.group))
-        return _rebuild(packed, live.flat)
+        return _rebuild(packed, self.coordinator.flat_of(packed.group))
 
     def _check_unpack(self, packed: _SavedRef) -> None:
         if self.coordinator.written_version(packed.group) != packed.version:
@@ -263,7 +263,7 @@ class ModuleHooks:
     def _buffers(self, groups: list[ParamGroup]) -> set[int]:
         out = set()
         for group in groups:
-            flat = self.coordinator.live[group].flat
+            flat = self.coordinator.flat_of(group)
             if flat is not None:
                 out.add(flat.untyped_storage().data_ptr())
         return out

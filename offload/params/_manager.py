@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 import weakref
 from typing import Any
 
@@ -14,18 +12,22 @@ from torch import nn
 
 from .._plan import host_param_bytes, plan_groups
 from .._resolve import check_output_paths, choose_io_backend, resolve_engine
-from .._trace import Tracer
 from .._units import format_size
 from ..config import OffloadConfig
-from ..store import MmapTier, Tier, TensorStore, create_store
+from ..store import Tier, TensorStore, create_store
 from ._access import DemandAccess
 from ._coordinator import Coordinator
-from ._groups import ParamGroup, ParamSlot, point
+from ._from_store import StoreCopies
+from ._gathering import GatheredSlices
+from ._groups import ParamGroup, ParamSlot, point, slice_groups
 from ._hooks import ModuleHooks
 from ._loading import CheckpointReader
+from ._mapped import MappedViews
+from ._materializer import Materializer
 from ._originals import Originals
 from ._placing import load_groups, move_buffers
 from ._sizing import check_partitioned, device_layout
+from ._steplog import StepLog, stats_of
 
 __all__ = ["wrap", "unwrap", "stats", "reset_peak_stats", "manager_of", "owner_of"]
 
@@ -54,57 +56,13 @@ class ParamManager:
         # takes them as masters; a write outside the optimizer makes them stale
         self.originals = originals if originals is not None else Originals(store)
         self.access.on_write(self._written_outside)
-        self.optimizer_seconds = 0.0
-        self.steps = 0
-        self.tracer: Tracer | None = None
-        if config.trace_path is not None:
-            self.tracer = Tracer()
-            store.tracer = coordinator.tracer = self.tracer
-        self._noted: dict[str, Any] = {}
-        self._last: dict[str, Any] | None = None
-        self._last_time = time.time()
+        self.steplog = StepLog(self)
+        if self.steplog.tracer is not None:
+            store.tracer = coordinator.tracer = self.steplog.tracer
 
-    # -- observability ------------------------------------------------------------------------
     def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool) -> None:
-        self.optimizer_seconds += seconds
-        self.note(lr=lr, skipped_step=skipped)
-        self.log_step()
-
-    def start_step_log(self) -> None:
-        self._last, self._last_time = stats(self.model), time.time()
-
-    def note(self, **fields: Any) -> None:
-        self._noted.update(fields)
-
-    def log_step(self, **fields: Any) -> dict[str, Any]:
-        """One step's record: what moved and waited since the previous record, the fields
-        noted since then and ``fields``; appended to ``config.log_path`` when set."""
-        now = time.time()
-        current = stats(self.model)
-        previous = self._last
-        record: dict[str, Any] = {"step": self.steps, "time": round(now, 3),
-                                  "step_seconds": round(now - self._last_time, 6)}
-        for key in _DELTA_KEYS:
-            delta = current[key] - previous[key]
-            record[key] = round(delta, 6) if isinstance(delta, float) else delta
-        for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes"):
-            record[key] = current[key]
-        record.update(self._noted)
-        record.update(fields)
-        self._noted = {}
-        self._last, self._last_time = current, now
-        self.steps += 1
-        if self.config.log_path is not None:
-            with open(self.config.log_path, "a") as fh:
-                fh.write(json.dumps(record, default=float) + "\n")
-        return record
-
-    def write_trace(self, path: str | None = None) -> str:
-        target = path or self.config.trace_path
-        if self.tracer is None or target is None:
-            raise ValueError("no trace was recorded: wrap with OffloadConfig(trace_path='trace.json') to "
-                             "record the fetch/compute/optimizer timeline")
-        return self.tracer.write(target)
+        """An offloaded optimizer's step over these parameters took ``seconds``: the step's record."""
+        self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped)
 
     @property
     def home(self) -> Tier:
@@ -203,13 +161,12 @@ def manager_of(model: nn.Module) -> ParamManager:
 
 
 def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLike | None = None,
-         events: list | None = None, process_group: Any = None) -> nn.Module:
+         process_group: Any = None) -> nn.Module:
     """Manage ``model``'s parameters as ``config`` says; returns the same module.
 
     ``checkpoint``: a safetensors file, a directory of shards with
     ``model.safetensors.index.json``, or a ``save_pretrained`` directory, streamed into the
     parameter tier (the model may then have been built on the meta device).
-    ``events``: a list that receives the schedule as ``(event, group, phase)`` tuples.
     ``process_group``: with torch.distributed initialised, the ranks to partition the
     parameters over (default: the default group; see ``OffloadConfig.world_size`` and
     docs/distributed.md). Every rank calls ``wrap`` with the same model and config.
@@ -241,7 +198,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     # several ranks: every group is partitioned, none stays whole on the device
     layout = device_layout(model, config, partitioned=partition is not None)
     groups, needs = layout.groups, layout.needs
-    mine = groups if partition is None else distributed.slice_groups(groups, partition)
+    mine = groups if partition is None else slice_groups(groups, partition)
     if partition is not None:
         check_partitioned(groups, config, mine)
     memory_plan = plan_groups(mine, config, ram_credit=host_param_bytes(model),
@@ -254,23 +211,14 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
         median = streamed[len(streamed) // 2] if streamed else 0
-        # views of the mapped files instead of copies: only where the tier's data stays in
-        # the page cache (a view of an uncached page faults it in 4 KiB at a time: 0.08
-        # tok/s cold against 1.8 for direct I/O, docs/benchmarks.md); else mmap copies
-        nvme_tier = store.tiers.get(Tier.NVME)
-        zero_copy = device.type == "cpu" and config.param_tier == "nvme" and \
-            isinstance(nvme_tier, MmapTier) and sum(streamed) <= nvme_tier.cache_limit
-        zero_copy = zero_copy and partition is None  # a gathered group is a copy anyway
-        coordinator = Coordinator(store, groups, device=device,
+        coordinator = Coordinator(store, groups, _materializer(store, config, partition, sum(streamed)),
+                                  device=device, layout=layout,
                                   prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
-                                  device_budget=config.device_budget, cache_bytes=config.cache_bytes,
-                                  layout=layout,
-                                  events=events, zero_copy=zero_copy, partition=partition,
-                                  home=_HOME[config.param_tier])
+                                  device_budget=config.device_budget, cache_bytes=config.cache_bytes)
         originals = Originals(store)
         load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
         if partition is not None:  # after loading: it may have replaced meta parameters
-            mine = distributed.slice_groups(groups, partition)
+            mine = slice_groups(groups, partition)
         move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon
         hooks = ModuleHooks(model, needs, coordinator)
@@ -280,7 +228,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
         raise
     _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition, originals)
     manager.access.attach(model, groups)
-    manager.start_step_log()  # the first step's line counts that step, not the loading above
+    manager.steplog.start()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
     log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s%s",
              len(groups), format_size(total), config.param_tier, format_size(config.device_budget),
@@ -354,9 +302,9 @@ def _release(model: nn.Module, manager: ParamManager) -> None:
     try:
         manager.store.close()
     finally:
-        if manager.tracer is not None:
+        if manager.steplog.tracer is not None:
             log.info("offload: timeline written to %s (open in ui.perfetto.dev or chrome://tracing)",
-                     manager.write_trace())
+                     manager.steplog.write_trace())
 
 
 def stats(model: nn.Module) -> dict[str, Any]:
@@ -366,30 +314,7 @@ def stats(model: nn.Module) -> dict[str, Any]:
     file pages in the kernel's page cache (``io_backend="mmap"`` keeps the recently used
     ones there, within the host budget; direct I/O leaves few), which the kernel may
     reclaim and which do not count in ``host_bytes``."""
-    manager = manager_of(model)
-    s = manager.store.stats()
-    c = manager.coordinator
-    return {
-        "device_bytes": s["device"]["bytes"], "device_peak_bytes": s["device"]["peak_bytes"],
-        "host_bytes": s["host_pool"]["bytes"], "host_peak_bytes": s["host_pool"]["peak_bytes"],
-        "nvme_bytes": s["nvme"]["bytes"] if "nvme" in s else 0,
-        "read_bytes": s["nvme"]["read_bytes"] if "nvme" in s else 0,
-        "write_bytes": s["nvme"]["write_bytes"] if "nvme" in s else 0,
-        "stall_seconds": c.stall_seconds, "prefetch_hits": c.prefetch_hits,
-        "prefetch_misses": c.prefetch_misses, "demand_fetches": c.demand_fetches, "groups": len(manager.groups),
-        "io_busy_seconds": s["nvme"].get("busy_seconds", 0.0) if "nvme" in s else 0.0,
-        "page_cache_bytes": s["nvme"].get("page_cache_bytes", 0) if "nvme" in s else 0,
-        "optimizer_seconds": manager.optimizer_seconds,
-        "gather_seconds": c.gather_seconds, "gathered_ahead": c.gathered_ahead,
-        "gather_over_budget_bytes": c.gather_over_budget_bytes,
-        "world_size": manager.partition.world if manager.partition is not None else 1,
-        "rank": manager.partition.rank if manager.partition is not None else 0,
-    }
-
-
-_DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
-               "gather_seconds",
-               "prefetch_hits", "prefetch_misses", "demand_fetches")
+    return stats_of(manager_of(model))
 
 
 def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:
@@ -403,19 +328,19 @@ def log_step(model: nn.Module, **fields: Any) -> dict[str, Any]:
     An offloaded optimizer serving the model calls this after each ``step()``; call it
     yourself per pass for inference, or in loops with no offloaded optimizer.
     """
-    return manager_of(model).log_step(**fields)
+    return manager_of(model).steplog.record(**fields)
 
 
 def note_step(model: nn.Module, **fields: Any) -> None:
     """Attach ``fields`` (e.g. ``loss=loss.item()``) to the current step's log record."""
-    manager_of(model).note(**fields)
+    manager_of(model).steplog.note(**fields)
 
 
 def write_trace(model: nn.Module, path: str | os.PathLike | None = None) -> str:
     """Write the recorded timeline (``OffloadConfig(trace_path=...)``) as a Chrome trace
     (open it in chrome://tracing or ui.perfetto.dev); returns the path. ``unwrap`` writes
     it too."""
-    return manager_of(model).write_trace(os.fspath(path) if path is not None else None)
+    return manager_of(model).steplog.write_trace(os.fspath(path) if path is not None else None)
 
 
 def reset_peak_stats(model: nn.Module) -> None:
@@ -423,6 +348,16 @@ def reset_peak_stats(model: nn.Module) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _materializer(store: TensorStore, config: OffloadConfig, partition: Any, streamed_bytes: int) -> Materializer:
+    """The one materializer of this model, for its whole life (see ``_materializer``)."""
+    home, budget = _HOME[config.param_tier], config.device_budget
+    if partition is not None:
+        return GatheredSlices(store, home, device_budget=budget, partition=partition)
+    if MappedViews.serves(store, config.torch_device, config.param_tier, streamed_bytes):
+        return MappedViews(store, home, device_budget=budget)
+    return StoreCopies(store, home, device_budget=budget)
+
+
 def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
     """The parameters the store will keep on NVMe (what io_backend="auto" weighs: whether
     an optimizer will add states is not known yet; one that does warns when they make an

@@ -17,6 +17,7 @@ instead until the rest fits. A value set explicitly is kept, and refused when it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -26,7 +27,7 @@ from ..io import BudgetError
 from ..store import device_slot_size
 from ._groups import ParamGroup, build_groups
 
-__all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned"]
+__all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned", "no_room_error"]
 
 AUTO_RESIDENT = 64 << 10  # what resident_bytes="auto" starts from
 
@@ -220,3 +221,20 @@ def check_partitioned(groups: list[ParamGroup], config: OffloadConfig, mine: lis
         raise BudgetError(f"param_tier='host' needs {format_size(sum(g.nbytes for g in mine))} of host memory on "
                           f"each rank but host_budget is {format_size(config.host_budget)}: raise host_budget "
                           "or set param_tier='nvme'")
+
+
+def no_room_error(group: ParamGroup, err: BudgetError, *, device: Any, device_budget: int,
+                  held: list[ParamGroup], parked: set[ParamGroup]) -> BudgetError:
+    """What the static nest could not see, met at run time: the device tier has no room for
+    ``group`` while this point of the pass holds ``held`` (``parked`` among them). Says
+    what, and the budget that holds it and the group."""
+    need = device.used_bytes + device.slot_size(group.nbytes)
+    kept = (f"; {len(parked)} of them ({format_size(sum(g.nbytes for g in parked))}) are kept "
+            "from their recomputation (activation checkpointing) until backward has gone through "
+            "them: the device must hold a whole checkpointed block's parameters") if parked else ""
+    return BudgetError(
+        f"device_budget {format_size(device_budget)} has no room for parameter group {group.key!r} "
+        f"({format_size(group.nbytes)}): {format_size(device.used_bytes)} are held at this point of the pass "
+        f"by {len(held)} groups in use ({', '.join(repr(g.key) for g in held[:4])}"
+        f"{', ...' if len(held) > 4 else ''}) and the resident parameters{kept}. Set device_budget >= "
+        f"{format_size(need)} ({err})")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import offload
-from offload.distributed import Partition, slice_groups
+from offload.distributed import Partition
+from offload.params import slice_groups
 from offload.params._groups import build_groups
 
 pytest.importorskip("transformers")

@@ -29,7 +29,8 @@ def param_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_mamba_at_real_layer_geometry_with_the_default_config(tmp_path, train_like_reference, no_leaks):
+def test_mamba_at_real_layer_geometry_with_the_default_config(tmp_path, train_like_reference, no_leaks,
+                                                               record_schedule):
     # mamba-130m's layer (hidden 768, state 16, dt rank 48): the mixer reads its children's
     # conv1d and dt_proj weights itself, so they are fetched on demand
     cfg = transformers.MambaConfig(vocab_size=128, hidden_size=768, state_size=16, num_hidden_layers=2, expand=2,
@@ -38,8 +39,8 @@ def test_mamba_at_real_layer_geometry_with_the_default_config(tmp_path, train_li
     ref = transformers.MambaForCausalLM(cfg).eval()
     model = copy.deepcopy(ref)
     budget = int(0.4 * param_bytes(ref))
-    events: list = []
-    offload.wrap(model, nvme_config(tmp_path, budget), events=events)
+    offload.wrap(model, nvme_config(tmp_path, budget))
+    events = record_schedule(model)
     try:
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, 128, (1, 8), generator=g) for _ in range(4)]

@@ -32,10 +32,10 @@ def deep_mlp(n=8, width=64):
     return nn.Sequential(*layers)  # each Linear: 64*64*4 + 64*4 bytes = 16.6 KiB
 
 
-def test_after_the_first_step_group_k_plus_1_is_fetched_before_group_k_runs(tmp_path, no_leaks):
+def test_after_the_first_step_group_k_plus_1_is_fetched_before_group_k_runs(tmp_path, no_leaks, record_schedule):
     model = deep_mlp()
-    events: list = []
-    offload.wrap(model, cfg(tmp_path, device_budget="128KiB", prefetch_bytes="40KiB"), events=events)
+    offload.wrap(model, cfg(tmp_path, device_budget="128KiB", prefetch_bytes="40KiB"))
+    events = record_schedule(model)
     try:
         x = torch.randn(4, 64)
         for _ in range(3):  # step 1 records the order; 2 and 3 replay it
@@ -72,15 +72,15 @@ class Branchy(nn.Module):
         return self.out(x)
 
 
-def test_changed_execution_order_falls_back_and_rerecords(tmp_path, caplog, no_leaks):
+def test_changed_execution_order_falls_back_and_rerecords(tmp_path, caplog, no_leaks, record_schedule):
     torch.manual_seed(0)
     model = Branchy()
     ref = copy.deepcopy(model)
-    events: list = []
-    offload.wrap(model, cfg(tmp_path, device_budget="64KiB", prefetch_bytes="8KiB"), events=events)
+    offload.wrap(model, cfg(tmp_path, device_budget="64KiB", prefetch_bytes="8KiB"))
+    events = record_schedule(model)
     try:
         x = torch.randn(3, 32)
-        with caplog.at_level(logging.INFO, logger="offload.params._coordinator"):
+        with caplog.at_level(logging.INFO, logger="offload.params._schedule"):
             for step in range(5):
                 mark = len(events)
                 with torch.no_grad():
