@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -48,15 +49,22 @@ def train(model, steps=3):
 
 def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, no_leaks):
     trace = tmp_path / "trace.json"
+    started = time.perf_counter()  # the trace's clock starts inside wrap: within this run
     model = offload.wrap(gpt2(), config(tmp_path, trace_path=str(trace)))
     train(model)
     offload.unwrap(model)  # writes the trace
+    run_us = (time.perf_counter() - started) * 1e6
     data = json.loads(trace.read_text())
     events = data["traceEvents"]
     assert {"fetch", "transfer", "compute", "optimizer"} <= {e["cat"] for e in events}
     begins = {e["id"] for e in events if e["ph"] == "b"}
     assert begins == {e["id"] for e in events if e["ph"] == "e"}, "an async span was never closed"
-    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    # every event lies inside the run as a clock around it measured it, in microseconds, and
+    # every span takes some time
+    assert all(0 <= e["ts"] <= run_us for e in events), max(e["ts"] for e in events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] > 0 and e["ts"] + e["dur"] <= run_us for e in spans), max(e["dur"] for e in spans)
+    _assert_no_group_computes_while_awaited(spans)
     # the point of prefetching: parameter fetches run while modules compute
     fetches = _spans(events, "fetch")
     compute = _spans(events, "compute")
@@ -64,6 +72,21 @@ def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, n
     assert len(overlapping) >= 3, f"{len(overlapping)} of {len(fetches)} fetches overlap compute"
     assert overlap_seconds(events, "fetch", "compute") > 0
     assert busy_seconds(events, "optimizer") > 0
+
+
+def _assert_no_group_computes_while_awaited(spans):
+    """A module computes once its group has arrived: no compute span of a group overlaps a
+    wait (stall) for that group. (Timestamps are rounded to 1 ns.)"""
+    by_group: dict[str, list] = {}
+    for e in spans:
+        if e["cat"] in ("compute", "stall"):
+            by_group.setdefault(e["name"].split(" ", 1)[1], []).append(e)
+    stalls = [(group, e) for group, es in by_group.items() for e in es if e["cat"] == "stall"]
+    assert stalls, "no stall was recorded (the first pass reads every group from disk)"
+    for group, stall in stalls:
+        for span in (e for e in by_group[group] if e["cat"] == "compute"):
+            assert (span["ts"] >= stall["ts"] + stall["dur"] - 1e-3
+                    or span["ts"] + span["dur"] <= stall["ts"] + 1e-3), (stall, span)
 
 
 def _spans(events, cat):
