@@ -78,6 +78,33 @@ def _ram_file_system(path) -> str | None:
     return _RAM_FS_MAGIC.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
 
 
+@pytest.fixture
+def help_entries():
+    """``help_entries(text)``: argparse's ``--help`` output as {flag: its help text}, for
+    tests that each flag is explained (argparse lists a flag whether it is or not). An
+    option's line holds its invocation (named by its first long flag) and, after two
+    spaces or more, the start of its help; deeper-indented lines continue it. Run the
+    command with a wide ``COLUMNS`` so that no word is broken at a hyphen."""
+    return _help_entries
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    import re
+
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, rest = line.strip().partition("  ")
+            flag = (re.findall(r"--[\w-]+", invocation) or invocation.split())[0].rstrip(",")
+            entries[flag] = rest.strip()
+        elif flag is not None and line.startswith(" " * 8) and line.strip():
+            entries[flag] = f"{entries[flag]} {line.strip()}".strip()
+        else:
+            flag = None
+    return entries
+
+
 class FaultyBackend(FileBackend):
     """A FileBackend that misbehaves on request, for fault-injection tests.
 

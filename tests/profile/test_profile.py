@@ -312,12 +312,15 @@ def test_refuses_cuda_without_cuda(tmp_path):
     assert out.returncode == 2 and "CUDA is not available" in out.stderr and "--device cpu" in out.stderr
 
 
-def test_help_explains_every_flag():
-    out = subprocess.run([sys.executable, "-m", "offload.profile", "--help"], capture_output=True, text=True)
+def test_help_explains_every_flag(help_entries):
+    out = subprocess.run([sys.executable, "-m", "offload.profile", "--help"], capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="1000"))  # one line per entry: no word broken at a hyphen
     assert out.returncode == 0
     for flag in ("--path", "--size", "--device", "--quick", "--full", "--json", "--recommend",
                  "--model-bytes", "--dtype", "--fio", "--no-cache", "--no-progress", "--verbose"):
         assert flag in out.stdout, flag
+        # argparse lists a flag whether it is explained or not: its own entry must say something
+        assert len(help_entries(out.stdout).get(flag, "").split()) >= 3, (flag, help_entries(out.stdout).get(flag))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
