@@ -1,14 +1,149 @@
-"""Shared fixtures: a directory on a real disk, and checks that nothing leaks."""
+"""Shared fixtures: small models and their configs, training against torch's optimizers, a
+directory on a real disk, checks that nothing leaks, and injected disk faults."""
 
 from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import threading
 
 import pytest
+import torch
 
+import offload
 from offload.io import FileBackend
+
+
+# -- small models, their configs, batches and training ----------------------------------------------
+@pytest.fixture
+def tiny_gpt2():
+    """``tiny_gpt2(dropout=0.0, **config)``: a GPT-2 language model of 2 layers, 64 wide, 4
+    heads, 211 tokens, 64 positions, tied embeddings, built after ``torch.manual_seed(0)``
+    (two builds are equal); ``dropout`` sets its three dropout rates, ``config`` overrides
+    any other GPT2Config field."""
+    return _tiny_gpt2
+
+
+def _tiny_gpt2(*, dropout: float = 0.0, **config) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64, tie_word_embeddings=True,
+                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    args.update(config)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**args))
+
+
+@pytest.fixture
+def wide_gpt2():
+    """``wide_gpt2()``: the tiny GPT-2 with one layer and a 4099 x 128 embedding, whose
+    optimizer shards have rows of 1 MiB and more, so padded."""
+    return lambda: _tiny_gpt2(n_layer=1, n_embd=128, vocab_size=4099, n_positions=32, bos_token_id=0,
+                              eos_token_id=0)
+
+
+@pytest.fixture
+def tiny_llama():
+    """``tiny_llama(**config)``: a Llama language model of 2 layers, 64 wide (128 in the MLP),
+    4 heads over 2 key-value heads, 197 tokens, 64 positions, untied embeddings, built after
+    ``torch.manual_seed(0)``; ``config`` overrides any LlamaConfig field."""
+    return _tiny_llama
+
+
+def _tiny_llama(**config) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    args = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=197, max_position_embeddings=64, tie_word_embeddings=False)
+    args.update(config)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args))
+
+
+@pytest.fixture
+def offload_config():
+    """``offload_config(path, preset=None, /, **settings)``: an OffloadConfig for a tiny model
+    on the CPU, ``path`` created: both tiers on NVMe, 2 MiB device and 64 MiB host budgets,
+    4 KiB kept resident, 16 MiB swap files, and ``nvme_path`` the directory ``swap`` (default
+    "nvme") under ``path`` when a tier is on NVMe, else None. A ``preset`` mapping (a test
+    file's own defaults), then ``settings``, override any of these."""
+    return _offload_config
+
+
+def _offload_config(path, preset=None, /, **settings) -> offload.OffloadConfig:
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    args = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", device_budget="2MiB",
+                host_budget="64MiB", resident_bytes="4KiB", file_size="16MiB")
+    args.update(preset or {})
+    args.update(settings)
+    swap = args.pop("swap", "nvme")
+    if "nvme_path" not in args:
+        args["nvme_path"] = str(path / swap) if "nvme" in (args["param_tier"], args["optimizer_tier"]) else None
+    return offload.OffloadConfig(**args)
+
+
+@pytest.fixture
+def lm_batches():
+    """``lm_batches(vocab, steps=5, micro=2)``: ``steps`` lists of ``micro`` batches of 2 x 12
+    token ids below ``vocab``, the same every call (seed 1)."""
+    return _lm_batches
+
+
+def _lm_batches(vocab: int, steps: int = 5, micro: int = 2) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, vocab, (2, 12), generator=g) for _ in range(micro)] for _ in range(steps)]
+
+
+@pytest.fixture
+def train():
+    """``train(model, opt, batches, *, clip=None, sched=None, set_branch=None, scale=None)``:
+    a step per entry of ``batches`` (lists of micro-batches, the loss averaged over them):
+    ``set_branch(model, step)`` first, ``scale(loss)`` for backward, gradients clipped to
+    ``clip`` (offload's clip_grad_norm_ for offload's optimizers, torch's otherwise), then
+    step, zero_grad and ``sched.step()``. Returns each step's loss."""
+    return _train
+
+
+def _train(model, opt, batches, *, clip=None, sched=None, set_branch=None, scale=None) -> list[float]:
+    losses = []
+    for step, micro in enumerate(batches):
+        if set_branch is not None:
+            set_branch(model, step)
+        total = 0.0
+        for ids in micro:
+            loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            (scale(loss) if scale else loss).backward()
+            total += float(loss.detach())
+        if clip is not None:
+            if isinstance(opt, offload.optim.OffloadOptimizer):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return losses
+
+
+@pytest.fixture
+def assert_rows_padded():
+    """``assert_rows_padded(opt)``: some shard has rows of 1 MiB or more, each padded to 4 KiB
+    past a multiple of 2 MiB (128 KiB under 16 MiB), and holds fewer elements than its rows."""
+    return _assert_rows_padded
+
+
+def _assert_rows_padded(opt) -> None:
+    padded = [s for s in opt._shards if s.numel * 4 >= 1 << 20]
+    assert padded
+    for shard in padded:
+        period = 2 << 20 if shard.numel * 4 >= 16 << 20 else 128 << 10
+        assert shard.numel * 4 % period == 4096
+        assert sum(seg.length for seg in shard.segments) < shard.numel
+
+
+# -- the machine: leaks, a real disk -------------------------------------------------------------------
 
 
 def _fds() -> set[int]:
