@@ -53,27 +53,19 @@ def disk_io_bytes() -> tuple[int, int]:
     return fields["read_bytes"], fields["write_bytes"]
 
 
-def engine_bandwidth(path: str, size: int) -> tuple[float, float]:
-    """(write, read) GB/s of ``size`` bytes, one request each way, through offload's file
-    engine (O_DIRECT, 8 MiB blocks, 32 in flight) from a huge-page host buffer: the disk as
-    offload's I/O layer sees it."""
-    from offload.io import FileEngine, HostBuffer
+def disk_bandwidth(path: str, size: int) -> dict:
+    """The disk under ``path`` as ``offload-profile`` measures it, through its public API
+    (``offload.profile.run_profile``, quick mode, report not cached so that io="auto" is
+    unaffected): offload's file engine swept over block sizes and queue depths, O_DIRECT,
+    on a test file of ``size`` bytes (at least 64 MiB) that it removes. Returns
+    ``read_gbps`` and ``write_gbps`` (the best of the sweep) and the settings that reached
+    them (``read_setting``, ``write_setting``). Also measures host copies and the CPU
+    AdamW step, which run_profile always does (a few seconds)."""
+    from offload.profile import run_profile
 
-    file = os.path.join(path, "raw-bandwidth.bin")
-    buf = HostBuffer(size)
-    buf.bytes[::4096].fill_(7)
-    with FileEngine() as engine:
-        fh = engine.open(file, create=True)
-        t = time.perf_counter()
-        engine.write(fh, 0, buf).wait()
-        engine.fsync(fh)
-        write = size / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        engine.read(fh, 0, buf).wait()
-        read = size / (time.perf_counter() - t) / 1e9
-        engine.close_file(fh)
-    os.unlink(file)
-    return write, read
+    report = run_profile(path, max(size, 64 << 20), mode="quick", cache=False)
+    return {"read_gbps": report["disk_read_gbps"], "write_gbps": report["disk_write_gbps"],
+            "read_setting": report["disk_best_read"], "write_setting": report["disk_best_write"]}
 
 
 def gpt2_config(shape: tuple[int, int, int]):

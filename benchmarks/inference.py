@@ -31,8 +31,10 @@ weights, as for a model larger than RAM. The disk lower bound is the bytes offlo
 per token divided by the read bandwidth of this disk for exactly those bytes: an O_DIRECT
 sequential read of offload's swap extents (64 MiB requests, under the balloon) right
 before and right after the generation, averaged (this disk drifts up to 2x within
-minutes, so only adjacent measurements compare). A stricter ratio, against the fastest of
-four reads in the round (the checkpoint file before and after as well), is printed too.
+minutes, so only adjacent measurements compare; read here rather than through
+offload-profile, which reads only its own test file). A stricter ratio, against the fastest
+of four reads in the round (offload-profile's best O_DIRECT read before and after the
+round's runs as well), is printed too.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import PeakRss, disk_bandwidth, disk_io_bytes  # noqa: E402
 
 log = logging.getLogger("inference")
 PROMPT = 128
@@ -73,35 +77,12 @@ def prepare(work: str) -> str:
     return path
 
 
-class _RssSampler:
-    """Peak RSS of this process over a timed section (ru_maxrss cannot be reset)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
-
-
 def _timed_run(model, device_note: str) -> dict:
     import torch
 
     torch.manual_seed(0)
     ids = torch.randint(0, 50257, (1, PROMPT))
-    with _RssSampler() as rss:
+    with PeakRss() as rss:
         with torch.no_grad():
             started = time.perf_counter()
             model(input_ids=ids)
@@ -184,23 +165,23 @@ def worker_accelerate(path: str, args) -> dict:
     gc.collect()
     if args.warm:
         _timed_run(model, "untimed first pass")  # its memmaps now sit in the page cache
-        io_before = _proc_read_bytes()
+        io_before = disk_io_bytes()[0]
         result = _timed_run(model, "numpy memmap through the page cache, warm")
-        result["read_bytes"] = _proc_read_bytes() - io_before
+        result["read_bytes"] = disk_io_bytes()[0] - io_before
         return result
     with _balloon(args.reserve):
         _drop_caches()
-        io_before = _proc_read_bytes()
+        io_before = disk_io_bytes()[0]
         result = _timed_run(model, "numpy memmap through the page cache")
-        result["read_bytes"] = _proc_read_bytes() - io_before
+        result["read_bytes"] = disk_io_bytes()[0] - io_before
     return result
 
 
 def worker_bandwidth(path: str, args) -> dict:
-    """O_DIRECT sequential read of the checkpoint files with offload's engine."""
-    import glob
-
-    return {"read_gbps": read_gbps(sorted(glob.glob(os.path.join(path, "*.safetensors"))))}
+    """offload-profile's best O_DIRECT sequential read (``offload.profile.run_profile``, quick
+    sweep) of a test file the size of the checkpoint, next to it."""
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return {"read_gbps": disk_bandwidth(args.work, size)["read_gbps"]}
 
 
 def extents_read_gbps(model) -> float:
@@ -237,28 +218,6 @@ def extents_read_gbps(model) -> float:
             i, total = i + 1, total + n
     for h in handles:
         h.wait()
-    return total / (time.perf_counter() - started) / 1e9
-
-
-def read_gbps(files: list[str]) -> float:
-    from offload.io import FileEngine, HostBuffer
-
-    chunk = 64 << 20
-    bufs = [HostBuffer(chunk) for _ in range(4)]
-    total, started = 0, time.perf_counter()
-    with FileEngine() as engine:
-        for name in files:
-            f = engine.open(name)
-            size = os.path.getsize(name) // 4096 * 4096
-            handles = []
-            for i, off in enumerate(range(0, size, chunk)):
-                if len(handles) == len(bufs):
-                    handles.pop(0).wait()
-                handles.append(engine.read(f, off, bufs[i % len(bufs)], min(chunk, size - off)))
-                total += min(chunk, size - off)
-            for h in handles:
-                h.wait()
-            engine.close_file(f)
     return total / (time.perf_counter() - started) / 1e9
 
 
@@ -304,14 +263,6 @@ def _drop_caches() -> None:
             fh.write("1\n")
     except OSError:
         log.warning("could not drop the page cache (not root); the balloon alone keeps it small")
-
-
-def _proc_read_bytes() -> int:
-    with open("/proc/self/io") as fh:
-        for line in fh:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
 
 
 def run_worker(mode: str, path: str, args) -> dict:

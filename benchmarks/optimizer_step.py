@@ -31,7 +31,8 @@ This is the "offload only the optimizer" configuration: parameters and gradients
 memory, as they do for a model that fits but whose optimizer does not. The NVMe lower
 bound is max(the disk's time for the step's bytes, the in-memory fused step time of the
 same round). The disk's time is measured with offload's engine right before the run
-(O_DIRECT, 64 MiB requests, 16 in flight) as the smaller of: the bytes read and then the
+(O_DIRECT, 64 MiB requests, 16 in flight; here rather than through offload-profile, which
+measures one direction at a time) as the smaller of: the bytes read and then the
 bytes written, and the same bytes read and written at once (the disk may serve the two
 directions in parallel, and a pipelined step does that too; it did here, so a bound that
 added the two directions would sit above what the step achieves).

@@ -24,7 +24,8 @@ O_DIRECT, so the page cache serves none of these bytes.
 Lower bound = max(forward+backward compute, parameter bytes / disk) + max(optimizer
 compute, optimizer bytes / disk), with compute from the in-memory run (scaled by
 parameter count from the largest measured size when the model does not fit) and the
-disk's read and write bandwidth measured with offload's engine in the same invocation.
+disk's read and write bandwidth measured in the same invocation by offload-profile's quick
+sweep (``offload.profile.run_profile``: the best O_DIRECT read and write of offload's engine).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, engine_bandwidth, run_json_worker, saved_gpt2  # noqa: E402
+from _common import PeakRss, disk_bandwidth, run_json_worker, saved_gpt2  # noqa: E402
 from _common import gpt2_config as _gpt2_config  # noqa: E402
 
 log = logging.getLogger("bench.train")
@@ -178,7 +179,8 @@ def main() -> None:
     scale = None  # (fwd_bwd, opt) seconds per parameter from the largest in-memory run
     for size in args.sizes.split(","):
         path = prepare(size, args.path)
-        write_gbps, read_gbps = engine_bandwidth(args.path, 1 << 30)
+        disk = disk_bandwidth(args.path, 1 << 30)
+        read_gbps, write_gbps = disk["read_gbps"], disk["write_gbps"]
         read_bw, write_bw = read_gbps * 1e9, write_gbps * 1e9
         entry = {"size": size, "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps}
         mem = None
