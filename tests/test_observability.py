@@ -18,17 +18,11 @@ transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def gpt2():
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0))
-
-
-def config(tmp_path, **kw):
-    base = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "swap"),
-                device_budget="8MiB", host_budget="64MiB", resident_bytes=0)
-    base.update(kw)
-    return offload.OffloadConfig(**base)
+# this file's model and config: a 4-layer GPT-2, 256 wide, 1000 tokens, 128 positions,
+# transformers' default dropout; swap files in "swap", 1 GiB each (OffloadConfig's default),
+# an 8 MiB device budget, nothing kept resident
+GPT2 = dict(n_layer=4, n_embd=256, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0, dropout=0.1)
+TRACED = dict(swap="swap", device_budget="8MiB", resident_bytes=0, file_size="1GiB")
 
 
 def train(model, steps=3):
@@ -47,10 +41,10 @@ def train(model, steps=3):
     return losses
 
 
-def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, no_leaks):
+def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, tiny_gpt2, offload_config, no_leaks):
     trace = tmp_path / "trace.json"
     started = time.perf_counter()  # the trace's clock starts inside wrap: within this run
-    model = offload.wrap(gpt2(), config(tmp_path, trace_path=str(trace)))
+    model = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, trace_path=str(trace)))
     train(model)
     offload.unwrap(model)  # writes the trace
     run_us = (time.perf_counter() - started) * 1e6
@@ -103,9 +97,9 @@ def _spans(events, cat):
     return out
 
 
-def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
+def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, tiny_gpt2, offload_config, no_leaks):
     log_path = tmp_path / "steps.jsonl"
-    model = offload.wrap(gpt2(), config(tmp_path, log_path=str(log_path)))
+    model = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, log_path=str(log_path)))
     loading = offload.stats(model)["write_bytes"]  # wrap wrote the parameters to NVMe
     try:
         losses = train(model)
@@ -128,8 +122,8 @@ def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
     assert totals["io_busy_seconds"] > 0
 
 
-def test_log_step_for_inference_and_write_trace_errors(tmp_path, no_leaks):
-    model = offload.wrap(gpt2().eval(), config(tmp_path, optimizer_tier="host"))
+def test_log_step_for_inference_and_write_trace_errors(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    model = offload.wrap(tiny_gpt2(**GPT2).eval(), offload_config(tmp_path, TRACED, optimizer_tier="host"))
     try:
         ids = torch.randint(0, 1000, (1, 32))
         with torch.no_grad():
@@ -146,11 +140,11 @@ def test_log_step_for_inference_and_write_trace_errors(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_bad_log_and_trace_paths_are_refused(tmp_path):
+def test_bad_log_and_trace_paths_are_refused(tmp_path, offload_config):
     with pytest.raises(ValueError, match="log_path=.*does not exist"):
-        config(tmp_path, log_path=str(tmp_path / "missing" / "log.jsonl"))
+        offload_config(tmp_path, TRACED, log_path=str(tmp_path / "missing" / "log.jsonl"))
     with pytest.raises(ValueError, match="trace_path=.*is a directory"):
-        config(tmp_path, trace_path=str(tmp_path))
+        offload_config(tmp_path, TRACED, trace_path=str(tmp_path))
 
 
 def test_plot_log_writes_a_png(tmp_path):
