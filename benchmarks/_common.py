@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -104,10 +105,53 @@ def run_json_worker(cmd: list[str], what: str) -> dict | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def start(args, default_dir: str) -> None:
+def start(args, name: str) -> None:
     """What a benchmark's main does first: log lines with times, offload's own below
-    warnings, and ``args.path`` made absolute (default ``./default_dir``) and created."""
+    warnings, and ``args.path`` made absolute (default :func:`scratch_dir` ``(name)``) and
+    created."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or default_dir)
-    os.makedirs(args.path, exist_ok=True)
+    args.path = scratch_dir(name, args.path)
+
+
+SCRATCH_HELP = ("$OFFLOAD_BENCH_DIR/{name}, else offload-bench/{name} in the temporary directory (/var/tmp "
+                "where that is in RAM)")  # for --help: a benchmark's default scratch directory
+
+
+def scratch_dir(name: str, given: str | None = None) -> str:
+    """The directory a benchmark writes into, made absolute and created: ``given`` (its
+    --path flag), or ``name`` under ``$OFFLOAD_BENCH_DIR``, by default under
+    ``offload-bench`` in the temporary directory (``tempfile.gettempdir()``; ``/var/tmp``
+    where that is a file system held in RAM): never the work tree. Warns when the directory
+    is in RAM (tmpfs, ramfs), where disk figures would measure memory."""
+    if given:
+        path = given
+    elif os.environ.get("OFFLOAD_BENCH_DIR"):
+        path = os.path.join(os.environ["OFFLOAD_BENCH_DIR"], name)
+    else:
+        temp = tempfile.gettempdir()
+        if _ram_file_system(temp) is not None:
+            temp = "/var/tmp"
+        path = os.path.join(temp, "offload-bench", name)
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    in_ram = _ram_file_system(path)
+    if in_ram is not None:
+        logging.getLogger("bench").warning("%s is on %s (files held in RAM, not on a disk): disk figures will "
+                                           "measure memory; pass --path on a local disk or set OFFLOAD_BENCH_DIR",
+                                           path, in_ram)
+    return path
+
+
+def _ram_file_system(path: str) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` is on a file system held in RAM, else None
+    (statfs(2)'s f_type; None where statfs cannot be asked)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type
+    try:
+        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+            return None
+    except (OSError, AttributeError):  # no statfs here (not Linux)
+        return None
+    return {0x01021994: "tmpfs", 0x858458F6: "ramfs"}.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)

@@ -25,7 +25,8 @@ then torch.save of the same tensors (offload.state_dict + the optimizer's state_
 gathered in memory beforehand, not timed) to one file with fsync, and torch.load of it
 (weights_only=True). Page cache: offload reads with O_DIRECT; torch's file is dropped from
 the page cache with posix_fadvise(DONTNEED) after its fsync, so torch.load reads the disk
-too. Peak RSS growth during each operation is sampled every 5 ms.
+too. Peak RSS growth during each operation is sampled every 5 ms. Everything is written
+under ``--path`` (outside the repository by default) in a directory removed at the end.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, disk_bandwidth  # noqa: E402
+from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, scratch_dir  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
 
@@ -208,8 +209,9 @@ def main() -> None:
                         "the host layout keeps the whole state there)")
     parser.add_argument("--nvme-host-budget", default="1GiB", help="host_budget of the nvme layout "
                         "(default 1GiB: states stream through it)")
-    parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a "
-                        "temporary directory under the current one)")
+    parser.add_argument("--path", default=None, help="directory on the disk to measure, where a working "
+                        "directory is made and removed at the end "
+                        f"(default: {SCRATCH_HELP.format(name='checkpoint')})")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     parser.add_argument("--json", default=None, help="write the report as JSON to this path")
     args = parser.parse_args()
@@ -218,7 +220,7 @@ def main() -> None:
     use_fio = not args.no_fio and shutil.which("fio") is not None
     if not use_fio:
         log.info("fio: skipped (%s)", "--no-fio" if args.no_fio else "not installed: apt-get install fio")
-    work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.path or os.getcwd())
+    work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=scratch_dir("checkpoint", args.path))
     report = {"rounds": args.rounds, "layouts": [], "command": " ".join(sys.argv)}
     try:
         for layout in args.layouts.split(","):

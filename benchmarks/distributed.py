@@ -33,7 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import disk_bandwidth, saved_gpt2  # noqa: E402
+from _common import SCRATCH_HELP, disk_bandwidth, saved_gpt2, scratch_dir  # noqa: E402
 from _common import disk_io_bytes as disk_bytes  # noqa: E402
 
 log = logging.getLogger("bench")
@@ -154,8 +154,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     parser.add_argument("--batch", type=int, default=4, help="global batch, split over the ranks (4)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (128)")
-    parser.add_argument("--path", default="/var/tmp/offload-bench", help="directory on the disk under test: "
-                        "models (built once) and swap files (default /var/tmp/offload-bench)")
+    parser.add_argument("--path", default=None, help="directory on the disk under test for the models (built "
+                        "once, kept there for re-runs) and swap files "
+                        f"(default: {SCRATCH_HELP.format(name='distributed')})")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -168,7 +169,7 @@ def main() -> None:
         worker(args)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    os.makedirs(args.path, exist_ok=True)
+    args.path = scratch_dir("distributed", args.path)
     worlds = [int(w) for w in args.ranks.split(",")]
     if any(args.batch % w for w in worlds):
         parser.error(f"--batch {args.batch} must split evenly over every world size in {worlds}")

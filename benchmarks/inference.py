@@ -5,7 +5,9 @@
     python benchmarks/inference.py --backend direct,mmap,auto --rounds 3 --json inference_cold.json
 
 Builds a GPT-2-style model of about 350M parameters from a config (random weights, saved
-once as safetensors under --work), then measures, each in its own process:
+once as safetensors under --work, outside the repository by default, and kept there for
+re-runs; swap files and Accelerate's offload folder are removed after each run), then
+measures, each in its own process:
 
   memory      the model loaded in RAM, plain torch;
   offload     built on the meta device, ``offload.wrap(..., param_tier="nvme",
@@ -47,10 +49,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import shutil
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, disk_bandwidth, disk_io_bytes  # noqa: E402
+from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, disk_io_bytes, scratch_dir  # noqa: E402
 
 log = logging.getLogger("inference")
 PROMPT = 128
@@ -274,7 +277,11 @@ def run_worker(mode: str, path: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--model", path,
            "--work", args.work, "--reserve", str(args.reserve), "--device-budget", str(args.device_budget),
            "--group-bytes", str(args.group_bytes), "--backend", backend] + (["--warm"] if warm else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    finally:  # what a run writes besides the saved model
+        for scratch in ("swap", "accelerate-offload"):
+            shutil.rmtree(os.path.join(args.work, scratch), ignore_errors=True)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} worker failed:\n{out.stderr[-4000:]}")
     for line in out.stderr.splitlines():
@@ -286,8 +293,9 @@ def run_worker(mode: str, path: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--work", default="/var/tmp/offload-inference", help="directory for the saved "
-                        "model, swap files and Accelerate's offload folder (needs ~5 GB on a local disk)")
+    parser.add_argument("--work", default=None, help="directory for the saved model (kept for re-runs), swap "
+                        "files and Accelerate's offload folder (removed after each run); needs ~5 GB on a local "
+                        f"disk (default: {SCRATCH_HELP.format(name='inference')})")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians reported")
     parser.add_argument("--reserve", default="1GiB", help="RAM left free while a disk mode runs; "
                         "the balloon holds the rest (default 1GiB: room for the run's own growth, "
@@ -321,7 +329,7 @@ def main() -> None:
         print(json.dumps(fn(args.model, args)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.makedirs(args.work, exist_ok=True)
+    args.work = scratch_dir("inference", args.work)
     path = prepare(args.work)
     model_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     log.info("model: %s (%.2f GB of weights)", path, model_bytes / 1e9)

@@ -5,8 +5,9 @@ the in-memory torch step of the same model and a lower bound from this machine's
     python benchmarks/train_step.py --sizes 2B --steps 2 --no-memory --json top.json   # > RAM
 
 Each size is a GPT-2-style model (hidden 1024 up to 400M, wider above) built from a config
-with random weights and saved once as safetensors in ``--path``; every run is a fresh
-process (so peak RSS is its own):
+with random weights and saved once as safetensors in ``--path`` (outside the repository by
+default, see ``--help``; the models are kept there for re-runs, swap files are removed); every
+run is a fresh process (so peak RSS is its own):
 
   memory  plain torch: the model in RAM, torch.optim.AdamW(fused=True); times forward +
           backward and the optimizer step separately (the compute terms of the bound);
@@ -44,7 +45,7 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, disk_bandwidth, run_json_worker, saved_gpt2  # noqa: E402
+from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, run_json_worker, saved_gpt2, start  # noqa: E402
 from _common import gpt2_config as _gpt2_config  # noqa: E402
 
 log = logging.getLogger("bench.train")
@@ -159,17 +160,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--host-budget", default="4GiB", help="offload's host budget (default 4GiB)")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, both runs (default 1e-4)")
-    parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap "
-                        "(default: ./bench-train under the current directory; models are kept for re-runs)")
+    parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap files "
+                        f"(default: {SCRATCH_HELP.format(name='train-step')}); models are kept there for re-runs")
     parser.add_argument("--no-memory", action="store_true", help="skip the in-memory torch runs")
     parser.add_argument("--json", default=None, help="write the report as JSON to this path")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or "bench-train")
-    os.makedirs(args.path, exist_ok=True)
+    start(args, "train-step")
     if args.worker:
         fn = worker_memory if args.worker == "memory" else worker_ours
         print(json.dumps(fn(args.model_path, args)))
