@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -53,27 +54,19 @@ def disk_io_bytes() -> tuple[int, int]:
     return fields["read_bytes"], fields["write_bytes"]
 
 
-def engine_bandwidth(path: str, size: int) -> tuple[float, float]:
-    """(write, read) GB/s of ``size`` bytes, one request each way, through offload's file
-    engine (O_DIRECT, 8 MiB blocks, 32 in flight) from a huge-page host buffer: the disk as
-    offload's I/O layer sees it."""
-    from offload.io import FileEngine, HostBuffer
+def disk_bandwidth(path: str, size: int) -> dict:
+    """The disk under ``path`` as ``offload-profile`` measures it, through its public API
+    (``offload.profile.run_profile``, quick mode, report not cached so that io="auto" is
+    unaffected): offload's file engine swept over block sizes and queue depths, O_DIRECT,
+    on a test file of ``size`` bytes (at least 64 MiB) that it removes. Returns
+    ``read_gbps`` and ``write_gbps`` (the best of the sweep) and the settings that reached
+    them (``read_setting``, ``write_setting``). Also measures host copies and the CPU
+    AdamW step, which run_profile always does (a few seconds)."""
+    from offload.profile import run_profile
 
-    file = os.path.join(path, "raw-bandwidth.bin")
-    buf = HostBuffer(size)
-    buf.bytes[::4096].fill_(7)
-    with FileEngine() as engine:
-        fh = engine.open(file, create=True)
-        t = time.perf_counter()
-        engine.write(fh, 0, buf).wait()
-        engine.fsync(fh)
-        write = size / (time.perf_counter() - t) / 1e9
-        t = time.perf_counter()
-        engine.read(fh, 0, buf).wait()
-        read = size / (time.perf_counter() - t) / 1e9
-        engine.close_file(fh)
-    os.unlink(file)
-    return write, read
+    report = run_profile(path, max(size, 64 << 20), mode="quick", cache=False)
+    return {"read_gbps": report["disk_read_gbps"], "write_gbps": report["disk_write_gbps"],
+            "read_setting": report["disk_best_read"], "write_setting": report["disk_best_write"]}
 
 
 def gpt2_config(shape: tuple[int, int, int]):
@@ -112,10 +105,53 @@ def run_json_worker(cmd: list[str], what: str) -> dict | None:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def start(args, default_dir: str) -> None:
+def start(args, name: str) -> None:
     """What a benchmark's main does first: log lines with times, offload's own below
-    warnings, and ``args.path`` made absolute (default ``./default_dir``) and created."""
+    warnings, and ``args.path`` made absolute (default :func:`scratch_dir` ``(name)``) and
+    created."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or default_dir)
-    os.makedirs(args.path, exist_ok=True)
+    args.path = scratch_dir(name, args.path)
+
+
+SCRATCH_HELP = ("$OFFLOAD_BENCH_DIR/{name}, else offload-bench/{name} in the temporary directory (/var/tmp "
+                "where that is in RAM)")  # for --help: a benchmark's default scratch directory
+
+
+def scratch_dir(name: str, given: str | None = None) -> str:
+    """The directory a benchmark writes into, made absolute and created: ``given`` (its
+    --path flag), or ``name`` under ``$OFFLOAD_BENCH_DIR``, by default under
+    ``offload-bench`` in the temporary directory (``tempfile.gettempdir()``; ``/var/tmp``
+    where that is a file system held in RAM): never the work tree. Warns when the directory
+    is in RAM (tmpfs, ramfs), where disk figures would measure memory."""
+    if given:
+        path = given
+    elif os.environ.get("OFFLOAD_BENCH_DIR"):
+        path = os.path.join(os.environ["OFFLOAD_BENCH_DIR"], name)
+    else:
+        temp = tempfile.gettempdir()
+        if _ram_file_system(temp) is not None:
+            temp = "/var/tmp"
+        path = os.path.join(temp, "offload-bench", name)
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    in_ram = _ram_file_system(path)
+    if in_ram is not None:
+        logging.getLogger("bench").warning("%s is on %s (files held in RAM, not on a disk): disk figures will "
+                                           "measure memory; pass --path on a local disk or set OFFLOAD_BENCH_DIR",
+                                           path, in_ram)
+    return path
+
+
+def _ram_file_system(path: str) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` is on a file system held in RAM, else None
+    (statfs(2)'s f_type; None where statfs cannot be asked)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type
+    try:
+        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+            return None
+    except (OSError, AttributeError):  # no statfs here (not Linux)
+        return None
+    return {0x01021994: "tmpfs", 0x858458F6: "ramfs"}.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)

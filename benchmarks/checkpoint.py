@@ -17,14 +17,16 @@ about 2.4 GB. Two layouts:
          is the slower direction alone: max(bytes / fio read, bytes / fio write).
 
 Per round, for each layout: fio sequential write and read of the same number of bytes
-(8 MiB blocks, queue depth 32, O_DIRECT, libaio) and the same through offload's file
-engine alone (one request each way); the disk's bandwidth is the better of the two,
+(8 MiB blocks, queue depth 32, O_DIRECT, libaio) and offload-profile's quick sweep of
+offload's file engine on a test file of that size (``offload.profile.run_profile``, its best
+O_DIRECT write and read); the disk's bandwidth is the better of the two,
 then offload's save (including fsyncs and the atomic swap) and load (checksums verified),
 then torch.save of the same tensors (offload.state_dict + the optimizer's state_dict,
 gathered in memory beforehand, not timed) to one file with fsync, and torch.load of it
 (weights_only=True). Page cache: offload reads with O_DIRECT; torch's file is dropped from
 the page cache with posix_fadvise(DONTNEED) after its fsync, so torch.load reads the disk
-too. Peak RSS growth during each operation is sampled every 5 ms.
+too. Peak RSS growth during each operation is sampled every 5 ms. Everything is written
+under ``--path`` (outside the repository by default) in a directory removed at the end.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, engine_bandwidth  # noqa: E402
+from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, scratch_dir  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
 
@@ -108,7 +110,8 @@ def round_of(layout: str, model, opt, state: dict, work: str, size: int, use_fio
         row["fio_write_gbps"] = fio(work, size, "write")
         row["fio_read_gbps"] = fio(work, size, "read")
         os.unlink(os.path.join(work, "fio.bin"))
-    row["raw_write_gbps"], row["raw_read_gbps"] = engine_bandwidth(work, size)
+    disk = disk_bandwidth(work, size)
+    row["raw_write_gbps"], row["raw_read_gbps"] = disk["write_gbps"], disk["read_gbps"]
     ckpt = os.path.join(work, "ckpt")
     with PeakRss() as rss:
         t = time.perf_counter()
@@ -153,7 +156,7 @@ def summarize(layout: str, rows: list[dict], use_fio: bool) -> dict:
     out = {k: med(k) for k in rows[0]}
     out["layout"] = layout
     out["rounds"] = rows
-    # The disk per round: the better of fio and offload's engine alone (fio's read of the
+    # The disk per round: the better of fio and offload-profile's best (fio's read of the
     # file it just wrote ran well below the engine's in some rounds); ratios per round,
     # then the median, so a disk that drifts between rounds compares like with like.
     disk_w = lambda r: max(r["raw_write_gbps"], r.get("fio_write_gbps", 0.0))  # noqa: E731
@@ -183,7 +186,7 @@ def print_report(rep: dict) -> None:
         print(f"\n[{s['layout']}]  ours {s['ours_bytes'] / gib:.2f} GiB on disk, torch.save {s['torch_bytes'] / gib:.2f} GiB")
         print(f"  disk          write {s['disk_write_gbps']:.2f} GB/s   read {s['disk_read_gbps']:.2f} GB/s   "
               f"(per round the better of fio {s.get('fio_write_gbps', float('nan')):.2f} / "
-              f"{s.get('fio_read_gbps', float('nan')):.2f} and offload's engine alone "
+              f"{s.get('fio_read_gbps', float('nan')):.2f} and offload-profile's best "
               f"{s['raw_write_gbps']:.2f} / {s['raw_read_gbps']:.2f})")
         for op in ("save", "load"):
             line = (f"  {op:5s} ours  {s[f'ours_{op}_gbps']:.2f} GB/s ({s[f'ours_{op}_s']:.2f} s, RSS +"
@@ -206,8 +209,9 @@ def main() -> None:
                         "the host layout keeps the whole state there)")
     parser.add_argument("--nvme-host-budget", default="1GiB", help="host_budget of the nvme layout "
                         "(default 1GiB: states stream through it)")
-    parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a "
-                        "temporary directory under the current one)")
+    parser.add_argument("--path", default=None, help="directory on the disk to measure, where a working "
+                        "directory is made and removed at the end "
+                        f"(default: {SCRATCH_HELP.format(name='checkpoint')})")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     parser.add_argument("--json", default=None, help="write the report as JSON to this path")
     args = parser.parse_args()
@@ -216,7 +220,7 @@ def main() -> None:
     use_fio = not args.no_fio and shutil.which("fio") is not None
     if not use_fio:
         log.info("fio: skipped (%s)", "--no-fio" if args.no_fio else "not installed: apt-get install fio")
-    work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.path or os.getcwd())
+    work = tempfile.mkdtemp(prefix="ckpt-bench-", dir=scratch_dir("checkpoint", args.path))
     report = {"rounds": args.rounds, "layouts": [], "command": " ".join(sys.argv)}
     try:
         for layout in args.layouts.split(","):

@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_json_worker, saved_gpt2, start  # noqa: E402
+from _common import SCRATCH_HELP, run_json_worker, saved_gpt2, start  # noqa: E402
 
 log = logging.getLogger("bench.clip")
 SHAPE = (12, 768, 12)  # GPT-2 small: 124M parameters
@@ -97,12 +97,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the four runs (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed training steps per run (default 3)")
     parser.add_argument("--path", default=None, help="directory on the disk for the saved model and swap files "
-                        "(default ./bench-clip; the model is kept for re-runs)")
+                        f"(default: {SCRATCH_HELP.format(name='clip-paths')}); the model is kept there for re-runs")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    start(args, "bench-clip")
+    start(args, "clip-paths")
     if args.worker:
         print(json.dumps(worker(args.worker, args.model_path, args)))
         return

@@ -37,7 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_json_worker, saved_gpt2  # noqa: E402
+from _common import SCRATCH_HELP, run_json_worker, saved_gpt2, start  # noqa: E402
 
 log = logging.getLogger("bench.demand")
 SHAPE = (24, 1024, 16)  # GPT-2 medium: 355M parameters
@@ -178,16 +178,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed training steps per run (default 3)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated per timed generation (default 16)")
     parser.add_argument("--path", default=None, help="directory on the disk for the saved model and swap files "
-                        "(default ./bench-demand; the model is kept for re-runs)")
+                        f"(default: {SCRATCH_HELP.format(name='demand-overhead')}); the model is kept there "
+                        "for re-runs")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--off", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or "bench-demand")
-    os.makedirs(args.path, exist_ok=True)
+    start(args, "demand-overhead")
     if args.worker:
         fn = worker_train if args.worker == "train" else worker_infer
         print(json.dumps(fn(args.model_path, args, args.off)))

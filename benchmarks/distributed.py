@@ -9,9 +9,9 @@ bytes its tiers hold on NVMe (``offload.stats``: slices of the parameters and th
 optimizer states), the block-device bytes it reads and writes per step (/proc/self/io: the
 disk as the kernel sees it, page cache defeated by O_DIRECT), its peak RSS, and the time its
 collectives took (all-gathers of parameter groups, reduce-scatters of their gradients). The disk limit: the bytes all ranks
-move per step over this disk's bandwidth (one sequential read and write of 1 GiB through
-offload's file engine, measured here first), as a lower bound on the step and its ratio
-to the measured step.
+move per step over this disk's bandwidth (offload-profile's quick sweep of offload's file
+engine on a 1 GiB test file, its best O_DIRECT read and write, measured here first), as a
+lower bound on the step and its ratio to the measured step.
 
 On one machine the ranks share its cores and its disk: N ranks are not N machines. What
 the figures show is what one rank holds and moves (about 1/N of one process's bytes) and
@@ -33,7 +33,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import disk_io_bytes as disk_bytes, engine_bandwidth, saved_gpt2  # noqa: E402
+from _common import SCRATCH_HELP, disk_bandwidth, saved_gpt2, scratch_dir  # noqa: E402
+from _common import disk_io_bytes as disk_bytes  # noqa: E402
 
 log = logging.getLogger("bench")
 MODELS = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "774M": (36, 1280, 20)}
@@ -153,8 +154,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
     parser.add_argument("--batch", type=int, default=4, help="global batch, split over the ranks (4)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (128)")
-    parser.add_argument("--path", default="/var/tmp/offload-bench", help="directory on the disk under test: "
-                        "models (built once) and swap files (default /var/tmp/offload-bench)")
+    parser.add_argument("--path", default=None, help="directory on the disk under test for the models (built "
+                        "once, kept there for re-runs) and swap files "
+                        f"(default: {SCRATCH_HELP.format(name='distributed')})")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -167,12 +169,13 @@ def main() -> None:
         worker(args)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    os.makedirs(args.path, exist_ok=True)
+    args.path = scratch_dir("distributed", args.path)
     worlds = [int(w) for w in args.ranks.split(",")]
     if any(args.batch % w for w in worlds):
         parser.error(f"--batch {args.batch} must split evenly over every world size in {worlds}")
-    write_gbps, read_gbps = engine_bandwidth(args.path, 1 << 30)
-    log.info("disk through the file engine: write %.2f GB/s, read %.2f GB/s", write_gbps, read_gbps)
+    disk = disk_bandwidth(args.path, 1 << 30)
+    write_gbps, read_gbps = disk["write_gbps"], disk["read_gbps"]
+    log.info("disk (offload-profile's best): write %.2f GB/s, read %.2f GB/s", write_gbps, read_gbps)
     report = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
               "disk_write_gbps": write_gbps, "disk_read_gbps": read_gbps, "models": {}}
     for name in args.models.split(","):

@@ -5,7 +5,9 @@
     python benchmarks/inference.py --backend direct,mmap,auto --rounds 3 --json inference_cold.json
 
 Builds a GPT-2-style model of about 350M parameters from a config (random weights, saved
-once as safetensors under --work), then measures, each in its own process:
+once as safetensors under --work, outside the repository by default, and kept there for
+re-runs; swap files and Accelerate's offload folder are removed after each run), then
+measures, each in its own process:
 
   memory      the model loaded in RAM, plain torch;
   offload     built on the meta device, ``offload.wrap(..., param_tier="nvme",
@@ -31,8 +33,10 @@ weights, as for a model larger than RAM. The disk lower bound is the bytes offlo
 per token divided by the read bandwidth of this disk for exactly those bytes: an O_DIRECT
 sequential read of offload's swap extents (64 MiB requests, under the balloon) right
 before and right after the generation, averaged (this disk drifts up to 2x within
-minutes, so only adjacent measurements compare). A stricter ratio, against the fastest of
-four reads in the round (the checkpoint file before and after as well), is printed too.
+minutes, so only adjacent measurements compare; read here rather than through
+offload-profile, which reads only its own test file). A stricter ratio, against the fastest
+of four reads in the round (offload-profile's best O_DIRECT read before and after the
+round's runs as well), is printed too.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
+import shutil
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, disk_io_bytes, scratch_dir  # noqa: E402
 
 log = logging.getLogger("inference")
 PROMPT = 128
@@ -73,35 +80,12 @@ def prepare(work: str) -> str:
     return path
 
 
-class _RssSampler:
-    """Peak RSS of this process over a timed section (ru_maxrss cannot be reset)."""
-
-    def __init__(self) -> None:
-        import psutil
-
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
-
-
 def _timed_run(model, device_note: str) -> dict:
     import torch
 
     torch.manual_seed(0)
     ids = torch.randint(0, 50257, (1, PROMPT))
-    with _RssSampler() as rss:
+    with PeakRss() as rss:
         with torch.no_grad():
             started = time.perf_counter()
             model(input_ids=ids)
@@ -185,23 +169,23 @@ def worker_accelerate(path: str, args) -> dict:
     gc.collect()
     if args.warm:
         _timed_run(model, "untimed first pass")  # its memmaps now sit in the page cache
-        io_before = _proc_read_bytes()
+        io_before = disk_io_bytes()[0]
         result = _timed_run(model, "numpy memmap through the page cache, warm")
-        result["read_bytes"] = _proc_read_bytes() - io_before
+        result["read_bytes"] = disk_io_bytes()[0] - io_before
         return result
     with _balloon(args.reserve):
         _drop_caches()
-        io_before = _proc_read_bytes()
+        io_before = disk_io_bytes()[0]
         result = _timed_run(model, "numpy memmap through the page cache")
-        result["read_bytes"] = _proc_read_bytes() - io_before
+        result["read_bytes"] = disk_io_bytes()[0] - io_before
     return result
 
 
 def worker_bandwidth(path: str, args) -> dict:
-    """O_DIRECT sequential read of the checkpoint files with offload's engine."""
-    import glob
-
-    return {"read_gbps": read_gbps(sorted(glob.glob(os.path.join(path, "*.safetensors"))))}
+    """offload-profile's best O_DIRECT sequential read (``offload.profile.run_profile``, quick
+    sweep) of a test file the size of the checkpoint, next to it."""
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return {"read_gbps": disk_bandwidth(args.work, size)["read_gbps"]}
 
 
 def extents_read_gbps(model) -> float:
@@ -238,28 +222,6 @@ def extents_read_gbps(model) -> float:
             i, total = i + 1, total + n
     for h in handles:
         h.wait()
-    return total / (time.perf_counter() - started) / 1e9
-
-
-def read_gbps(files: list[str]) -> float:
-    from offload.io import FileEngine, HostBuffer
-
-    chunk = 64 << 20
-    bufs = [HostBuffer(chunk) for _ in range(4)]
-    total, started = 0, time.perf_counter()
-    with FileEngine() as engine:
-        for name in files:
-            f = engine.open(name)
-            size = os.path.getsize(name) // 4096 * 4096
-            handles = []
-            for i, off in enumerate(range(0, size, chunk)):
-                if len(handles) == len(bufs):
-                    handles.pop(0).wait()
-                handles.append(engine.read(f, off, bufs[i % len(bufs)], min(chunk, size - off)))
-                total += min(chunk, size - off)
-            for h in handles:
-                h.wait()
-            engine.close_file(f)
     return total / (time.perf_counter() - started) / 1e9
 
 
@@ -307,14 +269,6 @@ def _drop_caches() -> None:
         log.warning("could not drop the page cache (not root); the balloon alone keeps it small")
 
 
-def _proc_read_bytes() -> int:
-    with open("/proc/self/io") as fh:
-        for line in fh:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
-
-
 def run_worker(mode: str, path: str, args) -> dict:
     """Run ``mode`` in its own process: "memory", "bandwidth", "offload[_BACKEND][_warm]",
     "accelerate[_warm]"."""
@@ -324,7 +278,11 @@ def run_worker(mode: str, path: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--model", path,
            "--work", args.work, "--reserve", str(args.reserve), "--device-budget", str(args.device_budget),
            "--group-bytes", str(args.group_bytes), "--backend", backend] + (["--warm"] if warm else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    finally:  # what a run writes besides the saved model
+        for scratch in ("swap", "accelerate-offload"):
+            shutil.rmtree(os.path.join(args.work, scratch), ignore_errors=True)
     if out.returncode != 0:
         raise RuntimeError(f"{mode} worker failed:\n{out.stderr[-4000:]}")
     for line in out.stderr.splitlines():
@@ -336,8 +294,9 @@ def run_worker(mode: str, path: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--work", default="/var/tmp/offload-inference", help="directory for the saved "
-                        "model, swap files and Accelerate's offload folder (needs ~5 GB on a local disk)")
+    parser.add_argument("--work", default=None, help="directory for the saved model (kept for re-runs), swap "
+                        "files and Accelerate's offload folder (removed after each run); needs ~5 GB on a local "
+                        f"disk (default: {SCRATCH_HELP.format(name='inference')})")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians reported")
     parser.add_argument("--reserve", default="1GiB", help="RAM left free while a disk mode runs; "
                         "the balloon holds the rest (default 1GiB: room for the run's own growth, "
@@ -371,7 +330,7 @@ def main() -> None:
         print(json.dumps(fn(args.model, args)))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    os.makedirs(args.work, exist_ok=True)
+    args.work = scratch_dir("inference", args.work)
     path = prepare(args.work)
     model_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     log.info("model: %s (%.2f GB of weights)", path, model_bytes / 1e9)

@@ -31,7 +31,8 @@ This is the "offload only the optimizer" configuration: parameters and gradients
 memory, as they do for a model that fits but whose optimizer does not. The NVMe lower
 bound is max(the disk's time for the step's bytes, the in-memory fused step time of the
 same round). The disk's time is measured with offload's engine right before the run
-(O_DIRECT, 64 MiB requests, 16 in flight) as the smaller of: the bytes read and then the
+(O_DIRECT, 64 MiB requests, 16 in flight; here rather than through offload-profile, which
+measures one direction at a time) as the smaller of: the bytes read and then the
 bytes written, and the same bytes read and written at once (the disk may serve the two
 directions in parallel, and a pipelined step does that too; it did here, so a bound that
 added the two directions would sit above what the step achieves).
@@ -55,6 +56,9 @@ import time
 
 import psutil
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import SCRATCH_HELP, scratch_dir  # noqa: E402
 
 log = logging.getLogger("optimizer_step")
 
@@ -224,8 +228,9 @@ def main() -> None:
                         "ones (default 2)")
     parser.add_argument("--sequential", action="store_true", help="time the in-memory optimizers one after "
                         "the other (a block of steps each) instead of step by step in turn")
-    parser.add_argument("--path", default="/var/tmp/offload-optim", help="directory on the disk under test "
-                        "for the swap files (needs 8 bytes per parameter, plus as much for the bandwidth file)")
+    parser.add_argument("--path", default=None, help="directory on the disk under test for the swap files and "
+                        "the bandwidth files, all removed at the end (needs 16 bytes per parameter; default: "
+                        f"{SCRATCH_HELP.format(name='optimizer-step')})")
     parser.add_argument("--host-budget", default="1GiB", help="offload's host_budget for the NVMe run "
                         "(bounds the shards in flight; default 1GiB)")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
@@ -234,7 +239,22 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sizes = [int(float(s[:-1]) * {"K": 1e3, "M": 1e6, "B": 1e9}[s[-1].upper()]) if s[-1].isalpha() else int(s)
              for s in args.params.split(",")]
-    os.makedirs(args.path, exist_ok=True)
+    args.path = scratch_dir("optimizer-step", args.path)
+    try:
+        report = measure(sizes, args)
+    finally:
+        for f in ("bw-read", "bw-write"):
+            try:
+                os.unlink(os.path.join(args.path, f))
+            except FileNotFoundError:
+                pass
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+
+
+def measure(sizes: list[int], args) -> dict:
+    """Every size's rounds; the report."""
     host_modes = ["torch_fused"] + ([] if args.no_deepspeed else ["deepspeed"]) + ["ours_host"]
     modes = host_modes + ["ours_nvme"]
     report = {"threads": torch.get_num_threads(), "steps": args.steps, "warmup": args.warmup,
@@ -309,14 +329,7 @@ def main() -> None:
     for key in ("host_params_per_s", "torch_fused_params_per_s", "deepspeed_params_per_s", "nvme_step_s",
                 "nvme_lower_bound_s", "nvme_overlap_ratio"):
         report[key] = top[key]
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
-    for f in ("bw-read",):
-        try:
-            os.unlink(os.path.join(args.path, f))
-        except FileNotFoundError:
-            pass
+    return report
 
 
 if __name__ == "__main__":

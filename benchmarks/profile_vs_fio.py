@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,9 @@ import time
 
 from offload import OffloadConfig, parse_size
 from offload.profile._fio import fio_available, remove, reserved_hugepages, run_fio
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import SCRATCH_HELP, scratch_dir  # noqa: E402
 
 log = logging.getLogger("profile_vs_fio")
 
@@ -72,8 +76,9 @@ def fio_round(path: str, size: int, iomems: tuple[str, ...]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a new "
-                        "temporary directory under /var/tmp); must allow O_DIRECT")
+    parser.add_argument("--path", default=None, help="directory on the disk to measure, which must allow "
+                        "O_DIRECT (default: a directory made and removed under "
+                        f"{SCRATCH_HELP.format(name='profile-vs-fio')})")
     parser.add_argument("--size", default="1GiB", help="the profiler's --size and fio's file size "
                         "(default 1GiB, as in the acceptance command)")
     parser.add_argument("--rounds", type=int, default=3, help="profile-then-fio rounds (default 3)")
@@ -83,7 +88,27 @@ def main() -> None:
     if not fio_available():
         sys.exit("fio is not installed: bash tools/setup.sh bench (or apt-get install fio)")
     size = parse_size(args.size, name="--size")
-    path = args.path or tempfile.mkdtemp(prefix="offload-profile-bench-", dir="/var/tmp")
+    path = args.path or tempfile.mkdtemp(prefix="offload-profile-bench-", dir=scratch_dir("profile-vs-fio"))
+    try:
+        rounds = measure(path, size, args)
+    finally:
+        if args.path is None:
+            shutil.rmtree(path, ignore_errors=True)
+    summary = {
+        "size": size, "rounds": rounds,
+        "profile_wall_s_max": max(r["profile"]["wall_s"] for r in rounds),
+        "read_share_median": statistics.median(r["read_share"] for r in rounds),
+        "write_share_median": statistics.median(r["write_share"] for r in rounds),
+    }
+    log.info("median share of fio's best: read %.2f, write %.2f; slowest profile %.1f s",
+             summary["read_share_median"], summary["write_share_median"], summary["profile_wall_s_max"])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2)
+
+
+def measure(path: str, size: int, args) -> list[dict]:
+    """``--rounds`` rounds of offload-profile then fio on ``path``."""
     rounds = []
     hugepages = reserved_hugepages(max(FIO_BLOCKS) * max(FIO_DEPTHS) * 3 // 2)  # fio needs a little over
     with tempfile.TemporaryDirectory() as workdir:
@@ -105,17 +130,7 @@ def main() -> None:
                      _label(ours["best_read"]), fio["read_gbps"], fio["read_best"], row["read_share"],
                      ours["write_gbps"], _label(ours["best_write"]), fio["write_gbps"], fio["write_best"],
                      row["write_share"])
-    summary = {
-        "size": size, "rounds": rounds,
-        "profile_wall_s_max": max(r["profile"]["wall_s"] for r in rounds),
-        "read_share_median": statistics.median(r["read_share"] for r in rounds),
-        "write_share_median": statistics.median(r["write_share"] for r in rounds),
-    }
-    log.info("median share of fio's best: read %.2f, write %.2f; slowest profile %.1f s",
-             summary["read_share_median"], summary["write_share_median"], summary["profile_wall_s_max"])
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
+    return rounds
 
 
 def _label(best: dict) -> str:

@@ -1,6 +1,6 @@
 """NVMe tier bandwidth: offload's store against fio and DeepSpeed's aio, interleaved.
 
-    python benchmarks/store_bandwidth.py --size 4GiB --path /var/tmp/offload-bench --json bw.json
+    python benchmarks/store_bandwidth.py --size 4GiB --json bw.json
 
 Each round writes ``--size`` bytes through offload's NVMe tier (``put`` of 32 MiB tensors,
 default settings; fresh extents, then a rewrite of the same tensors) and reads them back into the compute tier (``fetch`` / ``wait`` /
@@ -29,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_json_worker  # noqa: E402
+from _common import SCRATCH_HELP, run_json_worker, scratch_dir  # noqa: E402
 
 log = logging.getLogger("store_bandwidth")
 CHUNK = 32 << 20  # bytes per stored tensor: a transformer layer group of a ~1B-parameter model
@@ -151,8 +151,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--size", default="4GiB", help="bytes written and read per engine per round "
                         "(default 4GiB; rounded down to 32 MiB)")
-    parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a "
-                        "temporary directory under /var/tmp); must allow O_DIRECT for a fair figure")
+    parser.add_argument("--path", default=None, help="directory on the disk to measure, which must allow "
+                        "O_DIRECT for a fair figure (default: a directory made and removed under "
+                        f"{SCRATCH_HELP.format(name='store-bandwidth')})")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3); the "
                         "medians are reported")
     parser.add_argument("--host-budget", default="384MiB", help="offload's host budget: staging "
@@ -176,7 +177,7 @@ def main() -> None:
         return
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    base = args.path or tempfile.mkdtemp(prefix="offload-bench-", dir="/var/tmp")
+    base = args.path or tempfile.mkdtemp(prefix="offload-bench-", dir=scratch_dir("store-bandwidth"))
     os.makedirs(base, exist_ok=True)
     free = shutil.disk_usage(base).free
     if free < 2 * size:

@@ -5,8 +5,9 @@ the in-memory torch step of the same model and a lower bound from this machine's
     python benchmarks/train_step.py --sizes 2B --steps 2 --no-memory --json top.json   # > RAM
 
 Each size is a GPT-2-style model (hidden 1024 up to 400M, wider above) built from a config
-with random weights and saved once as safetensors in ``--path``; every run is a fresh
-process (so peak RSS is its own):
+with random weights and saved once as safetensors in ``--path`` (outside the repository by
+default, see ``--help``; the models are kept there for re-runs, swap files are removed); every
+run is a fresh process (so peak RSS is its own):
 
   memory  plain torch: the model in RAM, torch.optim.AdamW(fused=True); times forward +
           backward and the optimizer step separately (the compute terms of the bound);
@@ -24,7 +25,8 @@ O_DIRECT, so the page cache serves none of these bytes.
 Lower bound = max(forward+backward compute, parameter bytes / disk) + max(optimizer
 compute, optimizer bytes / disk), with compute from the in-memory run (scaled by
 parameter count from the largest measured size when the model does not fit) and the
-disk's read and write bandwidth measured with offload's engine in the same invocation.
+disk's read and write bandwidth measured in the same invocation by offload-profile's quick
+sweep (``offload.profile.run_profile``: the best O_DIRECT read and write of offload's engine).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakRss, engine_bandwidth, run_json_worker, saved_gpt2  # noqa: E402
+from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, run_json_worker, saved_gpt2, start  # noqa: E402
 from _common import gpt2_config as _gpt2_config  # noqa: E402
 
 log = logging.getLogger("bench.train")
@@ -158,17 +160,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--host-budget", default="4GiB", help="offload's host budget (default 4GiB)")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, both runs (default 1e-4)")
-    parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap "
-                        "(default: ./bench-train under the current directory; models are kept for re-runs)")
+    parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap files "
+                        f"(default: {SCRATCH_HELP.format(name='train-step')}); models are kept there for re-runs")
     parser.add_argument("--no-memory", action="store_true", help="skip the in-memory torch runs")
     parser.add_argument("--json", default=None, help="write the report as JSON to this path")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or "bench-train")
-    os.makedirs(args.path, exist_ok=True)
+    start(args, "train-step")
     if args.worker:
         fn = worker_memory if args.worker == "memory" else worker_ours
         print(json.dumps(fn(args.model_path, args)))
@@ -178,7 +177,8 @@ def main() -> None:
     scale = None  # (fwd_bwd, opt) seconds per parameter from the largest in-memory run
     for size in args.sizes.split(","):
         path = prepare(size, args.path)
-        write_gbps, read_gbps = engine_bandwidth(args.path, 1 << 30)
+        disk = disk_bandwidth(args.path, 1 << 30)
+        read_gbps, write_gbps = disk["read_gbps"], disk["write_gbps"]
         read_bw, write_bw = read_gbps * 1e9, write_gbps * 1e9
         entry = {"size": size, "disk_read_gbps": read_gbps, "disk_write_gbps": write_gbps}
         mem = None

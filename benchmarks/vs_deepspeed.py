@@ -4,8 +4,9 @@ forward, in one invocation, interleaved, next to plain in-memory torch.
     python benchmarks/vs_deepspeed.py --models 124M,355M --json docs/results/vs_deepspeed.json
 
 For each model (GPT-2 shapes built from a config, random weights from seed 0, saved once as
-safetensors under ``--path``), each round runs, every one in a fresh process so that its
-peak RSS is its own:
+safetensors under ``--path``, outside the repository by default and kept there for re-runs;
+swap files are removed after each run), each round runs, every one in a fresh process so
+that its peak RSS is its own:
 
   torch      the model in RAM, ``torch.optim.AdamW(fused=True)``: the in-memory reference;
   deepspeed  ZeRO-Infinity: ZeRO stage 3 with parameters and optimizer states on NVMe
@@ -55,7 +56,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import gpt2_config as _gpt2_config  # noqa: E402
-from _common import disk_io_bytes, saved_gpt2  # noqa: E402
+from _common import SCRATCH_HELP, disk_io_bytes, saved_gpt2, start  # noqa: E402
 
 log = logging.getLogger("bench.vs_deepspeed")
 
@@ -364,17 +365,14 @@ def main() -> None:
                         "ours, ours_plain (default torch,deepspeed,ours)")
     parser.add_argument("--jobs", default="train,infer", help="train, infer or both (default both)")
     parser.add_argument("--path", default=None, help="directory on the disk under test for models and swap "
-                        "files (default ./bench-vs-deepspeed; models are kept for re-runs)")
+                        f"files (default: {SCRATCH_HELP.format(name='vs-deepspeed')}); models are kept there "
+                        "for re-runs")
     parser.add_argument("--json", default=None, help="write the report as JSON to this path")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr)
-    logging.getLogger("offload").setLevel(logging.WARNING)
-    args.path = os.path.abspath(args.path or "bench-vs-deepspeed")
-    os.makedirs(args.path, exist_ok=True)
+    start(args, "vs-deepspeed")
     if args.worker:
         out = WORKERS[args.worker](args.model_path, args)
         out["peak_rss_bytes"] = peak_rss()

@@ -1,14 +1,149 @@
-"""Shared fixtures: a directory on the real disk, and checks that nothing leaks."""
+"""Shared fixtures: small models and their configs, training against torch's optimizers, a
+directory on a real disk, checks that nothing leaks, and injected disk faults."""
 
 from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import threading
 
 import pytest
+import torch
 
+import offload
 from offload.io import FileBackend
+
+
+# -- small models, their configs, batches and training ----------------------------------------------
+@pytest.fixture
+def tiny_gpt2():
+    """``tiny_gpt2(dropout=0.0, **config)``: a GPT-2 language model of 2 layers, 64 wide, 4
+    heads, 211 tokens, 64 positions, tied embeddings, built after ``torch.manual_seed(0)``
+    (two builds are equal); ``dropout`` sets its three dropout rates, ``config`` overrides
+    any other GPT2Config field."""
+    return _tiny_gpt2
+
+
+def _tiny_gpt2(*, dropout: float = 0.0, **config) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64, tie_word_embeddings=True,
+                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    args.update(config)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**args))
+
+
+@pytest.fixture
+def wide_gpt2():
+    """``wide_gpt2()``: the tiny GPT-2 with one layer and a 4099 x 128 embedding, whose
+    optimizer shards have rows of 1 MiB and more, so padded."""
+    return lambda: _tiny_gpt2(n_layer=1, n_embd=128, vocab_size=4099, n_positions=32, bos_token_id=0,
+                              eos_token_id=0)
+
+
+@pytest.fixture
+def tiny_llama():
+    """``tiny_llama(**config)``: a Llama language model of 2 layers, 64 wide (128 in the MLP),
+    4 heads over 2 key-value heads, 197 tokens, 64 positions, untied embeddings, built after
+    ``torch.manual_seed(0)``; ``config`` overrides any LlamaConfig field."""
+    return _tiny_llama
+
+
+def _tiny_llama(**config) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    args = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=197, max_position_embeddings=64, tie_word_embeddings=False)
+    args.update(config)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**args))
+
+
+@pytest.fixture
+def offload_config():
+    """``offload_config(path, preset=None, /, **settings)``: an OffloadConfig for a tiny model
+    on the CPU, ``path`` created: both tiers on NVMe, 2 MiB device and 64 MiB host budgets,
+    4 KiB kept resident, 16 MiB swap files, and ``nvme_path`` the directory ``swap`` (default
+    "nvme") under ``path`` when a tier is on NVMe, else None. A ``preset`` mapping (a test
+    file's own defaults), then ``settings``, override any of these."""
+    return _offload_config
+
+
+def _offload_config(path, preset=None, /, **settings) -> offload.OffloadConfig:
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    args = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", device_budget="2MiB",
+                host_budget="64MiB", resident_bytes="4KiB", file_size="16MiB")
+    args.update(preset or {})
+    args.update(settings)
+    swap = args.pop("swap", "nvme")
+    if "nvme_path" not in args:
+        args["nvme_path"] = str(path / swap) if "nvme" in (args["param_tier"], args["optimizer_tier"]) else None
+    return offload.OffloadConfig(**args)
+
+
+@pytest.fixture
+def lm_batches():
+    """``lm_batches(vocab, steps=5, micro=2)``: ``steps`` lists of ``micro`` batches of 2 x 12
+    token ids below ``vocab``, the same every call (seed 1)."""
+    return _lm_batches
+
+
+def _lm_batches(vocab: int, steps: int = 5, micro: int = 2) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, vocab, (2, 12), generator=g) for _ in range(micro)] for _ in range(steps)]
+
+
+@pytest.fixture
+def train():
+    """``train(model, opt, batches, *, clip=None, sched=None, set_branch=None, scale=None)``:
+    a step per entry of ``batches`` (lists of micro-batches, the loss averaged over them):
+    ``set_branch(model, step)`` first, ``scale(loss)`` for backward, gradients clipped to
+    ``clip`` (offload's clip_grad_norm_ for offload's optimizers, torch's otherwise), then
+    step, zero_grad and ``sched.step()``. Returns each step's loss."""
+    return _train
+
+
+def _train(model, opt, batches, *, clip=None, sched=None, set_branch=None, scale=None) -> list[float]:
+    losses = []
+    for step, micro in enumerate(batches):
+        if set_branch is not None:
+            set_branch(model, step)
+        total = 0.0
+        for ids in micro:
+            loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            (scale(loss) if scale else loss).backward()
+            total += float(loss.detach())
+        if clip is not None:
+            if isinstance(opt, offload.optim.OffloadOptimizer):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return losses
+
+
+@pytest.fixture
+def assert_rows_padded():
+    """``assert_rows_padded(opt)``: some shard has rows of 1 MiB or more, each padded to 4 KiB
+    past a multiple of 2 MiB (128 KiB under 16 MiB), and holds fewer elements than its rows."""
+    return _assert_rows_padded
+
+
+def _assert_rows_padded(opt) -> None:
+    padded = [s for s in opt._book.shards if s.numel * 4 >= 1 << 20]
+    assert padded
+    for shard in padded:
+        period = 2 << 20 if shard.numel * 4 >= 16 << 20 else 128 << 10
+        assert shard.numel * 4 % period == 4096
+        assert sum(seg.length for seg in shard.segments) < shard.numel
+
+
+# -- the machine: leaks, a real disk -------------------------------------------------------------------
 
 
 def _fds() -> set[int]:
@@ -53,8 +188,72 @@ def record_schedule():
 
 @pytest.fixture
 def disk_dir(tmp_path):
-    """A directory on the local disk (not tmpfs), where O_DIRECT works."""
-    return str(tmp_path)
+    """A directory on a disk, where O_DIRECT reaches the device: pytest's ``tmp_path``, or,
+    when that is on a file system held in RAM (tmpfs, ramfs), a fresh directory under
+    ``$OFFLOAD_TEST_DISK``. Skips, naming the fix, when neither is on a disk."""
+    in_ram = _ram_file_system(tmp_path)
+    if in_ram is None:
+        yield str(tmp_path)
+        return
+    chosen = os.environ.get("OFFLOAD_TEST_DISK")
+    if not chosen:
+        pytest.skip(f"tmp_path {tmp_path} is on {in_ram} (files in RAM, not a disk): set OFFLOAD_TEST_DISK to "
+                    "a directory on a local disk, or run pytest with --basetemp on one")
+    if _ram_file_system(chosen) is not None:
+        pytest.fail(f"OFFLOAD_TEST_DISK={chosen!r} is on {_ram_file_system(chosen)}, not a disk: point it at a "
+                    "directory on a local disk")
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="offload-test-", dir=chosen)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_RAM_FS_MAGIC = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs(2) f_type of file systems in RAM
+
+
+def _ram_file_system(path) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` lies on a file system that keeps its files in RAM,
+    else None: statfs(2)'s f_type, asked of the kernel for this path (no mount table to
+    match, so bind mounts and mounts over mounts are answered right)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(str(path)), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return _RAM_FS_MAGIC.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
+
+
+@pytest.fixture
+def help_entries():
+    """``help_entries(text)``: argparse's ``--help`` output as {flag: its help text}, for
+    tests that each flag is explained (argparse lists a flag whether it is or not). An
+    option's line holds its invocation (named by its first long flag) and, after two
+    spaces or more, the start of its help; deeper-indented lines continue it. Run the
+    command with a wide ``COLUMNS`` so that no word is broken at a hyphen."""
+    return _help_entries
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    import re
+
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, rest = line.strip().partition("  ")
+            flag = (re.findall(r"--[\w-]+", invocation) or invocation.split())[0].rstrip(",")
+            entries[flag] = rest.strip()
+        elif flag is not None and line.startswith(" " * 8) and line.strip():
+            entries[flag] = f"{entries[flag]} {line.strip()}".strip()
+        else:
+            flag = None
+    return entries
 
 
 class FaultyBackend(FileBackend):

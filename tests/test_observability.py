@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,17 +18,11 @@ transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def gpt2():
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0))
-
-
-def config(tmp_path, **kw):
-    base = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "swap"),
-                device_budget="8MiB", host_budget="64MiB", resident_bytes=0)
-    base.update(kw)
-    return offload.OffloadConfig(**base)
+# this file's model and config: a 4-layer GPT-2, 256 wide, 1000 tokens, 128 positions,
+# transformers' default dropout; swap files in "swap", 1 GiB each (OffloadConfig's default),
+# an 8 MiB device budget, nothing kept resident
+GPT2 = dict(n_layer=4, n_embd=256, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0, dropout=0.1)
+TRACED = dict(swap="swap", device_budget="8MiB", resident_bytes=0, file_size="1GiB")
 
 
 def train(model, steps=3):
@@ -46,17 +41,24 @@ def train(model, steps=3):
     return losses
 
 
-def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, no_leaks):
+def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, tiny_gpt2, offload_config, no_leaks):
     trace = tmp_path / "trace.json"
-    model = offload.wrap(gpt2(), config(tmp_path, trace_path=str(trace)))
+    started = time.perf_counter()  # the trace's clock starts inside wrap: within this run
+    model = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, trace_path=str(trace)))
     train(model)
     offload.unwrap(model)  # writes the trace
+    run_us = (time.perf_counter() - started) * 1e6
     data = json.loads(trace.read_text())
     events = data["traceEvents"]
     assert {"fetch", "transfer", "compute", "optimizer"} <= {e["cat"] for e in events}
     begins = {e["id"] for e in events if e["ph"] == "b"}
     assert begins == {e["id"] for e in events if e["ph"] == "e"}, "an async span was never closed"
-    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    # every event lies inside the run as a clock around it measured it, in microseconds, and
+    # every span takes some time
+    assert all(0 <= e["ts"] <= run_us for e in events), max(e["ts"] for e in events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] > 0 and e["ts"] + e["dur"] <= run_us for e in spans), max(e["dur"] for e in spans)
+    _assert_no_group_computes_while_awaited(spans)
     # the point of prefetching: parameter fetches run while modules compute
     fetches = _spans(events, "fetch")
     compute = _spans(events, "compute")
@@ -64,6 +66,21 @@ def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, n
     assert len(overlapping) >= 3, f"{len(overlapping)} of {len(fetches)} fetches overlap compute"
     assert overlap_seconds(events, "fetch", "compute") > 0
     assert busy_seconds(events, "optimizer") > 0
+
+
+def _assert_no_group_computes_while_awaited(spans):
+    """A module computes once its group has arrived: no compute span of a group overlaps a
+    wait (stall) for that group. (Timestamps are rounded to 1 ns.)"""
+    by_group: dict[str, list] = {}
+    for e in spans:
+        if e["cat"] in ("compute", "stall"):
+            by_group.setdefault(e["name"].split(" ", 1)[1], []).append(e)
+    stalls = [(group, e) for group, es in by_group.items() for e in es if e["cat"] == "stall"]
+    assert stalls, "no stall was recorded (the first pass reads every group from disk)"
+    for group, stall in stalls:
+        for span in (e for e in by_group[group] if e["cat"] == "compute"):
+            assert (span["ts"] >= stall["ts"] + stall["dur"] - 1e-3
+                    or span["ts"] + span["dur"] <= stall["ts"] + 1e-3), (stall, span)
 
 
 def _spans(events, cat):
@@ -80,9 +97,9 @@ def _spans(events, cat):
     return out
 
 
-def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
+def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, tiny_gpt2, offload_config, no_leaks):
     log_path = tmp_path / "steps.jsonl"
-    model = offload.wrap(gpt2(), config(tmp_path, log_path=str(log_path)))
+    model = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, log_path=str(log_path)))
     loading = offload.stats(model)["write_bytes"]  # wrap wrote the parameters to NVMe
     try:
         losses = train(model)
@@ -105,8 +122,8 @@ def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, no_leaks):
     assert totals["io_busy_seconds"] > 0
 
 
-def test_log_step_for_inference_and_write_trace_errors(tmp_path, no_leaks):
-    model = offload.wrap(gpt2().eval(), config(tmp_path, optimizer_tier="host"))
+def test_log_step_for_inference_and_write_trace_errors(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    model = offload.wrap(tiny_gpt2(**GPT2).eval(), offload_config(tmp_path, TRACED, optimizer_tier="host"))
     try:
         ids = torch.randint(0, 1000, (1, 32))
         with torch.no_grad():
@@ -123,13 +140,13 @@ def test_log_step_for_inference_and_write_trace_errors(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_bad_log_and_trace_paths_are_refused(tmp_path, no_leaks):
+def test_bad_log_and_trace_paths_are_refused(tmp_path, offload_config, no_leaks):
     # a config is pure data: wrap, the first call that writes them, refuses them
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="log_path=.*does not exist"):
-        offload.wrap(model, config(tmp_path, log_path=str(tmp_path / "missing" / "log.jsonl")))
+        offload.wrap(model, offload_config(tmp_path, TRACED, log_path=str(tmp_path / "missing" / "log.jsonl")))
     with pytest.raises(ValueError, match="trace_path=.*is a directory"):
-        offload.wrap(model, config(tmp_path, trace_path=str(tmp_path)))
+        offload.wrap(model, offload_config(tmp_path, TRACED, trace_path=str(tmp_path)))
     assert not os.path.exists(tmp_path / "swap")  # refused before the store was built
 
 

@@ -18,19 +18,11 @@ transformers = pytest.importorskip("transformers")
 _VM = namedtuple("_VM", "total available")
 
 
-def gpt2(**kw):
-    torch.manual_seed(0)
-    args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=32)
-    args.update(kw)
-    cfg = transformers.GPT2Config(**args)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def config(tmp_path, **kw):
-    base = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "swap"),
-                device_budget="4MiB", host_budget="64MiB", resident_bytes=0)
-    base.update(kw)
-    return offload.OffloadConfig(**base)
+# this file's model and config: the tiny GPT-2 with 32 positions and transformers' default
+# dropout; swap files in "swap", 1 GiB each (OffloadConfig's default), a 4 MiB device
+# budget, nothing kept resident
+GPT2 = dict(n_positions=32, dropout=0.1)
+PLAN = dict(swap="swap", device_budget="4MiB", resident_bytes=0, file_size="1GiB")
 
 
 def rss() -> int:
@@ -41,9 +33,9 @@ def unique_param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def test_plan_counts_what_wrap_and_the_optimizer_store(tmp_path, no_leaks):
-    model = gpt2()
-    cfg = config(tmp_path)
+def test_plan_counts_what_wrap_and_the_optimizer_store(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    model = tiny_gpt2(**GPT2)
+    cfg = offload_config(tmp_path, PLAN)
     plan = offload.plan(model, cfg, optimizer="adamw")
     assert plan.fits
     params = unique_param_bytes(model)
@@ -55,7 +47,7 @@ def test_plan_counts_what_wrap_and_the_optimizer_store(tmp_path, no_leaks):
         assert item in text
     # fp32 parameters on NVMe are their own master weights; bf16 ones need an fp32 copy
     assert "optimizer: master weights" not in text
-    bf16 = offload.plan(model, config(tmp_path, compute_dtype="bf16"), optimizer="adamw")
+    bf16 = offload.plan(model, offload_config(tmp_path, PLAN, compute_dtype="bf16"), optimizer="adamw")
     assert {r.item: r for r in bf16.rows}["optimizer: master weights"].nbytes == params
     model = offload.wrap(model, cfg)
     try:
@@ -72,23 +64,23 @@ def test_plan_counts_what_wrap_and_the_optimizer_store(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_plan_allocates_nothing_and_takes_meta_models(tmp_path):
+def test_plan_allocates_nothing_and_takes_meta_models(tmp_path, tiny_gpt2, offload_config):
     with offload.init_empty_weights():
-        model = gpt2()
+        model = tiny_gpt2(**GPT2)
     before = rss()
-    plan = offload.plan(model, config(tmp_path), optimizer=None)
+    plan = offload.plan(model, offload_config(tmp_path, PLAN), optimizer=None)
     assert rss() - before < 8 << 20
     assert plan.ram_credit == 0  # meta parameters free nothing when they move
     assert not any(r.item.startswith("optimizer") for r in plan.rows)
     assert not os.path.exists(tmp_path / "swap")
     with pytest.raises(ValueError, match="optimizer='lion'"):
-        offload.plan(model, config(tmp_path), optimizer="lion")
+        offload.plan(model, offload_config(tmp_path, PLAN), optimizer="lion")
 
 
-def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch, no_leaks):
-    model = gpt2(n_embd=128)
-    cfg = config(tmp_path, param_tier="host", optimizer_tier="host", nvme_path=None,
-                 host_budget="256MiB", device_budget="256MiB")
+def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch, tiny_gpt2, offload_config, no_leaks):
+    model = tiny_gpt2(**GPT2, n_embd=128)
+    cfg = offload_config(tmp_path, PLAN, param_tier="host", optimizer_tier="host", nvme_path=None,
+                         host_budget="256MiB", device_budget="256MiB")
     monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))
     before = rss()
     with pytest.raises(offload.MemoryPlanError) as err:
@@ -102,34 +94,36 @@ def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch,
     offload.unwrap(offload.wrap(model, cfg))  # the same model wraps once memory is there
 
 
-def test_plan_fixes_name_only_settings_that_would_help(tmp_path, monkeypatch):
-    model = gpt2()
+def test_plan_fixes_name_only_settings_that_would_help(tmp_path, monkeypatch, tiny_gpt2, offload_config):
+    model = tiny_gpt2(**GPT2)
     monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))
-    on_disk = offload.plan(model, config(tmp_path, host_budget="256MiB"), optimizer="adamw")
+    on_disk = offload.plan(model, offload_config(tmp_path, PLAN, host_budget="256MiB"), optimizer="adamw")
     assert not on_disk.fits
     problem = on_disk.problems[0]
     assert "host_budget<=" in problem and "optimizer_tier='nvme'" not in problem  # it is nvme already
-    in_ram = offload.plan(model, config(tmp_path, optimizer_tier="host", host_budget="256MiB"), optimizer="adamw")
+    in_ram = offload.plan(model, offload_config(tmp_path, PLAN, optimizer_tier="host", host_budget="256MiB"),
+                          optimizer="adamw")
     assert "optimizer_tier='nvme'" in in_ram.problems[0]
 
 
-def test_wrap_refuses_before_creating_files_when_the_disk_is_short(tmp_path, monkeypatch, no_leaks):
-    model = gpt2()
-    cfg = config(tmp_path)
+def test_wrap_refuses_before_creating_files_when_the_disk_is_short(tmp_path, monkeypatch, tiny_gpt2, offload_config,
+                                                                   no_leaks):
+    model = tiny_gpt2(**GPT2)
+    cfg = offload_config(tmp_path, PLAN)
     monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: 4096)
     with pytest.raises(offload.MemoryPlanError, match=r"disk at .*swap.*needed.*free: free space there"):
         offload.wrap(model, cfg)
     assert not os.path.exists(tmp_path / "swap"), "wrap created the swap directory before refusing"
 
 
-def test_optimizer_refuses_states_that_do_not_fit(tmp_path, monkeypatch, no_leaks):
+def test_optimizer_refuses_states_that_do_not_fit(tmp_path, monkeypatch, offload_config, no_leaks):
     params = [torch.nn.Parameter(torch.randn(1 << 20))]
     monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))
     with pytest.raises(offload.MemoryPlanError, match="optimizer states in host memory.*optimizer_tier='nvme'"):
         offload.AdamW(params, lr=1e-3).step()
     monkeypatch.undo()
     monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: 4096)
-    cfg = config(tmp_path, param_tier="host", optimizer_tier="nvme")
+    cfg = offload_config(tmp_path, PLAN, param_tier="host", optimizer_tier="nvme")
     opt = None
     with pytest.raises(offload.MemoryPlanError, match="optimizer states on NVMe.*optimizer_tier='host'"):
         opt = offload.AdamW(params, lr=1e-3, config=cfg)
@@ -139,20 +133,20 @@ def test_optimizer_refuses_states_that_do_not_fit(tmp_path, monkeypatch, no_leak
         opt.close()
 
 
-def test_wrap_logs_the_plan(tmp_path, caplog, no_leaks):
-    model = gpt2()
+def test_wrap_logs_the_plan(tmp_path, caplog, tiny_gpt2, offload_config, no_leaks):
+    model = tiny_gpt2(**GPT2)
     with caplog.at_level(logging.INFO, logger="offload"):
-        model = offload.wrap(model, config(tmp_path))
+        model = offload.wrap(model, offload_config(tmp_path, PLAN))
     offload.unwrap(model)
     assert "offload memory plan: device cpu, param_tier nvme" in caplog.text
 
 
-def test_cuda_plan_checks_device_memory(tmp_path):
+def test_cuda_plan_checks_device_memory(tmp_path, tiny_gpt2, offload_config):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     free, _ = torch.cuda.mem_get_info()
     with offload.init_empty_weights():
-        model = gpt2()
-    cfg = config(tmp_path, device="cuda", param_tier="device", device_budget=4 * free)
+        model = tiny_gpt2(**GPT2)
+    cfg = offload_config(tmp_path, PLAN, device="cuda", param_tier="device", device_budget=4 * free)
     plan = offload.plan(model, cfg, optimizer=None)
     assert plan.device_free is not None and plan.device_need <= plan.device_free  # a small model fits

@@ -17,9 +17,6 @@ from offload.checkpoint import _format
 from offload.io import DiskFullError
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "optim"))
-from optim_helpers import (assert_rows_padded, config, lm_batches, tiny_gpt2, tiny_llama,  # noqa: E402
-                            train, wide_gpt2)
 
 CHILD = os.path.join(os.path.dirname(__file__), "child.py")
 
@@ -59,30 +56,13 @@ def test_resume_in_a_fresh_process_is_bit_exact(tmp_path, tiers):
     assert a["moments"] == b["moments"]
 
 
-def _train_pair(tmp_path, save_cfg, load_cfg, model_fn=tiny_gpt2, **opt_kw):
-    """Reference: 3 steps, save, 3 steps. Resumed: a fresh model with ``load_cfg`` loads and
-    trains the last 3. Returns (reference losses, resumed losses, ref model, resumed model)."""
-    batches = lm_batches(model_fn().config.vocab_size, steps=6)
-    ref = offload.wrap(model_fn(), save_cfg)
-    opt = offload.AdamW(ref.parameters(), lr=1e-2, **opt_kw)
-    train(ref, opt, batches[:3])
-    offload.save_checkpoint(str(tmp_path / "ckpt"), ref, opt, extra={"step": 3})
-    want = train(ref, opt, batches[3:])
-    torch.manual_seed(123)
-    other = offload.wrap(model_fn(), load_cfg)
-    opt2 = offload.AdamW(other.parameters(), lr=5.0, **opt_kw)  # lr comes from the checkpoint
-    assert offload.load_checkpoint(str(tmp_path / "ckpt"), other, opt2) == {"step": 3}
-    assert opt2.param_groups[0]["lr"] == 1e-2
-    got = train(other, opt2, batches[3:])
-    return want, got, (ref, opt), (other, opt2)
-
-
-def test_load_into_another_tier_layout(tmp_path):
+def test_load_into_another_tier_layout(tmp_path, offload_config, train_pair, tiny_gpt2):
     """Saved with parameters on NVMe and states in host memory; loaded with parameters in
     host memory, states on NVMe, merged groups, small shards and another budget."""
-    save_cfg = config(tmp_path / "s", "nvme", "host")
-    load_cfg = config(tmp_path / "l", "host", "nvme", host_budget="48MiB", group_bytes="64KiB")
-    want, got, (ref, opt), (other, opt2) = _train_pair(tmp_path, save_cfg, load_cfg)
+    save_cfg = offload_config(tmp_path / "s", param_tier="nvme", optimizer_tier="host")
+    load_cfg = offload_config(tmp_path / "l", param_tier="host", optimizer_tier="nvme", host_budget="48MiB",
+                              group_bytes="64KiB")
+    want, got, (ref, opt), (other, opt2) = train_pair(tmp_path, save_cfg, load_cfg, tiny_gpt2)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     a, b = offload.state_dict(ref), offload.state_dict(other)
     assert a.keys() == b.keys()
@@ -93,11 +73,11 @@ def test_load_into_another_tier_layout(tmp_path):
         o.close()
 
 
-def test_load_with_other_shard_boundaries(tmp_path):
+def test_load_with_other_shard_boundaries(tmp_path, offload_config, lm_batches, tiny_gpt2, train):
     """A parameter split across shards differently at save and at load (states read
     through the scratch path) still resumes exactly."""
-    save_cfg = config(tmp_path / "s", "nvme", "nvme")
-    load_cfg = config(tmp_path / "l", "nvme", "nvme")
+    save_cfg = offload_config(tmp_path / "s")
+    load_cfg = offload_config(tmp_path / "l")
     batches = lm_batches(211, steps=4)
     ref = offload.wrap(tiny_gpt2(), save_cfg)
     opt = offload.AdamW(ref.parameters(), lr=1e-2, shard_size=5000)
@@ -113,14 +93,15 @@ def test_load_with_other_shard_boundaries(tmp_path):
         o.close()
 
 
-def test_padded_rows_save_and_load_exactly(tmp_path):
+def test_padded_rows_save_and_load_exactly(tmp_path, train_pair, offload_config, wide_gpt2, assert_rows_padded):
     """Shards whose rows are padded apart: saved from NVMe, loaded into host memory with other
     shard boundaries (and the other way), the run resumes bit for bit."""
     kw = dict(host_budget="256MiB", file_size="64MiB", device_budget="8MiB")
     for name, (a, b) in {"n2h": ("nvme", "host"), "h2n": ("host", "nvme")}.items():
-        want, got, (ref, opt), (other, opt2) = _train_pair(
-            tmp_path / name, config(tmp_path / name / "s", "nvme", a, **kw),
-            config(tmp_path / name / "l", "host", b, **kw), model_fn=wide_gpt2, shard_size=300_000)
+        want, got, (ref, opt), (other, opt2) = train_pair(
+            tmp_path / name, offload_config(tmp_path / name / "s", param_tier="nvme", optimizer_tier=a, **kw),
+            offload_config(tmp_path / name / "l", param_tier="host", optimizer_tier=b, **kw), model_fn=wide_gpt2,
+            shard_size=300_000)
         assert got == want
         assert_rows_padded(opt)
         assert_rows_padded(opt2)
@@ -129,18 +110,18 @@ def test_padded_rows_save_and_load_exactly(tmp_path):
             o.close()
 
 
-def test_bf16_parameters_keep_fp32_master(tmp_path):
+def test_bf16_parameters_keep_fp32_master(tmp_path, offload_config, train_pair, tiny_llama):
     """bf16 parameters with fp32 master weights: the master travels in the checkpoint, so
     the resumed run is exact (reloading from bf16 weights would not be)."""
-    cfg = lambda d: config(tmp_path / d, "nvme", "nvme", compute_dtype="bf16")  # noqa: E731
-    want, got, (ref, opt), (other, opt2) = _train_pair(tmp_path, cfg("s"), cfg("l"), model_fn=tiny_llama)
+    cfg = lambda d: offload_config(tmp_path / d, compute_dtype="bf16")  # noqa: E731
+    want, got, (ref, opt), (other, opt2) = train_pair(tmp_path, cfg("s"), cfg("l"), model_fn=tiny_llama)
     assert got == want
     for m, o in ((ref, opt), (other, opt2)):
         offload.unwrap(m)
         o.close()
 
 
-def test_plain_model_and_torch_optimizer(tmp_path):
+def test_plain_model_and_torch_optimizer(tmp_path, lm_batches, tiny_gpt2, train):
     """Without wrap and with torch's own AdamW the same files and guarantees apply."""
     batches = lm_batches(211, steps=4)
     ref = tiny_gpt2()
@@ -160,11 +141,11 @@ def test_plain_model_and_torch_optimizer(tmp_path):
         assert torch.equal(p, q), n
 
 
-def test_state_dict_and_load_state_dict_from(tmp_path):
+def test_state_dict_and_load_state_dict_from(tmp_path, tiny_gpt2, offload_config, train, lm_batches):
     """offload.state_dict of a wrapped model equals the plain model's state_dict (tied names
     included); load_state_dict_from gives a plain model the same outputs."""
     plain = tiny_gpt2()
-    wrapped = offload.wrap(tiny_gpt2(), config(tmp_path, "nvme", "nvme"))
+    wrapped = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     sd = offload.state_dict(wrapped)
     want = plain.state_dict()
     assert sd.keys() == want.keys()
@@ -184,9 +165,9 @@ def test_state_dict_and_load_state_dict_from(tmp_path):
     opt.close()
 
 
-def test_no_pickle_is_read(tmp_path, monkeypatch):
+def test_no_pickle_is_read(tmp_path, monkeypatch, tiny_gpt2, offload_config):
     """The manifest is JSON and the data raw bytes: loading never unpickles."""
-    m = offload.wrap(tiny_gpt2(), config(tmp_path, "nvme", "nvme"))
+    m = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     opt = offload.AdamW(m.parameters(), lr=1e-2)
     offload.save_checkpoint(str(tmp_path / "ckpt"), m, opt)
 
@@ -211,7 +192,7 @@ def test_no_pickle_is_read(tmp_path, monkeypatch):
 @pytest.mark.parametrize("point,expect", [("blob:0", "old"), ("blob:5", "old"), ("before_manifest", "old"),
                                           ("after_manifest", "old"), ("before_swap", "old"),
                                           ("after_swap", "new")])
-def test_killed_during_save_leaves_a_complete_checkpoint(tmp_path, point, expect):
+def test_killed_during_save_leaves_a_complete_checkpoint(tmp_path, point, expect, tiny_gpt2, offload_config):
     """SIGKILL at each step of re-saving a checkpoint: the path then holds the old complete
     checkpoint (or the new one once it was swapped in), never a partial one."""
     ckpt = tmp_path / "ckpt"
@@ -220,7 +201,7 @@ def test_killed_during_save_leaves_a_complete_checkpoint(tmp_path, point, expect
     old = read(ckpt / "manifest.json")["id"]
     r = child("train", tmp_path / "second.json", ckpt, "nvme", "nvme", tmp_path / "w1", kill=point)
     assert r.returncode == -9, (r.returncode, r.stderr)
-    m = offload.wrap(tiny_gpt2(0.1), config(tmp_path / "w2", "nvme", "nvme"))
+    m = offload.wrap(tiny_gpt2(dropout=0.1), offload_config(tmp_path / "w2"))
     opt = offload.AdamW(m.parameters(), lr=1e-2)
     assert offload.load_checkpoint(str(ckpt), m, opt)["step"] == 3
     assert (read(ckpt / "manifest.json")["id"] == old) == (expect == "old")
@@ -229,7 +210,7 @@ def test_killed_during_save_leaves_a_complete_checkpoint(tmp_path, point, expect
     opt.close()
 
 
-def test_killed_between_the_two_renames_is_recovered(tmp_path):
+def test_killed_between_the_two_renames_is_recovered(tmp_path, tiny_gpt2, offload_config):
     """Without renameat2 the swap is two renames; a crash between them leaves no checkpoint
     at the path and a complete previous one beside it, which load puts back."""
     ckpt = tmp_path / "ckpt"
@@ -238,33 +219,21 @@ def test_killed_between_the_two_renames_is_recovered(tmp_path):
               fallback=True)
     assert r.returncode == -9, r.stderr
     assert not ckpt.exists()
-    m = offload.wrap(tiny_gpt2(0.1), config(tmp_path / "w2", "nvme", "nvme"))
+    m = offload.wrap(tiny_gpt2(dropout=0.1), offload_config(tmp_path / "w2"))
     opt = offload.AdamW(m.parameters(), lr=1e-2)
     assert offload.load_checkpoint(str(ckpt), m, opt)["step"] == 3
     offload.unwrap(m)
     opt.close()
 
 
-def test_first_save_killed_is_refused(tmp_path):
+def test_first_save_killed_is_refused(tmp_path, tiny_gpt2, offload_config):
     ckpt = tmp_path / "ckpt"
     r = child("train", tmp_path / "a.json", ckpt, "nvme", "nvme", tmp_path / "w0", kill="blob:2")
     assert r.returncode == -9
-    m = offload.wrap(tiny_gpt2(0.1), config(tmp_path / "w2", "nvme", "nvme"))
+    m = offload.wrap(tiny_gpt2(dropout=0.1), offload_config(tmp_path / "w2"))
     with pytest.raises(offload.CheckpointError, match="incomplete checkpoint"):
         offload.load_checkpoint(str(ckpt), m)
     offload.unwrap(m)
-
-
-@pytest.fixture
-def saved(tmp_path):
-    m = offload.wrap(tiny_gpt2(), config(tmp_path / "w", "nvme", "nvme"))
-    opt = offload.AdamW(m.parameters(), lr=1e-2)
-    train(m, opt, lm_batches(211, steps=1))
-    path = tmp_path / "ckpt"
-    offload.save_checkpoint(str(path), m, opt)
-    yield path, m, opt
-    offload.unwrap(m)
-    opt.close()
 
 
 @pytest.mark.parametrize("section", ["model.bin", "optimizer.bin"])
@@ -280,11 +249,12 @@ def test_corrupted_byte_is_detected(saved, section):
         offload.load_checkpoint(str(path), m, opt)
 
 
-def test_a_load_that_fails_half_way_leaves_the_optimizer_refusing_to_step(tmp_path):
+def test_a_load_that_fails_half_way_leaves_the_optimizer_refusing_to_step(tmp_path, tiny_gpt2, offload_config,
+                                                                         lm_batches, train):
     """States in host memory load in place (read straight into the resting rows): a
     checksum mismatch found after some rows were overwritten leaves a mix of old and new
     states, so the optimizer refuses to step until a load succeeds."""
-    m = offload.wrap(tiny_gpt2(), config(tmp_path / "w", "nvme", "host"))
+    m = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "w", param_tier="nvme", optimizer_tier="host"))
     opt = offload.AdamW(m.parameters(), lr=1e-2)
     batches = lm_batches(211, steps=2)
     try:
@@ -320,7 +290,7 @@ def test_missing_manifest_and_truncated_file_are_refused(saved):
         offload.load_checkpoint(str(path), m, opt)
 
 
-def test_wrong_model_lists_the_differences(saved, tmp_path):
+def test_wrong_model_lists_the_differences(saved, tmp_path, tiny_llama):
     path, _, _ = saved
     other = tiny_llama()
     with pytest.raises(offload.CheckpointError) as info:
@@ -346,7 +316,7 @@ def test_wrong_optimizer_is_refused(saved):
     fewer.close()
 
 
-def test_bad_extra_and_unwritable_paths_fail_before_writing(tmp_path):
+def test_bad_extra_and_unwritable_paths_fail_before_writing(tmp_path, tiny_gpt2):
     m = tiny_gpt2()
     with pytest.raises(offload.CheckpointError, match="extra cannot be saved"):
         offload.save_checkpoint(str(tmp_path / "c"), m, extra={"tensor": torch.zeros(1)})
@@ -362,7 +332,7 @@ def test_bad_extra_and_unwritable_paths_fail_before_writing(tmp_path):
     assert (tmp_path / "user" / "notes.txt").read_text() == "keep me"
 
 
-def test_read_only_directory_is_refused(loop_fs, tmp_path):
+def test_read_only_directory_is_refused(loop_fs, tmp_path, tiny_gpt2):
     mnt = loop_fs(size="32M")
     subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
     try:
@@ -372,7 +342,7 @@ def test_read_only_directory_is_refused(loop_fs, tmp_path):
         subprocess.run(["mount", "-o", "remount,rw", mnt], check=True)
 
 
-def test_disk_full_keeps_the_previous_checkpoint(loop_fs, tmp_path, monkeypatch):
+def test_disk_full_keeps_the_previous_checkpoint(loop_fs, tmp_path, monkeypatch, tiny_gpt2):
     """A disk that cannot hold the new checkpoint: the error says how many bytes were needed,
     nothing is left behind, the previous checkpoint loads. Checked both when free space is
     short up front and when the disk fills during the save (free space misreported)."""
@@ -420,11 +390,13 @@ def test_peak_rss_while_saving_is_bounded_by_the_host_budget(tmp_path):
 
 
 # -- export -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_fn,tiers", [(tiny_gpt2, ("nvme", "nvme")), (tiny_llama, ("host", "host"))])
-def test_export_loads_with_from_pretrained(tmp_path, model_fn, tiers):
+@pytest.mark.parametrize("arch,tier", [("gpt2", "nvme"), ("llama", "host")])
+def test_export_loads_with_from_pretrained(tmp_path, arch, tier, tiny_gpt2, tiny_llama, offload_config, train,
+                                           lm_batches):
     """Exported shards (several, with an index) load with transformers' from_pretrained and
     give the wrapped model's logits; tied weights are written once."""
-    wrapped = offload.wrap(model_fn(), config(tmp_path / "w", *tiers))
+    model_fn = tiny_gpt2 if arch == "gpt2" else tiny_llama
+    wrapped = offload.wrap(model_fn(), offload_config(tmp_path / "w", param_tier=tier, optimizer_tier=tier))
     opt = offload.AdamW(wrapped.parameters(), lr=1e-2)
     train(wrapped, opt, lm_batches(wrapped.config.vocab_size, steps=2))
     opt.synchronize()
@@ -432,7 +404,7 @@ def test_export_loads_with_from_pretrained(tmp_path, model_fn, tiers):
     files = offload.export(wrapped, str(out), shard_size="40KiB")
     assert len([f for f in files if f.endswith(".safetensors")]) > 1
     index = read(out / "model.safetensors.index.json")
-    if model_fn is tiny_gpt2:
+    if arch == "gpt2":
         assert "lm_head.weight" not in index["weight_map"]
     loaded = type(wrapped).from_pretrained(str(out))
     ids = torch.randint(0, wrapped.config.vocab_size, (2, 10))

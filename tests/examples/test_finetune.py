@@ -56,12 +56,24 @@ def test_update_in_backward_gives_the_same_run(tmp_path):
     assert out.returncode == 2 and "--clip 0" in out.stderr  # the default clips: refused up front
 
 
-def test_help_explains_every_flag():
-    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+def test_help_explains_every_flag(help_entries):
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, COLUMNS="1000"))  # one line per entry: no word broken at a hyphen
     assert out.returncode == 0
-    for flag in re.findall(r"add_argument\(\"(--[\w-]+)\"", open(SCRIPT).read()):
+    flags = re.findall(r"add_argument\(\"(--[\w-]+)\"", open(SCRIPT).read())
+    for flag in flags:
         assert flag in out.stdout
     assert "python examples/finetune.py" in out.stdout
+    # argparse lists every flag, explained or not: each one's own entry must say something
+    entries = help_entries(out.stdout)
+    assert set(flags) <= entries.keys(), set(flags) - entries.keys()
+    unexplained = [flag for flag in flags if len(entries[flag].split()) < 3]
+    assert not unexplained, f"flags without a help text: {unexplained}"
+    # and what a user needs before a first run is said where they look for it
+    for flag, says in (("--nvme-path", "./offload-nvme"), ("--export-dir", "./finetuned"),
+                       ("--update-in-backward", "--clip 0"), ("--clip", "0 to disable"), ("--steps", "20"),
+                       ("--device-budget", "1GiB"), ("--host-budget", "4GiB"), ("--resume", "--save-dir")):
+        assert says in entries[flag], (flag, entries[flag])
 
 
 HF = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_trainer.py")

@@ -21,9 +21,6 @@ from offload import MemoryPlanError
 from offload.io import DiskFullError, OffloadIOError
 from offload.store import StoreError
 
-from fault_harness import (assert_released, batches, close_all, make_config, offload_run, reference,
-                           resume_matches, save_after, step, tiny_gpt2)
-
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -38,7 +35,8 @@ class Arm:
         self.backend.faults[self.op] = [self.action] * self.count
 
 
-def test_eio_on_read_names_the_file_and_the_checkpoint_survives(tmp_path, faulty, inject, no_leaks):
+def test_eio_on_read_names_the_file_and_the_checkpoint_survives(tmp_path, faulty, inject, save_after, step, batches,
+                                                                close_all, assert_released, resume_matches, no_leaks):
     backend = inject(faulty())
     model, opt, path = save_after(tmp_path)
     Arm(backend, "preadv", errno.EIO, count=1000)()  # the disk is gone for good
@@ -50,7 +48,8 @@ def test_eio_on_read_names_the_file_and_the_checkpoint_survives(tmp_path, faulty
     resume_matches(tmp_path, path, done=2, total=4)
 
 
-def test_one_failed_read_can_be_retried_and_the_run_goes_on(tmp_path, faulty, inject, no_leaks):
+def test_one_failed_read_can_be_retried_and_the_run_goes_on(tmp_path, faulty, inject, step, reference, offload_run,
+                                                            batches, close_all, assert_released, no_leaks):
     """A transient EIO fails that step only; the next step runs on the stored values."""
     backend = inject(faulty())
     losses, _ = reference(3)
@@ -70,7 +69,8 @@ def test_one_failed_read_can_be_retried_and_the_run_goes_on(tmp_path, faulty, in
     assert_released(tmp_path / "nvme")
 
 
-def test_disk_full_while_writing_back_states(tmp_path, faulty, inject, no_leaks):
+def test_disk_full_while_writing_back_states(tmp_path, faulty, inject, save_after, step, batches, close_all,
+                                             assert_released, resume_matches, no_leaks):
     backend = inject(faulty())
     model, opt, path = save_after(tmp_path)
     Arm(backend, "pwritev", errno.ENOSPC, count=1000)()
@@ -89,7 +89,8 @@ def test_disk_full_while_writing_back_states(tmp_path, faulty, inject, no_leaks)
     resume_matches(tmp_path, path, done=2, total=4)
 
 
-def test_short_writes_and_reads_are_completed(tmp_path, faulty, inject, no_leaks):
+def test_short_writes_and_reads_are_completed(tmp_path, faulty, inject, reference, offload_run, step, batches,
+                                              close_all, assert_released, no_leaks):
     """The kernel may move fewer bytes than asked; the engine finishes the transfer."""
     backend = inject(faulty({"pwritev": ["short"] * 40, "preadv": ["short"] * 40}))
     losses, _ = reference(3)
@@ -103,7 +104,8 @@ def test_short_writes_and_reads_are_completed(tmp_path, faulty, inject, no_leaks
     assert_released(tmp_path / "nvme")
 
 
-def test_a_write_that_moves_nothing_is_a_full_disk(tmp_path, faulty, inject, no_leaks):
+def test_a_write_that_moves_nothing_is_a_full_disk(tmp_path, faulty, inject, save_after, step, batches, close_all,
+                                                   assert_released, resume_matches, no_leaks):
     backend = inject(faulty())
     model, opt, path = save_after(tmp_path)
     Arm(backend, "pwritev", "zero", count=1000)()
@@ -117,7 +119,8 @@ def test_a_write_that_moves_nothing_is_a_full_disk(tmp_path, faulty, inject, no_
 
 
 @pytest.mark.parametrize("io_backend", ["direct", "mmap"])
-def test_swap_file_truncated_underneath_a_running_model(tmp_path, io_backend, no_leaks):
+def test_swap_file_truncated_underneath_a_running_model(tmp_path, io_backend, save_after, step, batches, close_all,
+                                                        assert_released, resume_matches, no_leaks):
     """With mmap, touching a mapped page past the end of the file would be SIGBUS: the
     size is checked first."""
     model, opt, path = save_after(tmp_path, io_backend=io_backend)
@@ -131,7 +134,8 @@ def test_swap_file_truncated_underneath_a_running_model(tmp_path, io_backend, no
 
 
 @pytest.mark.parametrize("io_backend", ["direct", "mmap"])
-def test_swap_files_deleted_underneath_keep_working_and_warn(tmp_path, io_backend, caplog, no_leaks):
+def test_swap_files_deleted_underneath_keep_working_and_warn(tmp_path, io_backend, caplog, reference, offload_run,
+                                                             batches, step, close_all, assert_released, no_leaks):
     """Deleting an open file (a /tmp cleaner, an rm -rf of the wrong directory) frees
     nothing while it is open: the run keeps its data, warns once naming the files, and
     ends with nothing on disk."""
@@ -153,13 +157,14 @@ def test_swap_files_deleted_underneath_keep_working_and_warn(tmp_path, io_backen
 
 
 @pytest.mark.root
-def test_a_real_file_system_filling_up_mid_run(tmp_path, loop_fs, no_leaks):
+def test_a_real_file_system_filling_up_mid_run(tmp_path, loop_fs, tiny_gpt2, offload_config, reference, batches,
+                                               assert_released, no_leaks):
     """A 64 MiB ext4 file system: wrap fits, then another program fills the disk; the
     optimizer's states no longer fit and are refused before any is written, naming the
     directory, the bytes and the fix."""
     mount = loop_fs(size="64M")
     nvme = os.path.join(mount, "nvme")
-    model = offload.wrap(tiny_gpt2(), make_config(tmp_path, nvme_path=nvme, file_size="4MiB"))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, nvme_path=nvme, file_size="4MiB"))
     filler = os.path.join(mount, "filler")
     fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
     try:  # another program takes what is left

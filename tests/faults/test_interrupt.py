@@ -20,18 +20,7 @@ import torch
 
 import offload
 
-from fault_harness import (LR, WD, assert_released, assert_weights, batches, close_all, offload_run,
-                           resume_matches, save_after, step, tiny_gpt2)
-
 pytestmark = pytest.mark.timeout(180)
-
-
-def reference_skipping(steps: int, skipped: int) -> tuple[list[float], dict]:
-    """The in-memory run over ``batches(steps)`` with batch ``skipped`` never applied."""
-    model = tiny_gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses = [step(model, opt, ids) for i, ids in enumerate(batches(steps)) if i != skipped]
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _ctrl_c(*_):
@@ -71,8 +60,9 @@ WHERE = {"forward": interrupt_forward, "backward": interrupt_backward, "update":
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_interrupted_step_is_dropped_and_training_goes_on(tmp_path, where, no_leaks):
-    losses, weights = reference_skipping(4, skipped=1)
+def test_interrupted_step_is_dropped_and_training_goes_on(tmp_path, where, reference, offload_run, batches, step,
+                                                          assert_weights, close_all, assert_released, no_leaks):
+    losses, weights = reference(4, skipped=1)
     model, opt = offload_run(tmp_path)
     try:
         ids = batches(4)
@@ -91,7 +81,9 @@ def test_interrupted_step_is_dropped_and_training_goes_on(tmp_path, where, no_le
 
 
 @pytest.mark.parametrize("where", ["forward", "backward", "update"])
-def test_interrupt_then_close_releases_everything_and_wrap_works_again(tmp_path, where, no_leaks):
+def test_interrupt_then_close_releases_everything_and_wrap_works_again(tmp_path, where, save_after, step, batches,
+                                                                       close_all, assert_released, offload_run,
+                                                                       resume_matches, no_leaks):
     model, opt, path = save_after(tmp_path)
     WHERE[where](model, opt)
     with pytest.raises(KeyboardInterrupt):
@@ -110,7 +102,8 @@ def test_interrupt_then_close_releases_everything_and_wrap_works_again(tmp_path,
 
 
 @pytest.mark.parametrize("io_backend", ["direct", "mmap"])
-def test_real_sigint_at_arbitrary_moments(tmp_path, io_backend, no_leaks):
+def test_real_sigint_at_arbitrary_moments(tmp_path, io_backend, step, offload_run, batches, close_all, assert_released,
+                                          no_leaks):
     """SIGINT delivered by the kernel while the main thread computes, waits for a read or
     runs the optimizer: each time the step raises KeyboardInterrupt, the next step works or
     raises a clear error, and close() releases everything. The delays sweep a step in 16

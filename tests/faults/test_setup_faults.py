@@ -18,8 +18,6 @@ import offload
 from offload.io import BudgetError
 from offload.store import DirectoryLockedError
 
-from fault_harness import LR, WD, assert_released, assert_weights, batches, close_all, make_config, tiny_gpt2
-
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -35,24 +33,25 @@ def _rss() -> int:
      r"param_tier='host' needs .* of host memory but host_budget is 64.00 KiB: raise host_budget or "
      r"set param_tier='nvme'"),
 ], ids=["device_budget", "host_budget"])
-def test_budget_too_small_for_the_largest_group_is_refused_before_allocating(tmp_path, settings, match,
-                                                                             no_leaks):
+def test_budget_too_small_for_the_largest_group_is_refused_before_allocating(tmp_path, settings, match, tiny_gpt2,
+                                                                             offload_config, batches, no_leaks):
     model = tiny_gpt2()
     before = _rss()
     with pytest.raises(BudgetError, match=match):
-        offload.wrap(model, make_config(tmp_path, **settings))
+        offload.wrap(model, offload_config(tmp_path, **settings))
     assert _rss() - before < 8 << 20  # nothing of the model's size was allocated
     assert not os.path.exists(tmp_path / "nvme")  # no directory, no swap file
     # the model is untouched and not wrapped: it still runs as a plain module
     model(input_ids=batches(1)[0])
 
 
-def test_host_budget_too_small_for_an_optimizer_shard_is_refused(tmp_path, no_leaks):
-    model = offload.wrap(tiny_gpt2(), make_config(tmp_path, host_budget="256KiB"))
+def test_host_budget_too_small_for_an_optimizer_shard_is_refused(tmp_path, tiny_gpt2, offload_config, assert_released,
+                                                                 no_leaks):
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, host_budget="256KiB"))
     try:
         with pytest.raises(BudgetError, match=r"optimizer states need .* host_budget is 256.00 KiB: raise "
                                               r"host_budget or pass a smaller shard_size"):
-            offload.AdamW(model.parameters(), lr=LR, shard_size=1 << 20)
+            offload.AdamW(model.parameters(), lr=1e-3, shard_size=1 << 20)
     finally:
         offload.close(model)
     assert_released(tmp_path / "nvme")
@@ -60,7 +59,8 @@ def test_host_budget_too_small_for_an_optimizer_shard_is_refused(tmp_path, no_le
 
 # -- nvme_path -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("problem", ["missing", "file", "unwritable"])
-def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, as_nobody, no_leaks):
+def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, as_nobody, tiny_gpt2, offload_config,
+                                                        batches, no_leaks):
     if problem == "missing":
         path, error, match = tmp_path / "no" / "such" / "dir", FileNotFoundError, "does not exist"
     elif problem == "file":
@@ -74,7 +74,7 @@ def test_bad_nvme_path_is_refused_naming_it_and_the_fix(tmp_path, problem, as_no
         path.mkdir(mode=0o500)
     model = tiny_gpt2()
     with pytest.raises(error, match=rf"nvme_path '{path}' {match}.*point nvme_path at a writable directory"):
-        offload.wrap(model, make_config(tmp_path, nvme_path=str(path)))
+        offload.wrap(model, offload_config(tmp_path, nvme_path=str(path)))
     model(input_ids=batches(1)[0])  # untouched
 
 
@@ -88,7 +88,8 @@ def _unwritable_as_nobody(as_nobody) -> None:
     assert "PermissionError" in out.stderr and "not writable" in out.stderr, out.stderr[-2000:]
 
 
-def test_second_process_on_the_same_nvme_path_is_refused_naming_the_holder(tmp_path, no_leaks):
+def test_second_process_on_the_same_nvme_path_is_refused_naming_the_holder(tmp_path, tiny_gpt2, offload_config,
+                                                                           assert_released, no_leaks):
     """Another process runs on the directory; ours is refused before it touches the files,
     and the other process's run is not disturbed."""
     nvme = tmp_path / "nvme"
@@ -113,7 +114,7 @@ def test_second_process_on_the_same_nvme_path_is_refused_naming_the_holder(tmp_p
         model = tiny_gpt2()
         with pytest.raises(DirectoryLockedError, match=rf"nvme_path '{nvme}' is in use by process {child.pid} "
                                                        r"on .*: give each process .* its own nvme_path"):
-            offload.wrap(model, make_config(tmp_path))
+            offload.wrap(model, offload_config(tmp_path))
         assert sorted(os.listdir(nvme)) == swap  # the other run's files are untouched
         out, _ = child.communicate("go\n", timeout=120)
         torch.manual_seed(0)
@@ -143,9 +144,9 @@ def test_second_process_on_the_same_nvme_path_is_refused_naming_the_holder(tmp_p
     (dict(queue_depth=0), r"queue_depth"),
 ], ids=["negative", "negative-string", "unparsable", "two-dots", "tier", "optimizer-tier", "device",
         "no-nvme-path", "io", "queue-depth"])
-def test_invalid_settings_are_refused_naming_the_setting(tmp_path, settings, match):
+def test_invalid_settings_are_refused_naming_the_setting(tmp_path, settings, match, offload_config):
     with pytest.raises(ValueError, match=match):
-        make_config(tmp_path, **settings)
+        offload_config(tmp_path, **settings)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -187,13 +188,14 @@ def _orders(steps: int) -> list[list[int]]:
     return [torch.randperm(6, generator=g)[: 3 + s % 4].tolist() for s in range(steps)]
 
 
-def test_trace_that_changes_every_step_keeps_working(tmp_path, no_leaks):
+def test_trace_that_changes_every_step_keeps_working(tmp_path, offload_config, assert_weights, close_all,
+                                                     assert_released, no_leaks):
     steps = 6
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
     ref = Shuffled()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    model = offload.wrap(Shuffled(), make_config(tmp_path, device_budget="64KiB", resident_bytes=0))
-    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    model = offload.wrap(Shuffled(), offload_config(tmp_path, device_budget="64KiB", resident_bytes=0))
+    opt = offload.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     try:
         for order in _orders(steps):
             ref.order = model.order = order

@@ -9,23 +9,7 @@ import torch
 
 import offload
 
-from .conftest import offload_config, tiny_gpt2, token_batches, weights
-
 accelerate = pytest.importorskip("accelerate")
-
-BATCHES = token_batches(6)
-
-
-def build(tmp_path, offloaded: bool):
-    model = tiny_gpt2()
-    if offloaded:
-        offload.wrap(model, offload_config(tmp_path))
-        opt = offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, fused=True)
-    accelerator = accelerate.Accelerator(cpu=True)
-    model, prepared = accelerator.prepare(model, opt)
-    return accelerator, model, prepared, opt
 
 
 def loop(accelerator, model, opt, batches, save=None):
@@ -42,13 +26,14 @@ def loop(accelerator, model, opt, batches, save=None):
     return losses
 
 
-def test_prepared_training_checkpoint_and_resume(tmp_path, no_leaks):
-    acc, model, prepared, _ = build(tmp_path / "ref", False)
-    ref_losses, ref_weights = loop(acc, model, prepared, BATCHES), weights(model)
+def test_prepared_training_checkpoint_and_resume(tmp_path, token_batches, accelerate_build, weights, no_leaks):
+    batches = token_batches(6)
+    acc, model, prepared, _ = accelerate_build(tmp_path / "ref", False)
+    ref_losses, ref_weights = loop(acc, model, prepared, batches), weights(model)
 
-    acc, model, prepared, opt = build(tmp_path / "a", True)
+    acc, model, prepared, opt = accelerate_build(tmp_path / "a", True)
     assert type(prepared).__name__ == "AcceleratedOptimizer"
-    losses = loop(acc, model, prepared, BATCHES, save=tmp_path / "ckpt")
+    losses = loop(acc, model, prepared, batches, save=tmp_path / "ckpt")
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)  # clipped as without offload
     final = weights(model)
     for name, value in ref_weights.items():
@@ -56,9 +41,9 @@ def test_prepared_training_checkpoint_and_resume(tmp_path, no_leaks):
     opt.close()
     offload.unwrap(model)
 
-    acc, model, prepared, opt = build(tmp_path / "b", True)
+    acc, model, prepared, opt = accelerate_build(tmp_path / "b", True)
     offload.load_checkpoint(tmp_path / "ckpt", model, prepared)
-    assert loop(acc, model, prepared, BATCHES[3:]) == losses[3:]  # bit for bit
+    assert loop(acc, model, prepared, batches[3:]) == losses[3:]  # bit for bit
     for name, value in weights(model).items():
         torch.testing.assert_close(value, final[name], rtol=0, atol=0, msg=name)
     opt.close()
@@ -76,10 +61,10 @@ class Holder:
         self.inner.step()
 
 
-def test_checkpoint_finds_or_refuses_the_optimizer(tmp_path, no_leaks):
+def test_checkpoint_finds_or_refuses_the_optimizer(tmp_path, tiny_gpt2, offload_config, token_batches, no_leaks):
     model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     opt = offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    ids = BATCHES[0]
+    ids = token_batches(6)[0]
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     offload.save_checkpoint(tmp_path / "found", model, Holder(opt))  # looked through

@@ -11,21 +11,9 @@ import torch
 
 import offload
 
-from .optim_helpers import assert_same_weights, config, lm_batches, make_opt, tiny_gpt2
-
 
 def backward(model, ids, scale=1.0):
     (model(input_ids=ids, labels=ids).loss * scale).backward()
-
-
-def pair(tmp_path, tier="host", **kw):
-    """The model with offload and without; with tier "nvme" the gradient sums rest on NVMe
-    too (grad_tier="nvme"; "auto" would keep them in host memory)."""
-    ref = tiny_gpt2()
-    ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
-    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier=tier, optimizer_tier=tier, **kw))
-    opt = make_opt("adamw", model.parameters(), offloaded=True, grad_tier="nvme" if tier == "nvme" else "auto")
-    return model, opt, ref, ref_opt
 
 
 def close(model, opt):
@@ -35,10 +23,10 @@ def close(model, opt):
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, no_leaks):
+def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """torch.nn.utils.clip_grad_norm_ over the wrapped model (what Accelerate and Trainer
     call): the same norms and the same clipped trajectory as without offload."""
-    model, opt, ref, ref_opt = pair(tmp_path, tier)
+    model, opt, ref, ref_opt = adamw_pair(tmp_path, tier)
     for (ids,) in lm_batches(211, steps=3, micro=1):
         backward(model, ids)
         backward(ref, ids)
@@ -55,10 +43,10 @@ def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, no_leaks):
     close(model, opt)
 
 
-def test_grad_values_and_inplace_writes(tmp_path, no_leaks):
+def test_grad_values_and_inplace_writes(tmp_path, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """p.grad reads the accumulated values; an in-place write other than a scale
     (clip_grad_value_'s clamp) and an assignment are what the step then uses."""
-    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    model, opt, ref, ref_opt = adamw_pair(tmp_path, "nvme")
     (ids,) = lm_batches(211, steps=1, micro=1)[0]
     for _ in range(2):  # two micro-batches: the accumulated sum
         backward(model, ids)
@@ -81,10 +69,10 @@ def test_grad_values_and_inplace_writes(tmp_path, no_leaks):
     close(model, opt)
 
 
-def test_zero_grad_between_backward_and_step_drops(tmp_path, no_leaks):
+def test_zero_grad_between_backward_and_step_drops(tmp_path, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """model.zero_grad() (p.grad = None) drops what backward accumulated, as in torch; one
     parameter's gradient set to None leaves it out of the step."""
-    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    model, opt, ref, ref_opt = adamw_pair(tmp_path, "nvme")
     batches = lm_batches(211, steps=2, micro=1)
     for m in (model, ref):
         backward(m, batches[0][0])
@@ -98,12 +86,13 @@ def test_zero_grad_between_backward_and_step_drops(tmp_path, no_leaks):
     close(model, opt)
 
 
-def test_grad_scaler_unscale_and_skip(tmp_path, no_leaks):
+def test_grad_scaler_unscale_and_skip(tmp_path, tiny_gpt2, make_opt, offload_config, lm_batches, assert_same_weights,
+                                      no_leaks):
     """torch.amp.GradScaler over the offload optimizer (loss_scale=None: the scaler scales):
     unscale_, clipping and the overflow skip as with torch's optimizer."""
     ref = tiny_gpt2()
     ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
-    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier="host", optimizer_tier="host"))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, param_tier="host", optimizer_tier="host"))
     opt = make_opt("adamw", model.parameters(), offloaded=True, loss_scale=None)
     scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
     batches = lm_batches(211, steps=3, micro=1)
@@ -125,8 +114,8 @@ def test_grad_scaler_unscale_and_skip(tmp_path, no_leaks):
     close(model, opt)
 
 
-def test_refusals(tmp_path, no_leaks):
-    model, opt, ref, ref_opt = pair(tmp_path)
+def test_refusals(tmp_path, adamw_pair, lm_batches, no_leaks):
+    model, opt, ref, ref_opt = adamw_pair(tmp_path)
     with pytest.raises(ValueError, match="already belongs to an open AdamW"):
         offload.SGD(model.parameters(), lr=0.1)
     (ids,) = lm_batches(211, steps=1, micro=1)[0]
@@ -143,11 +132,11 @@ def test_refusals(tmp_path, no_leaks):
     offload.unwrap(model)
 
 
-def test_grads_live_like_torchs(tmp_path, no_leaks):
+def test_grads_live_like_torchs(tmp_path, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """p.grad stays after step() and a backward without zero_grad adds to it (as torch's);
     a post-accumulate-grad hook reads it final during backward; p.grad.zero_() is a zero
     gradient that the step still takes (moments decay, weight decay applies)."""
-    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    model, opt, ref, ref_opt = adamw_pair(tmp_path, "nvme")
     seen = {"offload": [], "torch": []}
     for m, key in ((model, "offload"), (ref, "torch")):
         dict(m.named_parameters())["transformer.h.1.mlp.c_proj.weight"].register_post_accumulate_grad_hook(
@@ -169,9 +158,9 @@ def test_grads_live_like_torchs(tmp_path, no_leaks):
     close(model, opt)
 
 
-def test_fp16_step_without_scale_loss_refused(tmp_path, no_leaks):
-    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier="host", optimizer_tier="host",
-                                             compute_dtype="fp16"))
+def test_fp16_step_without_scale_loss_refused(tmp_path, tiny_gpt2, offload_config, lm_batches, no_leaks):
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, param_tier="host", optimizer_tier="host",
+                                                     compute_dtype="fp16"))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     (ids,) = lm_batches(211, steps=1, micro=1)[0]
     backward(model, ids)
@@ -184,8 +173,8 @@ def test_fp16_step_without_scale_loss_refused(tmp_path, no_leaks):
     close(model, opt)
 
 
-def test_views_of_a_grad_refuse_writes(tmp_path, no_leaks):
-    model, opt, ref, ref_opt = pair(tmp_path)
+def test_views_of_a_grad_refuse_writes(tmp_path, adamw_pair, lm_batches, no_leaks):
+    model, opt, ref, ref_opt = adamw_pair(tmp_path)
     (ids,) = lm_batches(211, steps=1, micro=1)[0]
     backward(model, ids)
     backward(ref, ids)
@@ -199,10 +188,10 @@ def test_views_of_a_grad_refuse_writes(tmp_path, no_leaks):
     close(model, opt)
 
 
-def test_checkpoint_load_and_zero_grad_keep_the_books(tmp_path, no_leaks):
+def test_checkpoint_load_and_zero_grad_keep_the_books(tmp_path, adamw_pair, lm_batches, no_leaks):
     """A checkpoint load drops held gradients with their noted factors (a clip noted before
     the load must not scale the next backward's); zero_grad(set_to_none=False) leaves zeros."""
-    model, opt, ref, ref_opt = pair(tmp_path, "nvme")
+    model, opt, ref, ref_opt = adamw_pair(tmp_path, "nvme")
     (a,), (b,) = lm_batches(211, steps=2, micro=1)
     backward(model, a)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)

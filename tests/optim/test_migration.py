@@ -8,8 +8,6 @@ import torch
 
 import offload
 
-from .optim_helpers import assert_same_weights, config, lm_batches, tiny_gpt2, train
-
 KINDS = {
     # several param groups with different settings each
     "adamw": (torch.optim.AdamW, offload.AdamW,
@@ -33,7 +31,8 @@ def torch_opt(cls, model, settings):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_torch_state_into_offload(tmp_path, kind, no_leaks):
+def test_torch_state_into_offload(tmp_path, kind, lm_batches, tiny_gpt2, train, offload_config, assert_same_weights,
+                                  no_leaks):
     torch_cls, offload_cls, settings = KINDS[kind]
     first, rest = lm_batches(211, steps=2), lm_batches(211, steps=3)[1:]
     ref = tiny_gpt2()
@@ -41,7 +40,7 @@ def test_torch_state_into_offload(tmp_path, kind, no_leaks):
     train(ref, ref_opt, first)
     model = tiny_gpt2()
     model.load_state_dict(ref.state_dict())
-    offload.wrap(model, config(tmp_path))
+    offload.wrap(model, offload_config(tmp_path))
     opt = offload_cls(groups(model, settings))
     opt.load_state_dict(ref_opt.state_dict())
     torch.testing.assert_close(train(model, opt, rest), train(ref, ref_opt, rest))
@@ -52,10 +51,11 @@ def test_torch_state_into_offload(tmp_path, kind, no_leaks):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_offload_state_into_torch(tmp_path, kind, no_leaks):
+def test_offload_state_into_torch(tmp_path, kind, lm_batches, tiny_gpt2, offload_config, train, assert_same_weights,
+                                  no_leaks):
     torch_cls, offload_cls, settings = KINDS[kind]
     first, rest = lm_batches(211, steps=2), lm_batches(211, steps=3)[1:]
-    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     opt = offload_cls(groups(model, settings))
     train(model, opt, first)
     ref = tiny_gpt2()
@@ -81,11 +81,13 @@ def assert_same_states(got: dict, want: dict) -> None:
             assert g[key] == w[key]
 
 
-def test_settings_that_change_the_states_are_refused_and_decoupled_decay_followed(tmp_path, no_leaks):
+def test_settings_that_change_the_states_are_refused_and_decoupled_decay_followed(tmp_path, tiny_gpt2, train,
+                                                                                  lm_batches, offload_config,
+                                                                                  assert_same_weights, no_leaks):
     ref = tiny_gpt2()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, amsgrad=True)
     train(ref, ref_opt, lm_batches(211, steps=1))
-    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     with pytest.raises(ValueError, match="amsgrad=True, this optimizer amsgrad=False"):
         opt.load_state_dict(ref_opt.state_dict())

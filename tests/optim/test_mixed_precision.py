@@ -11,14 +11,12 @@ import torch
 
 import offload
 
-from .optim_helpers import assert_bf16_master_close, config, lm_batches, tiny_gpt2, tiny_llama, train
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("source", ["memory", "checkpoint"])
-def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
+def test_masters_start_from_the_models_values(tmp_path, tier, source, tiny_gpt2, offload_config, lm_batches, no_leaks):
     """(kept in the NVMe tier: the optimizer's states are there)"""
     model = tiny_gpt2()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -26,7 +24,7 @@ def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
         model.save_pretrained(tmp_path / "weights")
         with offload.init_empty_weights():
             model = type(model)(model.config)
-    offload.wrap(model, config(tmp_path, param_tier=tier, optimizer_tier="nvme", compute_dtype="bf16"),
+    offload.wrap(model, offload_config(tmp_path, param_tier=tier, optimizer_tier="nvme", compute_dtype="bf16"),
                  checkpoint=tmp_path / "weights" if source == "checkpoint" else None)
     assert offload.params.manager_of(model).originals.kept  # until the optimizer takes them
     opt = offload.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
@@ -42,24 +40,24 @@ def test_masters_start_from_the_models_values(tmp_path, tier, source, no_leaks):
     offload.unwrap(model)
 
 
-def test_without_nvme_nothing_is_kept_and_a_warning_says_so(tmp_path, caplog, no_leaks):
-    model = offload.wrap(tiny_gpt2(), config(tmp_path, param_tier="host", optimizer_tier="host",
-                                             compute_dtype="bf16"))
+def test_without_nvme_nothing_is_kept_and_a_warning_says_so(tmp_path, caplog, tiny_gpt2, offload_config, no_leaks):
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, param_tier="host", optimizer_tier="host",
+                                                     compute_dtype="bf16"))
     assert not offload.params.manager_of(model).originals.kept
     assert "rounded values" in caplog.text
     offload.unwrap(model)
     frozen = tiny_gpt2().requires_grad_(False)  # inference: nothing to keep, nothing said
     caplog.clear()
-    offload.wrap(frozen, config(tmp_path / "b", compute_dtype="bf16"))
+    offload.wrap(frozen, offload_config(tmp_path / "b", compute_dtype="bf16"))
     assert not offload.params.manager_of(frozen).originals.kept and "rounded" not in caplog.text
     offload.unwrap(frozen)
 
 
-def test_writes_after_wrap(tmp_path, no_leaks):
+def test_writes_after_wrap(tmp_path, tiny_gpt2, offload_config, lm_batches, no_leaks):
     """load_state_dict of fp32 values after wrap: the masters start from them (kept like
     wrap's); an in-place change of one parameter: its master starts from the result,
     rounded to the compute dtype as the group holds it, the others keep theirs."""
-    model = offload.wrap(tiny_gpt2(), config(tmp_path, compute_dtype="bf16"))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, compute_dtype="bf16"))
     other = tiny_gpt2()
     with torch.no_grad():
         for p in other.parameters():
@@ -81,7 +79,8 @@ def test_writes_after_wrap(tmp_path, no_leaks):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, no_leaks):
+def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, tiny_llama, lm_batches, offload_config, train,
+                                                        assert_bf16_master_close, no_leaks):
     """The trajectory of a model run in bf16 / fp16 (a fixed loss scale of 1024 for fp16)
     whose fp32 masters start from the fp32 model."""
     model = tiny_llama()
@@ -111,7 +110,7 @@ def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, no_leak
                 p.copy_(m)
         ref_losses.append(total)
 
-    offload.wrap(model, config(tmp_path, compute_dtype=dtype))
+    offload.wrap(model, offload_config(tmp_path, compute_dtype=dtype))
     opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05,
                         loss_scale=scale if dtype == "fp16" else None)
     losses = train(model, opt, batches, scale=opt.scale_loss)
@@ -123,17 +122,18 @@ def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, no_leak
     offload.unwrap(model)
 
 
-def test_fp32_checkpoint_into_a_bf16_run_keeps_fp32_masters(tmp_path, no_leaks):
+def test_fp32_checkpoint_into_a_bf16_run_keeps_fp32_masters(tmp_path, tiny_gpt2, offload_config, train, lm_batches,
+                                                            no_leaks):
     """An fp32 run's checkpoint (its parameters are their own masters: no master rows)
     loaded into a bf16-compute run: the masters start from the saved fp32 values."""
-    model = offload.wrap(tiny_gpt2(), config(tmp_path / "a"))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "a"))
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     train(model, opt, lm_batches(211, steps=1))
     offload.save_checkpoint(tmp_path / "ckpt", model, opt)
     saved = offload.state_dict(model)
     opt.close()
     offload.unwrap(model)
-    model = offload.wrap(tiny_gpt2(), config(tmp_path / "b", compute_dtype="bf16"))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "b", compute_dtype="bf16"))
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     offload.load_checkpoint(tmp_path / "ckpt", model, opt)
     assert not offload.params.manager_of(model).originals.kept  # taken by the optimizer, dropped

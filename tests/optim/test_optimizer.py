@@ -9,25 +9,24 @@ from torch import nn
 import offload
 from offload.io import BudgetError
 
-from .optim_helpers import (STEPS, Branchy, assert_losses, assert_rows_padded, assert_same_weights, config, decay_groups,
-                            lm_batches, make_opt, tiny_gpt2, tiny_llama, train, wide_gpt2)
-
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
-@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
-def test_trajectory_matches_torch(tmp_path, tier, kind, build, no_leaks):
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_trajectory_matches_torch(tmp_path, tier, kind, arch, tiny_gpt2, tiny_llama, lm_batches, make_opt, decay_groups,
+                                  train, offload_config, assert_losses, assert_same_weights, no_leaks):
     """5 steps of 2 accumulated micro-batches, clipping, LambdaLR, no decay on norms and
     biases: losses and final weights equal torch's optimizer on the plain model."""
+    build = tiny_gpt2 if arch == "gpt2" else tiny_llama
     ref, model = build(), build()
     batches = lm_batches(model.config.vocab_size)
     ref_opt = make_opt(kind, decay_groups(ref), False)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     ref_losses = train(ref, ref_opt, batches, clip=0.5, sched=ref_sched)
 
-    offload.wrap(model, config(tmp_path, param_tier="nvme", optimizer_tier=tier))
+    offload.wrap(model, offload_config(tmp_path, param_tier="nvme", optimizer_tier=tier))
     try:
         opt = make_opt(kind, decay_groups(model), True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -41,11 +40,12 @@ def test_trajectory_matches_torch(tmp_path, tier, kind, build, no_leaks):
 
 
 @pytest.mark.parametrize("param_tier", ["device", "host"])
-def test_other_param_tiers_and_tied_weights(tmp_path, param_tier, no_leaks):
+def test_other_param_tiers_and_tied_weights(tmp_path, param_tier, tiny_gpt2, lm_batches, train, make_opt,
+                                            offload_config, assert_losses, assert_same_weights, no_leaks):
     ref, model = tiny_gpt2(), tiny_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=3)
     ref_losses = train(ref, make_opt("adamw", ref.parameters(), False), batches)
-    offload.wrap(model, config(tmp_path, param_tier=param_tier, optimizer_tier="host"))
+    offload.wrap(model, offload_config(tmp_path, param_tier=param_tier, optimizer_tier="host"))
     try:
         assert model.lm_head.weight is model.transformer.wte.weight
         opt = make_opt("adamw", model.parameters(), True)
@@ -61,12 +61,13 @@ def test_other_param_tiers_and_tied_weights(tmp_path, param_tier, no_leaks):
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_parameter_without_gradient_in_a_step(tmp_path, tier, no_leaks):
+def test_parameter_without_gradient_in_a_step(tmp_path, tier, branchy, offload_config, assert_losses,
+                                              assert_same_weights, no_leaks):
     """The side layer gets no gradient on odd steps: no update at all (not even decay),
     and its step count (bias correction) lags, as in torch."""
-    ref, model = Branchy(), Branchy()
+    ref, model = branchy(), branchy()
     g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(4, 32, generator=g) for _ in range(STEPS)]
+    xs = [torch.randn(4, 32, generator=g) for _ in range(5)]
 
     def run(m, opt):
         out = []
@@ -80,7 +81,7 @@ def test_parameter_without_gradient_in_a_step(tmp_path, tier, no_leaks):
         return out
 
     ref_losses = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1))
-    offload.wrap(model, config(tmp_path, optimizer_tier=tier, resident_bytes=0))
+    offload.wrap(model, offload_config(tmp_path, optimizer_tier=tier, resident_bytes=0))
     try:
         opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         assert_losses(run(model, opt), ref_losses)
@@ -97,12 +98,13 @@ def test_parameter_without_gradient_in_a_step(tmp_path, tier, no_leaks):
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_plain_parameters(tmp_path, tier, kind, no_leaks):
+def test_plain_parameters(tmp_path, tier, kind, tiny_gpt2, lm_batches, train, make_opt, decay_groups, offload_config,
+                          assert_losses, assert_same_weights, no_leaks):
     """The optimizer alone offloaded: the model is not wrapped, p.grad as usual."""
     ref, model = tiny_gpt2(), tiny_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=3)
     ref_losses = train(ref, make_opt(kind, decay_groups(ref), False), batches, clip=1.0)
-    cfg = config(tmp_path, param_tier="host", optimizer_tier=tier) if tier == "nvme" else None
+    cfg = offload_config(tmp_path, param_tier="host", optimizer_tier=tier) if tier == "nvme" else None
     opt = make_opt(kind, decay_groups(model), True, config=cfg, shard_size=5000)
     assert_losses(train(model, opt, batches, clip=1.0), ref_losses)
     assert len(opt._book.shards) > 3  # several shards, parameters split across them
@@ -112,15 +114,16 @@ def test_plain_parameters(tmp_path, tier, kind, no_leaks):
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "plain"])
-def test_padded_rows_match_torch(tmp_path, tier, wrapped, no_leaks):
+def test_padded_rows_match_torch(tmp_path, tier, wrapped, wide_gpt2, lm_batches, make_opt, decay_groups, train,
+                                 offload_config, assert_losses, assert_rows_padded, assert_same_weights, no_leaks):
     """Rows padded apart (for the cache) change nothing: the trajectory equals torch's, and
     the state dict holds each parameter's moments and nothing of the padding."""
     ref, model = wide_gpt2(), wide_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=3)
     ref_opt = make_opt("adamw", decay_groups(ref), False)
     ref_losses = train(ref, ref_opt, batches, clip=1.0)
-    cfg = config(tmp_path, param_tier="nvme" if wrapped else "host", optimizer_tier=tier,
-                 host_budget="256MiB", file_size="64MiB", device_budget="8MiB")
+    cfg = offload_config(tmp_path, param_tier="nvme" if wrapped else "host", optimizer_tier=tier,
+                         host_budget="256MiB", file_size="64MiB", device_budget="8MiB")
     if wrapped:
         offload.wrap(model, cfg)
     opt = make_opt("adamw", decay_groups(model), True, config=None if wrapped or tier == "host" else cfg,
@@ -141,9 +144,9 @@ def test_padded_rows_match_torch(tmp_path, tier, wrapped, no_leaks):
     assert_same_weights(model, ref)
 
 
-def test_fp16_loss_scaling_skips_overflow(tmp_path, no_leaks):
-    model = Branchy()
-    offload.wrap(model, config(tmp_path, compute_dtype="fp16", resident_bytes=0))
+def test_fp16_loss_scaling_skips_overflow(tmp_path, branchy, offload_config, no_leaks):
+    model = branchy()
+    offload.wrap(model, offload_config(tmp_path, compute_dtype="fp16", resident_bytes=0))
     try:
         opt = offload.AdamW(model.parameters(), lr=1e-2)
         assert opt.loss_scale == 2.0 ** 16  # dynamic by default for fp16 parameters
@@ -170,16 +173,17 @@ def test_fp16_loss_scaling_skips_overflow(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_state_dict_round_trip_continues_trajectory(tmp_path, no_leaks):
+def test_state_dict_round_trip_continues_trajectory(tmp_path, tiny_gpt2, lm_batches, offload_config, decay_groups,
+                                                    train, assert_losses, assert_same_weights, no_leaks):
     full, first = tiny_gpt2(), tiny_gpt2()
     batches = lm_batches(full.config.vocab_size)
-    offload.wrap(full, config(tmp_path / "a"))
+    offload.wrap(full, offload_config(tmp_path / "a"))
     opt = offload.AdamW(decay_groups(full), lr=1e-2)
     losses = train(full, opt, batches)
     opt.close()
     offload.unwrap(full)
 
-    offload.wrap(first, config(tmp_path / "b"))
+    offload.wrap(first, offload_config(tmp_path / "b"))
     opt = offload.AdamW(decay_groups(first), lr=1e-2)
     head = train(first, opt, batches[:3])
     sd = opt.state_dict()
@@ -189,7 +193,7 @@ def test_state_dict_round_trip_continues_trajectory(tmp_path, no_leaks):
 
     second = tiny_gpt2()
     second.load_state_dict(weights)
-    offload.wrap(second, config(tmp_path / "c"))
+    offload.wrap(second, offload_config(tmp_path / "c"))
     opt = offload.AdamW(decay_groups(second), lr=1e-2)
     opt.load_state_dict(sd)
     tail = train(second, opt, batches[3:])
@@ -204,11 +208,11 @@ def test_state_dict_round_trip_continues_trajectory(tmp_path, no_leaks):
     assert float(t.state_dict()["state"][0]["step"]) == 3
 
 
-def test_pipeline_event_log(tmp_path, no_leaks):
+def test_pipeline_event_log(tmp_path, tiny_gpt2, offload_config, train, lm_batches, no_leaks):
     """With states on NVMe: shard i+1 is read before shard i's update ends, and shard i-1's
     write is issued (not waited for) before shard i's update starts."""
     model = tiny_gpt2()
-    offload.wrap(model, config(tmp_path))
+    offload.wrap(model, offload_config(tmp_path))
     try:
         events = []
         opt = offload.AdamW(model.parameters(), lr=1e-3, shard_size=8192)
@@ -227,10 +231,10 @@ def test_pipeline_event_log(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_errors(tmp_path, no_leaks):
+def test_errors(tmp_path, tiny_gpt2, offload_config, no_leaks):
     a, b = tiny_gpt2(), tiny_gpt2()
-    offload.wrap(a, config(tmp_path / "a"))
-    offload.wrap(b, config(tmp_path / "b", optimizer_tier="host", host_budget="128KiB"))
+    offload.wrap(a, offload_config(tmp_path / "a"))
+    offload.wrap(b, offload_config(tmp_path / "b", optimizer_tier="host", host_budget="128KiB"))
     try:
         with pytest.raises(ValueError, match="different configs"):
             offload.AdamW(list(a.parameters()) + list(b.parameters()))
@@ -247,10 +251,10 @@ def test_errors(tmp_path, no_leaks):
         offload.AdamW(nn.Linear(2, 2).parameters(), betas=(1.0, 0.9))
 
 
-def test_plain_bf16_parameters_keep_an_fp32_master(no_leaks):
+def test_plain_bf16_parameters_keep_an_fp32_master(branchy, no_leaks):
     """Plain (unwrapped) bf16 parameters: fp32 master rows in the shard, gradients converted
     through a pooled buffer, the bf16 parameters rewritten from the master after each step."""
-    model = Branchy().to(torch.bfloat16)
+    model = branchy().to(torch.bfloat16)
     master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     ref_opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1, fused=True)
     opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, shard_size=3000)
@@ -270,14 +274,14 @@ def test_plain_bf16_parameters_keep_an_fp32_master(no_leaks):
     opt.close()
 
 
-def test_model_zero_grad_is_enough(tmp_path):
+def test_model_zero_grad_is_enough(tmp_path, lm_batches, tiny_gpt2, make_opt, offload_config):
     """Loops that reset gradients with model.zero_grad() (transformers' Trainer) never call
     the optimizer's zero_grad(); a step consumes the offloaded gradients, so they do not
     leak into the next step."""
     batches = lm_batches(211, steps=3, micro=1)
     ref = tiny_gpt2()
     ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
-    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     opt = make_opt("adamw", model.parameters(), offloaded=True)
     for m, o in ((ref, ref_opt), (model, opt)):
         for (ids,) in batches:

@@ -9,9 +9,6 @@ import torch
 import offload
 from offload.io import BudgetError
 
-from .optim_helpers import (Branchy, assert_losses, assert_same_weights, config, decay_groups, lm_batches,
-                             make_opt, tiny_gpt2, tiny_llama, train)
-
 transformers = pytest.importorskip("transformers")
 
 
@@ -65,17 +62,20 @@ def train_overlapped(model, opt, batches, *, sched=None, events=None):
 
 @pytest.mark.parametrize("grad_tier", ["auto", "nvme"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
-@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
-def test_update_during_backward_matches_torch(tmp_path, build, tier, grad_tier, no_leaks):
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_update_during_backward_matches_torch(tmp_path, arch, tier, grad_tier, tiny_gpt2, tiny_llama, lm_batches,
+                                              make_opt, decay_groups, train, offload_config, assert_losses,
+                                              assert_same_weights, no_leaks):
     """5 steps of 2 accumulated micro-batches, LambdaLR, decay groups, small shards (groups
     span several shards, shards several groups): the same trajectory as torch's AdamW."""
+    build = tiny_gpt2 if arch == "gpt2" else tiny_llama
     ref, model = build(), build()
     batches = lm_batches(model.config.vocab_size)
     ref_opt = make_opt("adamw", decay_groups(ref), False)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     ref_losses = train(ref, ref_opt, batches, sched=ref_sched)
 
-    offload.wrap(model, config(tmp_path, optimizer_tier=tier))
+    offload.wrap(model, offload_config(tmp_path, optimizer_tier=tier))
     try:
         events = []
         opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, grad_tier=grad_tier)
@@ -94,10 +94,11 @@ def test_update_during_backward_matches_torch(tmp_path, build, tier, grad_tier, 
     assert_same_weights(model, ref, rtol=0, atol=0)
 
 
-def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, no_leaks):
+def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, branchy, offload_config, assert_losses,
+                                                                  assert_same_weights, no_leaks):
     """The side layer gets no gradient on odd steps; its shards are not updated, and the
     parameter groups they share with updated layers keep its current bytes."""
-    ref, model = Branchy(), Branchy()
+    ref, model = branchy(), branchy()
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(4, 32, generator=g) for _ in range(5)]
 
@@ -108,7 +109,7 @@ def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, no_l
 
     ref_losses = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), False)
     # one group for the whole model: shards of updated and not-updated layers share it
-    offload.wrap(model, config(tmp_path, resident_bytes=0, group_bytes="1MiB"))
+    offload.wrap(model, offload_config(tmp_path, resident_bytes=0, group_bytes="1MiB"))
     try:
         opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, shard_size=1500)
         assert_losses(run(model, opt, True), ref_losses, rtol=0, atol=0)
@@ -123,7 +124,9 @@ def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, no_l
 @pytest.mark.parametrize("param_tier", ["nvme", "host"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_update_during_backward_with_activation_checkpointing(tmp_path, reentrant, tier, param_tier, no_leaks):
+def test_update_during_backward_with_activation_checkpointing(tmp_path, reentrant, tier, param_tier, tiny_gpt2, train,
+                                                              lm_batches, make_opt, offload_config, assert_losses,
+                                                              assert_same_weights, no_leaks):
     """Reentrant checkpointing runs a nested backward per block inside the outer one: that
     is not an interrupted backward, and each parameter still reports once. fp32 groups are
     updated in place, in a host copy (parameters on NVMe) or in their home (in host memory),
@@ -134,7 +137,7 @@ def test_update_during_backward_with_activation_checkpointing(tmp_path, reentran
         m.train()
     batches = lm_batches(model.config.vocab_size, steps=3, micro=1)
     ref_losses = train(ref, make_opt("adamw", ref.parameters(), False), batches)
-    offload.wrap(model, config(tmp_path, param_tier=param_tier, optimizer_tier=tier))
+    offload.wrap(model, offload_config(tmp_path, param_tier=param_tier, optimizer_tier=tier))
     try:
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
         assert not any(s.master for s in opt._book.shards)
@@ -146,8 +149,9 @@ def test_update_during_backward_with_activation_checkpointing(tmp_path, reentran
     assert_same_weights(model, ref, rtol=0, atol=0)
 
 
-def test_update_during_backward_refuses_what_it_cannot_do_exactly(tmp_path, no_leaks):
-    model = offload.wrap(tiny_gpt2(), config(tmp_path))
+def test_update_during_backward_refuses_what_it_cannot_do_exactly(tmp_path, tiny_gpt2, offload_config, lm_batches,
+                                                                  branchy, no_leaks):
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
     ids = lm_batches(211, steps=1, micro=1)[0][0]
     try:
         opt = offload.AdamW(model.parameters(), lr=1e-3, shard_size=6000)
@@ -173,7 +177,7 @@ def test_update_during_backward_refuses_what_it_cannot_do_exactly(tmp_path, no_l
         opt.close()
     finally:
         offload.close(model)
-    fp16 = offload.wrap(Branchy(), config(tmp_path / "h", compute_dtype="fp16", resident_bytes=0))
+    fp16 = offload.wrap(branchy(), offload_config(tmp_path / "h", compute_dtype="fp16", resident_bytes=0))
     try:
         opt = offload.AdamW(fp16.parameters())
         with pytest.raises(ValueError, match="fp16 loss scaling"):
@@ -185,7 +189,8 @@ def test_update_during_backward_refuses_what_it_cannot_do_exactly(tmp_path, no_l
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_interrupted_backward_with_updates_during_it(tmp_path, tier, no_leaks):
+def test_interrupted_backward_with_updates_during_it(tmp_path, tier, lm_batches, tiny_gpt2, make_opt, train,
+                                                     offload_config, no_leaks):
     """An exception in the middle of an update_during_backward() pass: when no shard was
     updated yet, going on drops the batch and equals the reference that never saw it; when
     some were, step() refuses until states are loaded."""
@@ -194,7 +199,7 @@ def test_interrupted_backward_with_updates_during_it(tmp_path, tier, no_leaks):
     ref_opt = make_opt("adamw", ref.parameters(), False)
     train(ref, ref_opt, [batches[0], batches[2]])
 
-    model = offload.wrap(tiny_gpt2(), config(tmp_path, optimizer_tier=tier))
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, optimizer_tier=tier))
     try:
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
         train_overlapped(model, opt, [batches[0]])
@@ -232,14 +237,15 @@ def test_interrupted_backward_with_updates_during_it(tmp_path, tier, no_leaks):
 
 
 @pytest.mark.parametrize("grad_tier", ["auto", "host", "nvme"])
-def test_grad_tier(tmp_path, grad_tier, no_leaks):
+def test_grad_tier(tmp_path, grad_tier, tiny_gpt2, lm_batches, train, make_opt, decay_groups, offload_config,
+                   assert_losses, assert_same_weights, no_leaks):
     """Gradients of a model whose states are on NVMe: in host memory under "auto" when the
     budget holds them (nothing written for them), on NVMe under "nvme"; the trajectory is
     torch's either way."""
     ref, model = tiny_gpt2(), tiny_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=3)
     ref_losses = train(ref, make_opt("adamw", decay_groups(ref), False), batches, clip=0.5)
-    offload.wrap(model, config(tmp_path))
+    offload.wrap(model, offload_config(tmp_path))
     try:
         opt = make_opt("adamw", decay_groups(model), True, shard_size=6000, grad_tier=grad_tier)
         homes = {s.grad_home for s in opt._book.shards}
@@ -259,14 +265,15 @@ def test_grad_tier(tmp_path, grad_tier, no_leaks):
     assert_same_weights(model, ref)
 
 
-def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, no_leaks):
+def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, tiny_gpt2, lm_batches, train, make_opt,
+                                                         offload_config, assert_losses, assert_same_weights, no_leaks):
     """A host budget that holds some of the gradients: auto keeps the first shards' in host
     memory and the rest on NVMe (training still equals torch's); "host" is refused with
     the figures."""
     ref, model = tiny_gpt2(), tiny_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=2)
     ref_losses = train(ref, make_opt("adamw", ref.parameters(), False), batches)
-    offload.wrap(model, config(tmp_path, host_budget="1600KiB", device_budget="1MiB"))
+    offload.wrap(model, offload_config(tmp_path, host_budget="1600KiB", device_budget="1MiB"))
     try:
         with pytest.raises(BudgetError, match="grad_tier='host' keeps"):
             make_opt("adamw", model.parameters(), True, shard_size=6000, grad_tier="host")
@@ -281,14 +288,15 @@ def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, no_leaks):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_update_during_backward_on_cuda(tmp_path, no_leaks):
+def test_update_during_backward_on_cuda(tmp_path, tiny_gpt2, lm_batches, train, offload_config, make_opt, assert_losses,
+                                        no_leaks):
     """On CUDA gradients are added on the drain worker; the queue advances from the gradient
     hooks on backward's thread and step() finishes it: the same trajectory as torch's."""
     ref, model = tiny_gpt2().cuda(), tiny_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
     ref_losses = train(ref, ref_opt, [[ids.cuda() for ids in micro] for micro in batches])
-    offload.wrap(model, config(tmp_path, device="cuda"))
+    offload.wrap(model, offload_config(tmp_path, device="cuda"))
     try:
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
         losses, _ = train_overlapped(model, opt, [[ids.cuda() for ids in micro] for micro in batches])
@@ -301,11 +309,12 @@ def test_update_during_backward_on_cuda(tmp_path, no_leaks):
 
 
 @pytest.mark.parametrize("param_tier", ["nvme", "host"])
-def test_update_during_backward_with_parameters_left_out_of_the_optimizer(tmp_path, param_tier, no_leaks):
+def test_update_during_backward_with_parameters_left_out_of_the_optimizer(tmp_path, param_tier, branchy, offload_config,
+                                                                          assert_losses, assert_same_weights, no_leaks):
     """The optimizer is given all but the norm's parameters, which share the one parameter
     group with the others: the group written back keeps their bytes unchanged (updated in
     place on NVMe; assembled from master rows and the current bytes on the host tier)."""
-    ref, model = Branchy(), Branchy()
+    ref, model = branchy(), branchy()
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(4, 32, generator=g) for _ in range(3)]
 
@@ -316,7 +325,7 @@ def test_update_during_backward_with_parameters_left_out_of_the_optimizer(tmp_pa
         return train_squares(m, opt, xs, overlapped=overlapped, clear_grads=True)
 
     ref_losses = run(ref, torch.optim.AdamW(trained(ref), lr=1e-2, weight_decay=0.1, fused=True), False)
-    offload.wrap(model, config(tmp_path, param_tier=param_tier, resident_bytes=0, group_bytes="1MiB"))
+    offload.wrap(model, offload_config(tmp_path, param_tier=param_tier, resident_bytes=0, group_bytes="1MiB"))
     try:
         opt = offload.AdamW(trained(model), lr=1e-2, weight_decay=0.1, shard_size=1500)
         assert_losses(run(model, opt, True), ref_losses, rtol=0, atol=0)

@@ -4,19 +4,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-
 import offload
 from offload.io import BudgetError
-
-transformers = pytest.importorskip("transformers")
-
-
-def _model(n_embd: int, n_layer: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=503, n_positions=32)
-    return transformers.GPT2LMHeadModel(cfg)
 
 
 def _built(opt) -> dict[str, int]:
@@ -48,7 +37,8 @@ def _planned(plan) -> dict[str, int]:
     return out
 
 
-def test_the_plan_is_the_layout_the_optimizer_builds_under_tight_budgets(tmp_path, no_leaks):
+def test_the_plan_is_the_layout_the_optimizer_builds_under_tight_budgets(tmp_path, tiny_gpt2, offload_config,
+                                                                          no_leaks):
     """Random tiers, dtypes, model shapes and host budgets from roomy down to too small: the
     optimizer builds exactly what the plan counted (moments, masters, gradients by tier,
     shards in flight), and refuses exactly where the plan says it would."""
@@ -60,11 +50,11 @@ def test_the_plan_is_the_layout_the_optimizer_builds_under_tight_budgets(tmp_pat
         param_tier = rng.choice(["nvme", "host"])
         dtype = rng.choice([None, "bf16"])
         host_budget = rng.choice([1 << 20, 3 << 20, 6 << 20, 12 << 20, 64 << 20])
-        cfg = offload.OffloadConfig(device="cpu", param_tier=param_tier, optimizer_tier=optimizer_tier,
-                                    nvme_path=str(tmp_path / f"swap{trial}"), device_budget="8MiB",
-                                    host_budget=host_budget, compute_dtype=dtype, resident_bytes=0)
+        cfg = offload_config(tmp_path / f"t{trial}", param_tier=param_tier, optimizer_tier=optimizer_tier,
+                             device_budget="8MiB", host_budget=host_budget, compute_dtype=dtype, resident_bytes=0,
+                             file_size="1GiB")
         what = f"trial {trial}: {n_embd}x{n_layer}, {param_tier}/{optimizer_tier}, {dtype}, host {host_budget}"
-        model = _model(n_embd, n_layer)
+        model = tiny_gpt2(n_embd=n_embd, n_layer=n_layer, vocab_size=503, n_positions=32)
         plan = offload.plan(model, cfg, optimizer="adamw")
         if plan.problems and not any(p.startswith("optimizer:") for p in plan.problems):
             continue  # (the parameters alone do not fit: wrap refuses before any optimizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -16,27 +17,11 @@ transformers = pytest.importorskip("transformers")
 TIERS = ["device", "host", "nvme"]
 
 
-def config(tmp_path, tier, **kw):
-    args = dict(device="cpu", param_tier=tier, optimizer_tier="host",
-                nvme_path=str(tmp_path / "nvme") if tier == "nvme" else None,
-                device_budget="64MiB", host_budget="256MiB", resident_bytes=0, file_size="16MiB", group_bytes=0)
-    args.update(kw)
-    return offload.OffloadConfig(**args)
-
-
-def tiny_gpt2():
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=211, n_positions=64,
-                                  tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg).eval()
-
-
-def tiny_llama():
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=197,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
+# this file's models and config: a 3-layer GPT-2 with transformers' default dropout (off in
+# eval mode); optimizer states in host memory, budgets that bind only where a test sets
+# them, nothing kept resident, one group per module
+GPT2 = dict(n_layer=3, dropout=0.1)
+WRAP = dict(optimizer_tier="host", device_budget="64MiB", host_budget="256MiB", resident_bytes=0, group_bytes=0)
 
 
 def assert_grads_match_and_clear(model, ref):
@@ -51,11 +36,13 @@ def _batches(vocab, n=2, seq=16):
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
-def test_forward_backward_match_reference(tmp_path, tier, build, no_leaks):
-    ref, model = build(), build()
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_forward_backward_match_reference(tmp_path, tier, arch, tiny_gpt2, tiny_llama, offload_config, no_leaks):
+    build = functools.partial(tiny_gpt2, **GPT2) if arch == "gpt2" else tiny_llama
+    ref, model = build().eval(), build().eval()
     ids = _batches(model.config.vocab_size)[0]
-    offload.wrap(model, config(tmp_path, tier, device_budget="2MiB" if tier != "device" else "64MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier=tier,
+                                       device_budget="2MiB" if tier != "device" else "64MiB"))
     try:
         for _ in range(2):  # the second pass runs on the recorded order, with prefetch
             out, expected = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
@@ -74,10 +61,10 @@ def test_forward_backward_match_reference(tmp_path, tier, build, no_leaks):
         torch.testing.assert_close(p, q, msg=name)
 
 
-def test_tied_embeddings_share_one_group_and_grad(tmp_path, no_leaks):
-    ref, model = tiny_gpt2(), tiny_gpt2()
+def test_tied_embeddings_share_one_group_and_grad(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    ref, model = tiny_gpt2(**GPT2).eval(), tiny_gpt2(**GPT2).eval()
     assert model.lm_head.weight is model.transformer.wte.weight
-    offload.wrap(model, config(tmp_path, "nvme", device_budget="2MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier="nvme", device_budget="2MiB"))
     try:
         assert model.lm_head.weight is model.transformer.wte.weight
         ids = _batches(model.config.vocab_size)[0]
@@ -121,13 +108,14 @@ class Checkpointed(nn.Module):
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("make", [CalledTwice, lambda: Checkpointed(True), lambda: Checkpointed(False)],
                          ids=["called_twice", "checkpoint_reentrant", "checkpoint_nonreentrant"])
-def test_modules_called_twice_and_activation_checkpointing(tmp_path, tier, make, no_leaks):
+def test_modules_called_twice_and_activation_checkpointing(tmp_path, tier, make, offload_config, no_leaks):
     torch.manual_seed(0)
     model = make()
     ref = copy.deepcopy(model)
     x = torch.randn(5, 16 if isinstance(model, CalledTwice) else 32, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    offload.wrap(model, config(tmp_path, tier, device_budget="64KiB" if tier != "device" else "1MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier=tier,
+                                       device_budget="64KiB" if tier != "device" else "1MiB"))
     try:
         for _ in range(3):
             out, expected = model(x), ref(x_ref)
@@ -142,10 +130,10 @@ def test_modules_called_twice_and_activation_checkpointing(tmp_path, tier, make,
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_inference_modes(tmp_path, mode, no_leaks):
-    ref, model = tiny_llama(), tiny_llama()
+def test_inference_modes(tmp_path, mode, tiny_llama, offload_config, no_leaks):
+    ref, model = tiny_llama().eval(), tiny_llama().eval()
     ids = _batches(model.config.vocab_size)[0]
-    offload.wrap(model, config(tmp_path, "nvme", device_budget="1MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier="nvme", device_budget="1MiB"))
     try:
         ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
         for _ in range(3):
@@ -155,10 +143,10 @@ def test_inference_modes(tmp_path, mode, no_leaks):
         offload.unwrap(model)
 
 
-def test_generate_matches(tmp_path, no_leaks):
-    ref, model = tiny_gpt2(), tiny_gpt2()
+def test_generate_matches(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    ref, model = tiny_gpt2(**GPT2).eval(), tiny_gpt2(**GPT2).eval()
     ids = torch.tensor([[5, 17, 42, 9]])
-    offload.wrap(model, config(tmp_path, "nvme", device_budget="1MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier="nvme", device_budget="1MiB"))
     try:
         kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
         out = model.generate(ids, **kwargs)
@@ -168,10 +156,11 @@ def test_generate_matches(tmp_path, no_leaks):
         offload.unwrap(model)
 
 
-def test_compute_dtype_runs_an_fp32_model_in_bf16(tmp_path, no_leaks):
-    ref, model = tiny_llama(), tiny_llama()
+def test_compute_dtype_runs_an_fp32_model_in_bf16(tmp_path, tiny_llama, offload_config, no_leaks):
+    ref, model = tiny_llama().eval(), tiny_llama().eval()
     ids = _batches(model.config.vocab_size)[0]
-    offload.wrap(model, config(tmp_path, "host", compute_dtype="bf16", device_budget="1MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier="host", compute_dtype="bf16",
+                                       device_budget="1MiB"))
     try:
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
         with torch.no_grad():
@@ -186,11 +175,11 @@ def test_compute_dtype_runs_an_fp32_model_in_bf16(tmp_path, no_leaks):
 
 
 @pytest.mark.parametrize("group_bytes", ["100KiB", "1MiB"])
-def test_groups_merged_by_size_match_reference(tmp_path, group_bytes, no_leaks):
-    ref, model = tiny_gpt2(), tiny_gpt2()
+def test_groups_merged_by_size_match_reference(tmp_path, group_bytes, tiny_gpt2, offload_config, no_leaks):
+    ref, model = tiny_gpt2(**GPT2).eval(), tiny_gpt2(**GPT2).eval()
     ids = _batches(model.config.vocab_size)[0]
-    offload.wrap(model, config(tmp_path, "nvme", group_bytes=group_bytes, resident_bytes="4KiB",
-                               device_budget="2MiB"))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier="nvme", group_bytes=group_bytes,
+                                       resident_bytes="4KiB", device_budget="2MiB"))
     try:
         groups = offload.params.manager_of(model).groups
         streamed = [g for g in groups if not g.resident]
@@ -208,7 +197,8 @@ def test_groups_merged_by_size_match_reference(tmp_path, group_bytes, no_leaks):
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_checkpointed_layers_of_several_modules_under_a_tight_budget(tmp_path, tier, reentrant, no_leaks):
+def test_checkpointed_layers_of_several_modules_under_a_tight_budget(tmp_path, tier, reentrant, tiny_llama,
+                                                                     offload_config, no_leaks):
     """A checkpointed transformer layer recomputes several modules (q/k/v/o, the MLP) inside
     backward before backward reaches them: what the recomputation saves are views of their
     group buffers, which must not be reused by the next module's group in the meantime."""
@@ -221,8 +211,8 @@ def test_checkpointed_layers_of_several_modules_under_a_tight_budget(tmp_path, t
     layer = max(sum(p.numel() * 4 for p in block.parameters()) for block in model.model.layers)
     total = sum(p.numel() * 4 for p in model.parameters())
     assert layer + 2 * largest < 0.8 * total
-    offload.wrap(model, config(tmp_path, tier, device_budget=layer + 2 * largest, cache_bytes=0,
-                               prefetch_bytes=0))
+    offload.wrap(model, offload_config(tmp_path, WRAP, param_tier=tier, device_budget=layer + 2 * largest,
+                                       cache_bytes=0, prefetch_bytes=0))
     try:
         for ids in _batches(model.config.vocab_size):
             torch.testing.assert_close(model(input_ids=ids, labels=ids).loss.detach(), ref(input_ids=ids, labels=ids).loss.detach())

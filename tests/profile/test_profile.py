@@ -70,6 +70,32 @@ def test_report_has_the_keys_and_sane_figures(profiled):
            {(r["block_size"], r["queue_depth"]) for r in sweep if r["op"] == "read"}
     assert report["path"] == str(target)
     assert not leftover_files(target), "the test file was left behind"
+    # the runtime reads and writes with O_DIRECT: where the disk takes it, the best figures
+    # and the engine's setting are O_DIRECT ones
+    direct = report["disk_direct_supported"]
+    assert report["disk_best_read"]["direct"] is direct and report["disk_best_write"]["direct"] is direct
+    assert report["engine_choice"]["direct"] is direct
+    _assert_engine_choice_is_the_best_of_both_ways(report["engine_choice"], sweep, direct)
+
+
+def _assert_engine_choice_is_the_best_of_both_ways(choice: dict, sweep: list[dict], direct: bool) -> None:
+    """The engine's setting is the one with the best read and write together (the largest
+    product of the two, each a setting's fastest measurement in the sweep), and carries
+    that setting's own figures. (The sweep's figures are rounded to 0.1 MB/s.)"""
+    fastest: dict[str, dict[tuple, float]] = {"read": {}, "write": {}}
+    for row in sweep:
+        if row["op"] in fastest and row["direct"] is direct:
+            setting = (row["block_size"], row["queue_depth"], row["threads"])
+            fastest[row["op"]][setting] = max(fastest[row["op"]].get(setting, 0.0), row["gbps"])
+    both = fastest["read"].keys() & fastest["write"].keys()
+    best = max(fastest["read"][s] * fastest["write"][s] for s in both)
+    rounding = 1e-4 * (max(fastest["read"].values()) + max(fastest["write"].values()))
+    chosen = (choice["block_size"], choice["queue_depth"], choice["threads"])
+    assert chosen in both, chosen
+    assert fastest["read"][chosen] * fastest["write"][chosen] == pytest.approx(best, rel=1e-3, abs=rounding), \
+        (chosen, fastest)
+    assert choice["read_gbps"] == pytest.approx(fastest["read"][chosen], abs=1e-4)
+    assert choice["write_gbps"] == pytest.approx(fastest["write"][chosen], abs=1e-4)
 
 
 def test_table_has_a_row_per_link(profiled):
@@ -85,6 +111,11 @@ def test_table_has_a_row_per_link(profiled):
 
 def test_recommendation_loads_and_io_auto_reads_the_cache(profiled):
     target, report, _, rec = profiled
+    # what the command writes: the engine's settings, budgets, prefetch and tiers (both on
+    # NVMe without --model-bytes), nothing left to a default
+    assert json.loads(rec.read_text()).keys() == {
+        "device", "nvme_path", "block_size", "queue_depth", "io_threads", "host_budget", "device_budget",
+        "prefetch_bytes", "param_tier", "optimizer_tier"}
     cfg = offload.OffloadConfig.from_file(str(rec))
     choice = report["engine_choice"]
     assert (cfg.block_size, cfg.queue_depth, cfg.io_threads) == (
@@ -283,12 +314,15 @@ def test_refuses_cuda_without_cuda(tmp_path):
     assert out.returncode == 2 and "CUDA is not available" in out.stderr and "--device cpu" in out.stderr
 
 
-def test_help_explains_every_flag():
-    out = subprocess.run([sys.executable, "-m", "offload.profile", "--help"], capture_output=True, text=True)
+def test_help_explains_every_flag(help_entries):
+    out = subprocess.run([sys.executable, "-m", "offload.profile", "--help"], capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="1000"))  # one line per entry: no word broken at a hyphen
     assert out.returncode == 0
     for flag in ("--path", "--size", "--device", "--quick", "--full", "--json", "--recommend",
                  "--model-bytes", "--dtype", "--fio", "--no-cache", "--no-progress", "--verbose"):
         assert flag in out.stdout, flag
+        # argparse lists a flag whether it is explained or not: its own entry must say something
+        assert len(help_entries(out.stdout).get(flag, "").split()) >= 3, (flag, help_entries(out.stdout).get(flag))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
