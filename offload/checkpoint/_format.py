@@ -40,8 +40,8 @@ import torch
 
 from .._os import pid_alive
 
-__all__ = ["CheckpointError", "FORMAT", "VERSION", "MANIFEST", "dtype_name", "dtype_of", "crc32",
-           "AtomicDirectory", "recover", "read_manifest", "check_writable"]
+__all__ = ["CheckpointError", "FORMAT", "VERSION", "MANIFEST", "dtype_name", "dtype_of", "crc32", "jsonable",
+           "tensor_of", "AtomicDirectory", "recover", "read_manifest", "check_writable"]
 
 log = logging.getLogger(__name__)
 
@@ -259,3 +259,29 @@ def read_manifest(path: str) -> dict:
             raise CheckpointError(f"incomplete checkpoint: {file!r} has {actual} bytes, the manifest "
                                   f"needs {size}")
     return manifest
+
+
+def jsonable(value: Any, what: str) -> Any:
+    """``value`` as JSON (a hyper-parameter, a torch optimizer's non-tensor state): scalars
+    of one-element tensors, lists of tuples; a CheckpointError names what cannot be."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise CheckpointError(f"{what} is a tensor of shape {tuple(value.shape)}; only scalars can "
+                                  "be stored as hyper-parameters")
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [jsonable(v, what) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, what) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"{what} is a {type(value).__name__}, which a checkpoint cannot store as JSON")
+
+
+def tensor_of(raw: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """Raw bytes read from a checkpoint file as a tensor of ``dtype`` and ``shape``."""
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return raw.view(torch.bool).view(shape)
+    return raw.view(dtype).view(shape)

@@ -13,10 +13,11 @@ from torch import nn
 
 from .._units import format_size
 from ..io import BufferPool
-from ..optim import CheckpointView, OffloadOptimizer, ShardRows
+from ..optim import OffloadOptimizer
 from ..params import narrows
 from ._catalog import Catalog, Tensorish, catalog
-from ._format import ALIGN, CheckpointError, dtype_of, read_manifest
+from ._format import ALIGN, CheckpointError, dtype_of, read_manifest, tensor_of
+from ._optim_state import check_optimizer, load_torch_optimizer, offload_optimizer_items
 from ._optimizers import innermost_optimizer
 from ._save import resources
 from ._stream import BlobReader, ReadItem, ReadRun, merge_runs
@@ -72,7 +73,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Catalog) -> Any:
     started = time.perf_counter()
     model_items = _model_items(manifest, cat)
-    opt_plan = _check_optimizer(manifest, optimizer, cat) if optimizer is not None else None
+    opt_plan = check_optimizer(manifest, optimizer, cat) if optimizer is not None else None
     pool, window, engine_args = resources(cat, optimizer)
     reader = BlobReader(path, pool=pool, window=window, engine_args=engine_args)
     total = sum(i.nbytes for i in model_items)
@@ -83,12 +84,12 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
             # a load that fails half way leaves the optimizer refusing to step
             view = optimizer.checkpoint_view()
             with view.loading(opt_plan["info"].get("scaler")):
-                opt_items = _offload_optimizer_items(view, optimizer, opt_plan)
+                opt_items = offload_optimizer_items(view, optimizer, opt_plan)
                 reader.run(model_items + opt_items, total + sum(i.nbytes for i in opt_items))
         else:
             reader.run(model_items, total)
             if optimizer is not None:
-                _load_torch_optimizer(optimizer, manifest, opt_plan, reader)
+                load_torch_optimizer(optimizer, manifest, opt_plan, reader)
     except CheckpointError as err:  # found while streaming: some tensors were already replaced
         raise CheckpointError(f"{err} (the model{' and optimizer' if optimizer is not None else ''} now "
                               "hold a mix of old and loaded values: load another checkpoint before "
@@ -118,9 +119,9 @@ def load_state_dict_from(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 if value is None:
                     value = torch.empty(shape, dtype=dtype)
                 start, n = entry["start"], entry["numel"]
-                value.view(-1)[start: start + n].copy_(_as_tensor(data[: entry["length"]], dtype, (n,)))
+                value.view(-1)[start: start + n].copy_(tensor_of(data[: entry["length"]], dtype, (n,)))
             else:
-                value = _as_tensor(data[: entry["length"]], dtype, shape).clone()
+                value = tensor_of(data[: entry["length"]], dtype, shape).clone()
             for name in [entry["name"], *entry.get("aliases", [])]:
                 out[name] = value
 
@@ -218,7 +219,7 @@ def _model_items(manifest: dict, cat: Catalog) -> list[ReadItem]:
         for entry in entries:
             def consume(data: torch.Tensor, t=t, entry=entry) -> None:
                 s, e = _span(entry)
-                value = _as_tensor(data[: entry["length"]], dtype_of(entry["dtype"]), (e - s,))
+                value = tensor_of(data[: entry["length"]], dtype_of(entry["dtype"]), (e - s,))
                 with torch.no_grad():
                     if "start" in entry:  # one rank's slice
                         t.tensor.view(-1)[s:e].copy_(value)
@@ -269,7 +270,7 @@ def _group_item(manager: Any, group: Any, members: list[tuple[Tensorish, list[di
         wide: dict[int, torch.Tensor] = {}  # trained parameters saved wider than they rest now
         for t, entry, at, a, b in copies:
             s, e = _span(entry)
-            source = _as_tensor(data[at: at + entry["length"]], dtype_of(entry["dtype"]), (e - s,))
+            source = tensor_of(data[at: at + entry["length"]], dtype_of(entry["dtype"]), (e - s,))
             begin, end = t.slot.elements(a, b - a)
             data[begin: end].view(t.dtype).copy_(source[a - s: b - s])
             if s == 0 and e == t.slot.numel and manager.partition is None and narrows(source, t.slot):
@@ -288,159 +289,3 @@ def _group_item(manager: Any, group: Any, members: list[tuple[Tensorish, list[di
     return ReadItem(extra, merge_runs(runs), checks, consume, in_place=None if copies or kept else in_place)
 
 
-def _as_tensor(raw: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    if raw.numel() == 0:
-        return torch.empty(shape, dtype=dtype)
-    if dtype == torch.bool:
-        return raw.view(torch.bool).view(shape)
-    return raw.view(dtype).view(shape)
-
-
-# -- optimizer ----------------------------------------------------------------------------------
-def _check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catalog) -> dict:
-    info = manifest.get("optimizer")
-    if info is None:
-        raise CheckpointError("the checkpoint holds no optimizer state (it was saved without an optimizer): "
-                              "call load_checkpoint(path, model) and start the optimizer afresh")
-    ours = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    if info["class"].rsplit(".", 1)[-1] != type(optimizer).__name__ or \
-            (info["format"] == "offload") != isinstance(optimizer, OffloadOptimizer):
-        raise CheckpointError(f"the checkpoint's optimizer is {info['class']}, this one is {ours}: "
-                              "build the same optimizer class to resume")
-    saved_groups = info["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one "
-                              f"{len(optimizer.param_groups)}")
-    names: list[list[str]] = []
-    problems = []
-    for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
-        here = []
-        for p in group["params"]:
-            name = cat.param_name(p)
-            if name is None:
-                raise CheckpointError(f"a parameter of param group {gi} (shape {tuple(p.shape)}) is not a "
-                                      "parameter of the model being loaded")
-            here.append(name)
-        if here != saved["params"]:
-            gone = sorted(set(saved["params"]) - set(here))[:10]
-            new = sorted(set(here) - set(saved["params"]))[:10]
-            problems.append(f"param group {gi}: " + (f"missing {gone} " if gone else "")
-                            + (f"new {new} " if new else "") + ("(order differs)" if not gone and not new else ""))
-        names.append(here)
-    if problems:
-        raise CheckpointError("the optimizer's parameters differ from the checkpoint's: " + "; ".join(problems))
-    pieces: dict[tuple[str, str], list[dict]] = {}
-    for entry in manifest["tensors"]:
-        if "row" in entry:
-            pieces.setdefault((entry["name"], entry["row"]), []).append(entry)
-    for key, entries in pieces.items():
-        entries.sort(key=lambda e: e.get("start", 0))
-        if "start" in entries[0]:
-            at = 0
-            for e in entries:
-                if e["start"] != at:
-                    raise CheckpointError(f"corrupt manifest: optimizer state {key[1]} of {key[0]} has a gap "
-                                          f"at element {at}")
-                at += e["numel"]
-    return {"names": names, "pieces": pieces, "info": info}
-
-
-def _restore_groups(optimizer: torch.optim.Optimizer, info: dict) -> None:
-    for group, saved in zip(optimizer.param_groups, info["param_groups"]):
-        for key, value in saved.items():
-            if key == "params":
-                continue
-            if isinstance(group.get(key), tuple) and isinstance(value, list):
-                value = tuple(value)
-            if isinstance(group.get(key), torch.Tensor):
-                group[key].fill_(value)
-                continue
-            group[key] = value
-
-
-def _offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: dict) -> list[ReadItem]:
-    """The read items that fill ``opt``'s state rows (inside ``view.loading()``: the groups'
-    settings and step counts are set here)."""
-    info, pieces = plan["info"], plan["pieces"]
-    _restore_groups(opt, info)
-    cat_names = {id(p): n for group, names in zip(opt.param_groups, plan["names"])
-                 for p, n in zip(group["params"], names)}
-    items = []
-    for shard in view.shards():
-        for seg in shard.segments:
-            step = info["state"].get(cat_names[id(seg.param)], {}).get("step", 0.0)
-            seg.step.fill_(float(step))
-        if shard.nbytes:
-            items.append(_shard_item(view, shard, cat_names, pieces))
-    return items
-
-
-def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dict) -> ReadItem:
-    row_bytes = shard.numel * 4
-    runs, checks, copies, zeros, masters = [], [], [], [], []
-    extra = -(-shard.nbytes // ALIGN) * ALIGN
-    for seg in shard.segments:
-        name = names[id(seg.param)]
-        lo, hi = seg.start, seg.start + seg.length
-        for r, row in enumerate(shard.names):
-            dest = r * row_bytes + seg.offset * 4
-            saved = pieces.get((name, row))
-            if not saved:
-                (masters if row == "master_param" else zeros).append((seg, dest))
-                continue
-            for e in saved:
-                s, n = e["start"], e["numel"]
-                if s + n <= lo or s >= hi:
-                    continue
-                if s >= lo and s + n <= hi:  # the piece lies inside this segment: read in place
-                    at = dest + (s - lo) * 4
-                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
-                    checks.append((e, at))
-                else:  # it spans a segment boundary (shards cut differently): scratch, then copy
-                    at = extra + e["offset"] % ALIGN
-                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
-                    checks.append((e, at))
-                    extra = -(-(at + e["length"]) // ALIGN) * ALIGN
-                    a, b = max(s, lo), min(s + n, hi)
-                    copies.append((at + (a - s) * 4, dest + (a - lo) * 4, (b - a) * 4))
-
-    def consume(data: torch.Tensor) -> None:
-        for src, dst, n in copies:
-            data[dst: dst + n].copy_(data[src: src + n])
-        for seg, dst in zeros:
-            data[dst: dst + seg.length * 4].zero_()
-        for seg, dst in masters:
-            data[dst: dst + seg.length * 4].view(torch.float32).copy_(view.current_values(seg))
-        view.write(shard, data[: shard.nbytes].view(torch.float32).view(len(shard.names), shard.numel))
-
-    simple = not (copies or zeros or masters)
-    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=shard.overwrite_in_place if simple else None)
-
-
-def _load_torch_optimizer(opt: torch.optim.Optimizer, manifest: dict, plan: dict, reader: BlobReader) -> None:
-    info = plan["info"]
-    index = {name: i for i, name in enumerate(n for names in plan["names"] for n in names)}
-    state: dict[int, dict] = {}
-    for name, values in info["state"].items():
-        state.setdefault(index[name], {}).update(values)
-    items = []
-    for (name, row), entries in plan["pieces"].items():
-        for entry in entries:
-            def consume(data: torch.Tensor, name=name, row=row, entry=entry) -> None:
-                value = _as_tensor(data[: entry["length"]], dtype_of(entry["dtype"]), tuple(entry["shape"]))
-                state.setdefault(index[name], {})[row] = value.clone()
-
-            items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
-                                  [(entry, 0)], consume))
-    reader.run(items)
-    groups, start = [], 0
-    for saved, names in zip(info["param_groups"], plan["names"]):
-        group = {k: v for k, v in saved.items() if k != "params"}
-        group["params"] = list(range(start, start + len(names)))
-        start += len(names)
-        groups.append(group)
-    for group, current in zip(groups, opt.param_groups):
-        for key, value in group.items():
-            if isinstance(current.get(key), tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-    opt.load_state_dict({"state": state, "param_groups": groups})

@@ -16,15 +16,16 @@ from .._resolve import resolve_engine
 from .._units import format_size
 from ..io import BufferPool
 from ..optim import OffloadOptimizer
-from ._catalog import Catalog, Tensorish, catalog, host_bytes
-from ._format import FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, dtype_name, write_json
+from ._blobs import model_blobs
+from ._catalog import Catalog, catalog
+from ._format import FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, write_json
+from ._optim_state import optimizer_blobs
 from ._optimizers import innermost_optimizer
-from ._stream import Blob, BlobWriter, Piece
+from ._stream import Blob, BlobWriter
 
 __all__ = ["save_checkpoint", "state_dict", "resources"]
 
 log = logging.getLogger(__name__)
-_PACK = 64 << 20  # small tensors are packed into blobs of up to this many bytes
 _WINDOW = 512 << 20  # most bytes of save/load buffers held at once
 
 
@@ -88,10 +89,10 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
 def _writer(cat: Catalog, optimizer: Any) -> tuple[list[Blob], dict | None, BlobWriter, BufferPool]:
     """The blobs of the model (and optimizer), the optimizer's manifest part, and the writer
     that streams them through the model's buffer pool (returned too)."""
-    blobs = _model_blobs(cat)
+    blobs = model_blobs(cat)
     opt_info = None
     if optimizer is not None:
-        opt_blobs, opt_info = _optimizer_blobs(optimizer, cat)
+        opt_blobs, opt_info = optimizer_blobs(optimizer, cat)
         blobs += opt_blobs
     pool, window, engine_args = resources(cat, optimizer)
     return blobs, opt_info, BlobWriter(blobs, pool=pool, window=window, engine_args=engine_args), pool
@@ -121,43 +122,6 @@ def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- what to write ----------------------------------------------------------------------------
-def _entry(name: str, t: Tensorish | None = None, **fields: Any) -> dict:
-    entry = {"name": name}
-    if t is not None:
-        entry.update(kind=t.kind, dtype=dtype_name(t.dtype), shape=list(t.shape))
-        if t.aliases:
-            entry["aliases"] = list(t.aliases)
-    entry.update(fields)
-    return entry
-
-
-def _model_blobs(cat: Catalog) -> list[Blob]:
-    blobs: list[Blob] = []
-    by_group: dict[int, list[Tensorish]] = {}
-    for t in cat.params:
-        if t.group is not None:
-            by_group.setdefault(id(t.group), []).append(t)
-    for manager, group in cat.groups():
-        store = manager.store
-        pieces = [_slot_piece(t) for t in by_group[id(group)] if t.slot.count or not t.slot.nbytes]
-        blobs.append(Blob("model.bin", group.nbytes,
-                          lambda dest, key=group.key, store=store: store.read_into(key, dest), pieces,
-                          borrow=lambda key=group.key, store=store: store.borrow_host(key)))
-    loose = [t for t in cat.params if t.group is None] + cat.buffers
-    blobs += _packed("model.bin", [(t, _entry(t.name, t)) for t in loose])
-    return blobs
-
-
-def _slot_piece(t: Tensorish) -> Piece:
-    """A wrapped parameter's bytes in its group's blob; a rank's slice holding part of it
-    records which elements (``start``, ``numel`` of the flattened parameter)."""
-    slot = t.slot
-    begin, end = slot.held
-    if slot.whole is None:
-        return Piece(_entry(t.name, t), begin, end - begin)
-    return Piece(_entry(t.name, t, start=slot.first, numel=slot.count), begin, end - begin)
-
-
 def _save_partitioned(path: str, model: nn.Module, optimizer: Any, extra_json: Any, cat: Catalog,
                       started: float) -> None:
     """Several ranks: each writes its slices into ``path/rank-N`` of rank 0's temporary
@@ -251,110 +215,6 @@ def _merged_manifest(everyone: list[dict], model: nn.Module, cat: Catalog, extra
     }
 
 
-def _packed(section: str, items: list[tuple[Any, dict]]) -> list[Blob]:
-    """Blobs of up to ``_PACK`` bytes, each a run of whole tensors copied in at fill time."""
-    blobs: list[Blob] = []
-    current: list[tuple[Any, dict, int]] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal current, size
-        if not current:
-            return
-        members = current
-
-        def fill(dest: torch.Tensor, members=members) -> None:
-            for t, _, at in members:
-                src = host_bytes(t.tensor if isinstance(t, Tensorish) else t)
-                dest[at: at + src.numel()].copy_(src)
-
-        blobs.append(Blob(section, size, fill, [Piece(e, at, _nbytes(t)) for t, e, at in members]))
-        current, size = [], 0
-
-    for t, entry in items:
-        n = _nbytes(t)
-        if current and size + n > _PACK:
-            close()
-        at = -(-size // 256) * 256
-        current.append((t, entry, at))
-        size = at + n
-    close()
-    return blobs
-
-
-def _nbytes(t: Any) -> int:
-    if isinstance(t, Tensorish):
-        return t.nbytes
-    return t.numel() * t.element_size()
-
-
-def _optimizer_blobs(optimizer: torch.optim.Optimizer, cat: Catalog) -> tuple[list[Blob], dict]:
-    names: dict[int, str] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            name = cat.param_name(p)
-            if name is None:
-                raise CheckpointError(f"optimizer parameter {pi} of param group {gi} (shape "
-                                      f"{tuple(p.shape)}) is not a parameter of the model: save the "
-                                      "optimizer with the model it trains")
-            names[id(p)] = name
-    groups = []
-    for group in optimizer.param_groups:
-        hyper = {k: _jsonable(v, f"param_groups[...][{k!r}]") for k, v in group.items() if k != "params"}
-        hyper["params"] = [names[id(p)] for p in group["params"]]
-        groups.append(hyper)
-    info: dict[str, Any] = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                            "param_groups": groups}
-    if isinstance(optimizer, OffloadOptimizer):
-        return _offload_optimizer_blobs(optimizer, names, info)
-    return _torch_optimizer_blobs(optimizer, names, info)
-
-
-def _offload_optimizer_blobs(opt: OffloadOptimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
-    view = opt.checkpoint_view()
-    shards = view.shards()
-    if view.holds_gradients():
-        log.warning("save_checkpoint: gradients accumulated since the last optimizer step are not saved; "
-                    "save after step() and zero_grad()")
-    info["format"] = "offload"
-    info["scaler"] = view.scaler_state()
-    state: dict[str, dict] = {}
-    blobs: list[Blob] = []
-    for shard in shards:
-        pieces = []
-        for seg in shard.segments:
-            name = names[id(seg.param)]
-            state.setdefault(name, {})["step"] = float(seg.step)
-            for r, row in enumerate(shard.names):
-                at = (r * shard.numel + seg.offset) * 4
-                pieces.append(Piece(_entry(name, None, row=row, dtype="F32", shape=list(seg.param.shape),
-                                           start=seg.start, numel=seg.length), at, seg.length * 4))
-        if shard.nbytes:  # (SGD without momentum keeps step counts only)
-            blobs.append(Blob("optimizer.bin", shard.nbytes, shard.read_into, pieces, borrow=shard.borrow))
-    info["state"] = state
-    return blobs, info
-
-
-def _torch_optimizer_blobs(opt: torch.optim.Optimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
-    info["format"] = "torch"
-    state: dict[str, dict] = {}
-    tensors: list[tuple[torch.Tensor, dict]] = []
-    for p, values in opt.state.items():
-        name = names.get(id(p))
-        if name is None:
-            continue
-        entry_state = state.setdefault(name, {})
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                tensors.append((value, _entry(name, None, row=key, dtype=dtype_name(value.dtype),
-                                              shape=list(value.shape), device=value.device.type)))
-            else:
-                entry_state[key] = _jsonable(value, f"optimizer state {key!r} of {name}")
-    info["state"] = state
-    return _packed("optimizer.bin", tensors), info
-
-
-# -- helpers ------------------------------------------------------------------------------------
 def resources(cat: Catalog, optimizer: Any = None) -> tuple[BufferPool, int, dict]:
     """The host buffer pool to stream through (the wrapped model's, so buffers count in its
     host budget), the window of bytes held at once, and the file engine's settings."""
@@ -369,21 +229,6 @@ def resources(cat: Catalog, optimizer: Any = None) -> tuple[BufferPool, int, dic
     settings = resolve_engine(cfg)
     engine = {"block_size": settings.block_size, "threads": settings.threads, "queue_depth": settings.queue_depth}
     return pool, min(_WINDOW, pool.budget // 2), engine
-
-
-def _jsonable(value: Any, what: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise CheckpointError(f"{what} is a tensor of shape {tuple(value.shape)}; only scalars can "
-                                  "be stored as hyper-parameters")
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v, what) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v, what) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise CheckpointError(f"{what} is a {type(value).__name__}, which a checkpoint cannot store as JSON")
 
 
 def _check_extra(extra: Any) -> Any:

@@ -1,0 +1,241 @@
+"""An optimizer's state in a checkpoint: what a save writes (an offload optimizer's shard rows
+through its ``CheckpointView``, a torch optimizer's states packed), and what a load checks and
+reads back into the optimizer of the loading run, whatever its layout."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..optim import CheckpointView, OffloadOptimizer, ShardRows
+from ._blobs import manifest_entry, packed
+from ._catalog import Catalog
+from ._format import ALIGN, CheckpointError, dtype_name, dtype_of, jsonable, tensor_of
+from ._stream import Blob, BlobReader, Piece, ReadItem, ReadRun, merge_runs
+
+__all__ = ["optimizer_blobs", "check_optimizer", "offload_optimizer_items", "load_torch_optimizer"]
+
+log = logging.getLogger(__name__)
+
+
+# -- save -----------------------------------------------------------------------------------------
+def optimizer_blobs(optimizer: torch.optim.Optimizer, cat: Catalog) -> tuple[list[Blob], dict]:
+    names: dict[int, str] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            name = cat.param_name(p)
+            if name is None:
+                raise CheckpointError(f"optimizer parameter {pi} of param group {gi} (shape "
+                                      f"{tuple(p.shape)}) is not a parameter of the model: save the "
+                                      "optimizer with the model it trains")
+            names[id(p)] = name
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: jsonable(v, f"param_groups[...][{k!r}]") for k, v in group.items() if k != "params"}
+        hyper["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(hyper)
+    info: dict[str, Any] = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                            "param_groups": groups}
+    if isinstance(optimizer, OffloadOptimizer):
+        return _offload_blobs(optimizer, names, info)
+    return _torch_blobs(optimizer, names, info)
+
+
+def _offload_blobs(opt: OffloadOptimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
+    view = opt.checkpoint_view()
+    shards = view.shards()
+    if view.holds_gradients():
+        log.warning("save_checkpoint: gradients accumulated since the last optimizer step are not saved; "
+                    "save after step() and zero_grad()")
+    info["format"] = "offload"
+    info["scaler"] = view.scaler_state()
+    state: dict[str, dict] = {}
+    blobs: list[Blob] = []
+    for shard in shards:
+        pieces = []
+        for seg in shard.segments:
+            name = names[id(seg.param)]
+            state.setdefault(name, {})["step"] = float(seg.step)
+            for r, row in enumerate(shard.names):
+                at = (r * shard.numel + seg.offset) * 4
+                entry = manifest_entry(name, None, row=row, dtype="F32", shape=list(seg.param.shape),
+                                       start=seg.start, numel=seg.length)
+                pieces.append(Piece(entry, at, seg.length * 4))
+        if shard.nbytes:  # (SGD without momentum keeps step counts only)
+            blobs.append(Blob("optimizer.bin", shard.nbytes, shard.read_into, pieces, borrow=shard.borrow))
+    info["state"] = state
+    return blobs, info
+
+
+def _torch_blobs(opt: torch.optim.Optimizer, names: dict[int, str], info: dict) -> tuple[list[Blob], dict]:
+    info["format"] = "torch"
+    state: dict[str, dict] = {}
+    tensors: list[tuple[torch.Tensor, dict]] = []
+    for p, values in opt.state.items():
+        name = names.get(id(p))
+        if name is None:
+            continue
+        entry_state = state.setdefault(name, {})
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((value, manifest_entry(name, None, row=key, dtype=dtype_name(value.dtype),
+                                                      shape=list(value.shape), device=value.device.type)))
+            else:
+                entry_state[key] = jsonable(value, f"optimizer state {key!r} of {name}")
+    info["state"] = state
+    return packed("optimizer.bin", tensors), info
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+# -- load -----------------------------------------------------------------------------------------
+def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catalog) -> dict:
+    info = manifest.get("optimizer")
+    if info is None:
+        raise CheckpointError("the checkpoint holds no optimizer state (it was saved without an optimizer): "
+                              "call load_checkpoint(path, model) and start the optimizer afresh")
+    ours = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if info["class"].rsplit(".", 1)[-1] != type(optimizer).__name__ or \
+            (info["format"] == "offload") != isinstance(optimizer, OffloadOptimizer):
+        raise CheckpointError(f"the checkpoint's optimizer is {info['class']}, this one is {ours}: "
+                              "build the same optimizer class to resume")
+    saved_groups = info["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one "
+                              f"{len(optimizer.param_groups)}")
+    names: list[list[str]] = []
+    problems = []
+    for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        here = []
+        for p in group["params"]:
+            name = cat.param_name(p)
+            if name is None:
+                raise CheckpointError(f"a parameter of param group {gi} (shape {tuple(p.shape)}) is not a "
+                                      "parameter of the model being loaded")
+            here.append(name)
+        if here != saved["params"]:
+            gone = sorted(set(saved["params"]) - set(here))[:10]
+            new = sorted(set(here) - set(saved["params"]))[:10]
+            problems.append(f"param group {gi}: " + (f"missing {gone} " if gone else "")
+                            + (f"new {new} " if new else "") + ("(order differs)" if not gone and not new else ""))
+        names.append(here)
+    if problems:
+        raise CheckpointError("the optimizer's parameters differ from the checkpoint's: " + "; ".join(problems))
+    pieces: dict[tuple[str, str], list[dict]] = {}
+    for entry in manifest["tensors"]:
+        if "row" in entry:
+            pieces.setdefault((entry["name"], entry["row"]), []).append(entry)
+    for key, entries in pieces.items():
+        entries.sort(key=lambda e: e.get("start", 0))
+        if "start" in entries[0]:
+            at = 0
+            for e in entries:
+                if e["start"] != at:
+                    raise CheckpointError(f"corrupt manifest: optimizer state {key[1]} of {key[0]} has a gap "
+                                          f"at element {at}")
+                at += e["numel"]
+    return {"names": names, "pieces": pieces, "info": info}
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, info: dict) -> None:
+    for group, saved in zip(optimizer.param_groups, info["param_groups"]):
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            if isinstance(group.get(key), tuple) and isinstance(value, list):
+                value = tuple(value)
+            if isinstance(group.get(key), torch.Tensor):
+                group[key].fill_(value)
+                continue
+            group[key] = value
+
+
+def offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: dict) -> list[ReadItem]:
+    """The read items that fill ``opt``'s state rows (inside ``view.loading()``: the groups'
+    settings and step counts are set here)."""
+    info, pieces = plan["info"], plan["pieces"]
+    _restore_groups(opt, info)
+    cat_names = {id(p): n for group, names in zip(opt.param_groups, plan["names"])
+                 for p, n in zip(group["params"], names)}
+    items = []
+    for shard in view.shards():
+        for seg in shard.segments:
+            step = info["state"].get(cat_names[id(seg.param)], {}).get("step", 0.0)
+            seg.step.fill_(float(step))
+        if shard.nbytes:
+            items.append(_shard_item(view, shard, cat_names, pieces))
+    return items
+
+
+def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dict) -> ReadItem:
+    row_bytes = shard.numel * 4
+    runs, checks, copies, zeros, masters = [], [], [], [], []
+    extra = -(-shard.nbytes // ALIGN) * ALIGN
+    for seg in shard.segments:
+        name = names[id(seg.param)]
+        lo, hi = seg.start, seg.start + seg.length
+        for r, row in enumerate(shard.names):
+            dest = r * row_bytes + seg.offset * 4
+            saved = pieces.get((name, row))
+            if not saved:
+                (masters if row == "master_param" else zeros).append((seg, dest))
+                continue
+            for e in saved:
+                s, n = e["start"], e["numel"]
+                if s + n <= lo or s >= hi:
+                    continue
+                if s >= lo and s + n <= hi:  # the piece lies inside this segment: read in place
+                    at = dest + (s - lo) * 4
+                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
+                    checks.append((e, at))
+                else:  # it spans a segment boundary (shards cut differently): scratch, then copy
+                    at = extra + e["offset"] % ALIGN
+                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
+                    checks.append((e, at))
+                    extra = -(-(at + e["length"]) // ALIGN) * ALIGN
+                    a, b = max(s, lo), min(s + n, hi)
+                    copies.append((at + (a - s) * 4, dest + (a - lo) * 4, (b - a) * 4))
+
+    def consume(data: torch.Tensor) -> None:
+        for src, dst, n in copies:
+            data[dst: dst + n].copy_(data[src: src + n])
+        for seg, dst in zeros:
+            data[dst: dst + seg.length * 4].zero_()
+        for seg, dst in masters:
+            data[dst: dst + seg.length * 4].view(torch.float32).copy_(view.current_values(seg))
+        view.write(shard, data[: shard.nbytes].view(torch.float32).view(len(shard.names), shard.numel))
+
+    simple = not (copies or zeros or masters)
+    return ReadItem(extra, merge_runs(runs), checks, consume, in_place=shard.overwrite_in_place if simple else None)
+
+
+def load_torch_optimizer(opt: torch.optim.Optimizer, manifest: dict, plan: dict, reader: BlobReader) -> None:
+    info = plan["info"]
+    index = {name: i for i, name in enumerate(n for names in plan["names"] for n in names)}
+    state: dict[int, dict] = {}
+    for name, values in info["state"].items():
+        state.setdefault(index[name], {}).update(values)
+    items = []
+    for (name, row), entries in plan["pieces"].items():
+        for entry in entries:
+            def consume(data: torch.Tensor, name=name, row=row, entry=entry) -> None:
+                value = tensor_of(data[: entry["length"]], dtype_of(entry["dtype"]), tuple(entry["shape"]))
+                state.setdefault(index[name], {})[row] = value.clone()
+
+            items.append(ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)],
+                                  [(entry, 0)], consume))
+    reader.run(items)
+    groups, start = [], 0
+    for saved, names in zip(info["param_groups"], plan["names"]):
+        group = {k: v for k, v in saved.items() if k != "params"}
+        group["params"] = list(range(start, start + len(names)))
+        start += len(names)
+        groups.append(group)
+    for group, current in zip(groups, opt.param_groups):
+        for key, value in group.items():
+            if isinstance(current.get(key), tuple) and isinstance(value, list):
+                group[key] = tuple(value)
+    opt.load_state_dict({"state": state, "param_groups": groups})
