@@ -36,8 +36,8 @@ from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
 
-__all__ = ["MemoryPlan", "MemoryPlanError", "PlanRow", "plan_groups", "host_param_bytes", "free_disk_bytes",
-           "check_ram", "check_disk"]
+__all__ = ["MemoryPlan", "MemoryPlanError", "PlanRow", "plan_groups", "param_staging", "host_param_bytes",
+           "free_disk_bytes", "check_ram", "check_disk"]
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     if room is None:
         room = max(0, config.device_budget - largest)
     window = config.prefetch_limit(room, median) if streamed else 0
-    staging = min(config.host_budget, window + largest)
+    staging = param_staging(config, window, largest)
 
     # -- parameters ----------------------------------------------------------------------
     if resident:
@@ -173,6 +173,12 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
 
 
 # ---------------------------------------------------------------------------------------
+def param_staging(config: OffloadConfig, window: int, largest: int) -> int:
+    """Host bytes parameter reads from NVMe stage through: the prefetch window and the
+    largest group, within host_budget (the room an optimizer leaves in the host pool)."""
+    return min(config.host_budget, window + largest)
+
+
 def free_disk_bytes(path: str) -> int | None:
     """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
     current = nearest_existing_dir(path)

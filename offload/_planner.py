@@ -27,8 +27,7 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     kind = None if optimizer is None else str(optimizer).lower()
-    if kind is not None:
-        state_rows(kind)  # (refuses an unknown kind)
+    state = None if kind is None else state_rows(kind)  # (refuses an unknown kind)
     world = config.world_size
     if world is None:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -38,6 +37,6 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
         groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
-    rows = None if kind is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, kind, param_staging=staging))
+    rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging))
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows)

@@ -3,8 +3,8 @@
 from ._checkpoint import CheckpointView, ShardRows
 from ._optimizer import OffloadOptimizer
 from ._phase import OptimizerPhase
-from ._rules import SGD, Adam, AdamW
-from ._sizing import plan_rows, state_rows
+from ._rules import SGD, Adam, AdamW, state_rows
+from ._sizing import plan_rows
 
 __all__ = ["AdamW", "Adam", "SGD", "OffloadOptimizer", "OptimizerPhase", "CheckpointView", "ShardRows",
            "plan_rows", "state_rows"]

@@ -85,27 +85,32 @@ class EarlyUpdate:
                 self.busy.append(entry)
 
     def _in_memory(self, shard: Shard) -> bool:
-        if shard.home is Tier.HOST:
-            return True
-        keys = ([shard.state_key] if shard.rows else []) + ([shard.grad_key] if shard.reads_grad else [])
-        return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in keys) and \
+        return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in shard.host_reads) and \
             self.writeback.copies_ready(shard, self.pending)
 
     def finish(self, rest_of: Callable[[set[int]], list[Shard]]) -> list[Shard]:
         """``step()``: update the shards still queued, then ``rest_of(done ids)`` (shards with
         gradients that did not become final in the pass), then write every parameter group.
         Returns the shards updated in this step."""
-        self.advance(block=True)
-        rest = rest_of(self.done)
-        self.pipeline.run(rest, 1.0, self.pending)
-        self.writeback.finish_rest(self.pending)
+        try:
+            self.advance(block=True)
+            rest = rest_of(self.done)
+            self.pipeline.run(rest, 1.0, self.pending)
+            self.writeback.finish_rest(self.pending)
+        except BaseException:
+            self.abandon()  # (shards updated during backward hold this step's states)
+            raise
         return rest
 
     def abandon(self) -> None:
-        """The backward (or an update in it) failed: nothing of it may be applied later."""
-        self.pipeline.abandon(self.queue, self.issued)
-        self.writeback.drop_copies(list(self.pending.values()) + self.busy)
+        """The backward (or an update in it, or the step finishing it) failed: nothing of it
+        may be applied later. Poisons first, so an interrupt of the clean-up cannot lose it;
+        a second call has nothing left to drop."""
         self._poison_if_updated()
+        queue, self.queue = self.queue, []
+        entries, self.pending, self.busy = list(self.pending.values()) + self.busy, {}, []
+        self.pipeline.abandon(queue, self.issued)
+        self.writeback.drop_copies(entries)
 
     def _poison_if_updated(self) -> None:
         if self.done:

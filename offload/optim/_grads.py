@@ -182,12 +182,13 @@ class GradientBook:
     an open accumulator is already final once its post-accumulate-grad hooks run (torch's
     own p.grad is final then too), so hooks may read and write it there."""
 
-    def __init__(self, book: Any, sink: Any, scaler: Any, *, guard: Any, closed: Any):
+    def __init__(self, book: Any, sink: Any, *, loss_factor: Any, in_backward_update: Any, closed: Any):
         # book: the ShardBook (shards, each parameter's segments); sink: the GradientSink
-        # (CUDA adds still queued); scaler: the LossScaler (the sums are in its units);
-        # guard(): raises where p.grad cannot be served; closed(): the optimizer is closed
-        self.book, self.sink, self.scaler = book, sink, scaler
-        self._guard, self._closed = guard, closed
+        # (CUDA adds still queued); loss_factor(): the loss scale the sums are in units of;
+        # in_backward_update(): update_during_backward() is under way; closed(): the
+        # optimizer is closed
+        self.book, self.sink, self._loss_factor = book, sink, loss_factor
+        self._in_backward_update, self._closed = in_backward_update, closed
         self.epoch = 0  # advanced when zero_grad() clears the gradients
         self._views: dict[int, OffloadedGrad] = {}
 
@@ -201,7 +202,7 @@ class GradientBook:
     def zero_kept(self) -> None:
         """``zero_grad(set_to_none=False)``: the held gradients become zeros, still held."""
         for shard in self.book.shards:
-            if not shard.wrapped or not shard.grad_valid or not any(s.has_grad for s in shard.segments):
+            if not shard.wrapped or not shard.holds_gradient:
                 continue
             if shard.grad_home is Tier.HOST:
                 shard.store.wait(shard.grad_key, Tier.HOST).zero_()
@@ -253,7 +254,14 @@ class GradientBook:
         self.check_param(view._param)
 
     def check_param(self, param: torch.Tensor) -> None:
-        self._guard()
+        """Refuse where ``p.grad`` of a wrapped parameter cannot be served."""
+        if self._in_backward_update():
+            raise RuntimeError("p.grad within update_during_backward(): the update runs during backward, before "
+                               "this call could change the gradient. Run backward() and step() outside it")
+        if self.book.partition() is not None:
+            raise RuntimeError("p.grad of an offloaded parameter with several ranks: each rank holds a slice of "
+                               "the gradient, so norms and clipping over p.grad would be per rank. Use "
+                               "opt.clip_grad_norm_(max_norm), which reduces over the ranks")
         self.sink.sync()  # (CUDA: the adds of this backward's gradients so far)
 
     # -- what a view's calls do --------------------------------------------------------
@@ -261,7 +269,7 @@ class GradientBook:
         return self.book.segments(param)
 
     def _loss_scale(self) -> float:
-        return self.scaler.factor
+        return self._loss_factor()
 
     def norm(self, param: torch.Tensor, order: float) -> float:
         segs = [seg for seg in self._segments(param) if seg.has_grad]

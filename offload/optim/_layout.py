@@ -140,6 +140,25 @@ class Shard:
         """Whether the step reads the gradient from a tier other than host memory."""
         return self.wrapped and self.grad_home is not Tier.HOST
 
+    @property
+    def host_reads(self) -> list[str]:
+        """The store keys the step reads into host memory (none where the states rest there)."""
+        if self.home is Tier.HOST:
+            return []
+        return ([self.state_key] if self.rows else []) + ([self.grad_key] if self.reads_grad else [])
+
+    @property
+    def holds_gradient(self) -> bool:
+        """A wrapped shard whose stored sum holds a gradient the step takes."""
+        return self.grad_valid and any(s.has_grad for s in self.segments)
+
+    @property
+    def takes_step(self) -> bool:
+        """The step updates it: a gradient is held (wrapped), or a parameter has ``p.grad``."""
+        if self.wrapped:
+            return self.holds_gradient
+        return any(s.param.grad is not None for s in self.segments)
+
 
 @dataclass(eq=False)
 class ParamEntry:

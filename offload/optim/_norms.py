@@ -38,7 +38,8 @@ def total_norm(book: ShardBook, norm_type: float) -> float:
 
 def scale_all(book: ShardBook, coef: float) -> None:
     """Multiply every gradient held by ``coef``: noted on the offloaded ones (applied inside
-    the next step), in place on plain ``p.grad``."""
+    the next step), in place on plain ``p.grad``. A segment of an accumulator still open
+    (not ``grad_valid`` yet) takes the factor too: it applies when the sum is settled."""
     for seg in (seg for s in book.shards if s.wrapped for seg in s.segments if seg.has_grad):
         seg.scale *= coef
     for p in book.plain_params():

@@ -62,7 +62,6 @@ class OffloadOptimizer(Optimizer):
         loss_scale: ``"dynamic"`` (default when a parameter is fp16), a fixed float, or None.
     """
 
-    _state_rows: tuple[str, ...] = ()
     # torch optimizers are refused over a wrapped model's streamed parameters (offload.params)
     serves_offloaded_parameters = True
 
@@ -86,17 +85,15 @@ class OffloadOptimizer(Optimizer):
         self._writeback = WriteBack(self.stats)
         self._pipeline = Pipeline(self._update_rows, lambda gi: len(self._rows_for(self.param_groups[gi])),
                                   self._writeback, self._phase, self.stats, self._log)
-        self._scaler = LossScaler(None, lambda old, new: None)  # (set up once the parameters are known)
-        self._grads = GradientBook(self._book, self._sink, self._scaler, guard=self._refuse_grad_use,
-                                   closed=lambda: self._closed)
-        self._early: EarlyUpdate | None = None  # from update_during_backward() to the step that ends it
+        self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
+                                   in_backward_update=lambda: self._early is not None, closed=lambda: self._closed)
         self._clipped = False  # clip_grad_norm_() since the last step
         try:
             super().__init__(params, defaults)
             fp16 = any(e.param.dtype == torch.float16 or (e.owner is not None and e.owner.slot.dtype == torch.float16)
                        for e in self._book.entries.values())
             setting = ("dynamic" if fp16 else None) if loss_scale == "auto" else loss_scale
-            self._grads.scaler = self._scaler = LossScaler(setting, self._grads.loss_scale_changed)
+            self._scaler = LossScaler(setting, self._grads.loss_scale_changed)
             self._ensure_layout()  # budget errors now, before any training step
         except BaseException:
             self.close()  # a refused optimizer leaves no store, files or threads behind
@@ -126,7 +123,7 @@ class OffloadOptimizer(Optimizer):
         self._phase.refuse_if_poisoned()
         self._ensure_layout()
         shards = self._book.shards
-        if self._scaler.enabled and any(self._has_grads(s) for s in shards):
+        if self._scaler.enabled and any(s.takes_step for s in shards):
             self._scaler.check_scaled()
         self._scaler.scaled = False
         self._clipped = False
@@ -136,18 +133,19 @@ class OffloadOptimizer(Optimizer):
             self._end_step(started, skipped=True)
             return loss
         # (the gradients stay, as torch's p.grad does, until zero_grad() or p.grad = None)
-        early, self._early, self._sink.listener = self._early, None, None
+        early = self._early
+        self._sink.listener = None
         self._phase.enter(OptimizerPhase.STEPPING)
         try:
             if early is not None:
-                rest = early.finish(lambda done: [s for s in shards if id(s) not in done and self._has_grads(s)])
+                rest = early.finish(lambda done: [s for s in shards if id(s) not in done and s.takes_step])
                 work = [s for s in shards if id(s) in early.done] + rest
             else:
-                work = [s for s in shards if self._has_grads(s)]
+                work = [s for s in shards if s.takes_step]
                 self._pipeline.run(work, self._scaler.factor)
         finally:
-            if not self._phase.poisoned:
-                self._phase.enter(OptimizerPhase.IDLE)
+            if not self._phase.poisoned:  # (a step from a hook of a backward still adding)
+                self._phase.enter(OptimizerPhase.ACCUMULATING if self._sink.open else OptimizerPhase.IDLE)
         self._scaler.stepped()
         self.stats["steps"] += 1
         self.stats["step_seconds"] += time.perf_counter() - started
@@ -205,16 +203,29 @@ class OffloadOptimizer(Optimizer):
         self._ensure_layout()
         early = EarlyUpdate(self._book.shards, self._pipeline, self._writeback, self._phase)
         self._phase.enter(OptimizerPhase.UPDATING_IN_BACKWARD)
-        self._early = self._sink.listener = early
+        self._sink.listener = early
         try:
             yield self
         except BaseException:
             # the backward failed or was interrupted: nothing of it may be applied later
-            self._early = self._sink.listener = None
-            early.abandon()
-            if not self._phase.poisoned:
-                self._phase.enter(OptimizerPhase.IDLE)
+            self._drop_early()
             raise
+
+    @property
+    def _early(self) -> EarlyUpdate | None:
+        """The update during backward under way, from its block to the step that ends it
+        (the gradient sink's listener meanwhile)."""
+        return self._sink.listener
+
+    def _drop_early(self) -> None:
+        """Abandon an update during backward (poisoned where a shard was updated)."""
+        early, self._sink.listener = self._early, None
+        try:
+            if early is not None:
+                early.abandon()
+        finally:
+            if self._phase.value is OptimizerPhase.UPDATING_IN_BACKWARD:
+                self._phase.enter(OptimizerPhase.IDLE)
 
     def synchronize(self) -> None:
         """Wait until the step's write-backs have reached their tier. ``step()`` returns
@@ -309,8 +320,8 @@ class OffloadOptimizer(Optimizer):
     def _loading(self, what: str):
         """A load replaces every state: an update during backward pending is dropped; a load
         that raises half way poisons the optimizer, one that completes clears a poisoning."""
+        self._drop_early()  # (its host copies dropped: the load replaces what it updated)
         self._phase.enter(OptimizerPhase.LOADING)
-        self._early = self._sink.listener = None
         try:
             yield
         except BaseException:
@@ -335,9 +346,8 @@ class OffloadOptimizer(Optimizer):
         """Release the optimizer's stored states, hooks and threads."""
         if self._closed:
             return
-        self._sink.sync()
         self._closed = True
-        self._sink.close()
+        self._sink.close()  # (open accumulators are dropped, not flushed: the states go too)
         for group in getattr(self, "param_groups", []):
             for p in group["params"]:
                 release_gradients(p, self)
@@ -369,8 +379,9 @@ class OffloadOptimizer(Optimizer):
                 grad_scale: float) -> None:
         raise TypeError("use offload.AdamW, offload.Adam or offload.SGD")
 
-    def _rows_for(self, group: dict) -> tuple[str, ...]:
-        return self._state_rows
+    @classmethod
+    def _rows_for(cls, group: dict) -> tuple[str, ...]:
+        raise TypeError("use offload.AdamW, offload.Adam or offload.SGD")
 
     def _update_rows(self, gi: int, params: list, grads: list, rows: list, steps: list, grad_scale: float) -> None:
         self._update(self.param_groups[gi], params, grads, rows, steps, grad_scale)
@@ -381,23 +392,14 @@ class OffloadOptimizer(Optimizer):
         refresh the master rows of groups written outside the optimizer."""
         self._states.refresh_masters()
         new = self._book.lay_out()
-        if new:
-            self._states.init(new)
-
-    def _has_grads(self, shard: Shard) -> bool:
-        if shard.wrapped:
-            return shard.grad_valid and any(s.has_grad for s in shard.segments)
-        return any(s.param.grad is not None for s in shard.segments)
-
-    def _refuse_grad_use(self) -> None:
-        """Where ``p.grad`` of a wrapped parameter cannot be served."""
-        if self._early is not None:
-            raise RuntimeError("p.grad within update_during_backward(): the update runs during backward, before "
-                               "this call could change the gradient. Run backward() and step() outside it")
-        if self._book.partition() is not None:
-            raise RuntimeError("p.grad of an offloaded parameter with several ranks: each rank holds a slice of "
-                               "the gradient, so norms and clipping over p.grad would be per rank. Use "
-                               "opt.clip_grad_norm_(max_norm), which reduces over the ranks")
+        if new is None:
+            return
+        try:
+            self._states.init(new.shards)
+        except BaseException:
+            self._book.discard(new)  # (laid out again at the next call)
+            raise
+        self._book.commit(new)
 
     def _log(self, event: str, shard: Shard) -> None:
         if self.events is not None:

@@ -28,11 +28,13 @@ _P = OptimizerPhase
 # A load may start anywhere but inside a step (it is how a poisoned optimizer recovers);
 # anything may fail into POISONED. An interrupted backward leaves ACCUMULATING behind: the
 # next call closes it (IDLE) before it goes on.
+# A step taken while a backward still adds (from a hook, as torch allows) comes back to
+# ACCUMULATING.
 _ALLOWED = {
     _P.IDLE: {_P.ACCUMULATING, _P.UPDATING_IN_BACKWARD, _P.STEPPING, _P.LOADING, _P.POISONED},
-    _P.ACCUMULATING: {_P.IDLE, _P.LOADING, _P.POISONED},
+    _P.ACCUMULATING: {_P.IDLE, _P.STEPPING, _P.LOADING, _P.POISONED},
     _P.UPDATING_IN_BACKWARD: {_P.STEPPING, _P.IDLE, _P.LOADING, _P.POISONED},
-    _P.STEPPING: {_P.IDLE, _P.POISONED},
+    _P.STEPPING: {_P.IDLE, _P.ACCUMULATING, _P.POISONED},
     _P.LOADING: {_P.IDLE, _P.POISONED},
     _P.POISONED: {_P.LOADING, _P.POISONED},
 }

@@ -45,10 +45,10 @@ class Pipeline:
                 started = i + 1
                 self.process(shard, grad_scale, pending)
         except BaseException:
+            if started:  # first: a second interrupt during the clean-up below must not lose it
+                self.phase.poison(f"step() stopped after updating {started} of {len(work)} shards")
             self.abandon(work[max(started - 1, 0):], issued)
             self.writeback.drop_copies(list(pending.values()))
-            if started:
-                self.phase.poison(f"step() stopped after updating {started} of {len(work)} shards")
             raise
 
     def issue(self, shard: Shard, issued: set[int], pending: dict) -> None:
@@ -60,22 +60,20 @@ class Pipeline:
         if shard.home is Tier.HOST:
             return
         self.log("read", shard)
-        if shard.rows:
-            shard.store.fetch(shard.state_key, Tier.HOST)
-            self.stats["read_bytes"] += shard.state_bytes
-        if shard.reads_grad:
-            shard.store.fetch(shard.grad_key, Tier.HOST)
-            self.stats["read_bytes"] += shard.numel * 4
+        for key in shard.host_reads:
+            shard.store.fetch(key, Tier.HOST)
+        self.stats["read_bytes"] += shard.bytes_in_flight
 
     def abandon(self, rest: list[Shard], issued: set[int]) -> None:
         """After an exception: drop the host copies of the shard being updated and of those
         read ahead (they would hold the host budget); their home keeps the states from
         before the step."""
         for shard in rest:
-            if id(shard) not in issued or shard.home is Tier.HOST:
+            if id(shard) not in issued:
                 continue
-            for key, used in ((shard.state_key, shard.rows), (shard.grad_key, shard.reads_grad)):
-                if used and settled(shard.store, key):
+            issued.discard(id(shard))  # (abandoned once: a second call reads nothing again)
+            for key in shard.host_reads:
+                if settled(shard.store, key):
                     shard.store.evict(key, Tier.HOST)
 
     def process(self, shard: Shard, grad_scale: float, pending: dict, *, busy: list | None = None) -> None:

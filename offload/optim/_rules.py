@@ -13,7 +13,7 @@ import torch
 
 from ._optimizer import OffloadOptimizer
 
-__all__ = ["AdamW", "Adam", "SGD"]
+__all__ = ["AdamW", "Adam", "SGD", "state_rows"]
 
 
 class AdamW(OffloadOptimizer):
@@ -32,8 +32,9 @@ class AdamW(OffloadOptimizer):
                                                                             self._decoupled))
         super().__init__(params, defaults, **kwargs)
 
-    def _rows_for(self, group: dict) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+    @classmethod
+    def _rows_for(cls, group: dict) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
 
     def _update(self, group, params, grads, rows, steps, grad_scale) -> None:
         # torch's fused kernel, called as torch.optim.adamw's fused path calls it (every tensor
@@ -77,8 +78,9 @@ class SGD(OffloadOptimizer):
                         nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, **kwargs)
 
-    def _rows_for(self, group: dict) -> tuple[str, ...]:
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+    @classmethod
+    def _rows_for(cls, group: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group.get("momentum", 0) != 0 else ()
 
     def _update(self, group, params, grads, rows, steps, grad_scale) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
@@ -98,6 +100,16 @@ class SGD(OffloadOptimizer):
                 g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
             p.add_(g, alpha=-lr)
             steps[i] += 1
+
+
+def state_rows(kind: str) -> tuple[str, ...]:
+    """The state rows ``offload.plan`` counts for an optimizer of ``kind``: AdamW and Adam
+    with their defaults, SGD with momentum (without it SGD keeps none)."""
+    settings = {"adamw": (AdamW, {}), "adam": (Adam, {}), "sgd": (SGD, {"momentum": 0.9})}
+    if kind not in settings:
+        raise ValueError(f"optimizer={kind!r}: use 'adamw', 'adam', 'sgd' or None")
+    cls, group = settings[kind]
+    return cls._rows_for(group)
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:

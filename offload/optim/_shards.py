@@ -5,7 +5,7 @@ its host budget) and the optimizer's own store for parameters of no wrapped mode
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -16,15 +16,21 @@ from ..store import Residency, Tier, TensorStore, create_store
 from ._layout import Item, MasterMode, Owner, ParamEntry, Placement, Segment, Shard, cut, master_mode
 from ._sizing import check_host_budget, check_machine, grad_room, wrapped_mode, write_back_bytes
 
-__all__ = ["ShardBook", "owner"]
+__all__ = ["ShardBook", "NewLayout"]
 
 log = logging.getLogger(__name__)
 
 
-def owner(p: torch.Tensor) -> Owner | None:
+def _owner(p: torch.Tensor) -> Owner | None:
     """The wrapped model, group and slot holding ``p``; None for a plain parameter."""
     found = owner_of(p)
     return Owner(*found) if found is not None else None
+
+
+class NewLayout(NamedTuple):
+    """Shards laid out and not yet part of the book, and the parameters they hold."""
+    shards: list[Shard]
+    entries: list[ParamEntry]
 
 
 class ShardBook:
@@ -53,7 +59,7 @@ class ShardBook:
                              "offload.wrap(model, cfg, checkpoint=...) before building the optimizer")
         entry = self.entries.get(id(p))
         if entry is None:
-            entry = self.entries[id(p)] = ParamEntry(p, group_index, owner(p))
+            entry = self.entries[id(p)] = ParamEntry(p, group_index, _owner(p))
         return entry
 
     def segments(self, p: torch.Tensor) -> list[Segment]:
@@ -82,12 +88,13 @@ class ShardBook:
                              "the same OffloadConfig")
 
     # -- layout ----------------------------------------------------------------------------
-    def lay_out(self) -> list[Shard]:
+    def lay_out(self) -> NewLayout | None:
         """Shards for the parameters not laid out yet (checked against the budgets and the
-        machine before anything is allocated); the caller stores their initial states."""
+        machine before anything is allocated), None when there are none; the caller stores
+        their initial states, then ``commit``s them (or ``discard``s them on a failure)."""
         todo = [e for e in self.entries.values() if not e.laid_out]
         if not todo:
-            return []
+            return None
         wrapped = [e for e in todo if e.owner is not None]
         plain = [e for e in todo if e.owner is None]
         if self.partition() is not None and (plain or any(not s.wrapped for s in self.shards)):
@@ -108,14 +115,24 @@ class ShardBook:
                    shard_size=self.shard_size, grad_room=room)
         check_host_budget(new + self.shards, self.placements)
         check_machine(new)
-        by_param = {id(e.param): e for e in todo}
-        for shard in new:
+        return NewLayout(new, todo)
+
+    def commit(self, new: NewLayout) -> None:
+        """The new shards' states are stored: they join the book."""
+        by_param = {id(e.param): e for e in new.entries}
+        for shard in new.shards:
             for seg in shard.segments:
                 by_param[id(seg.param)].segments.append(seg)
-        for e in todo:
+        for e in new.entries:
             e.laid_out = True
-        self.shards.extend(new)
-        return new
+        self.shards.extend(new.shards)
+
+    def discard(self, new: NewLayout) -> None:
+        """Storing the new shards' states failed: drop what was stored of them."""
+        for shard in new.shards:
+            for key in (shard.state_key, shard.grad_key):
+                if shard.store is not None and not shard.store.closed and key in shard.store:
+                    shard.store.delete(key)
 
     def _item(self, entry: ParamEntry, placements: dict[int, Placement]) -> Item:
         p, rows = entry.param, len(self.rows_for(entry.group_index))

@@ -78,6 +78,11 @@ class GradientSink:
             entry.hooked = True
 
     @property
+    def open(self) -> bool:
+        """Whether a backward is adding gradients (its end-of-backward callback queued)."""
+        return self._backward is not None
+
+    @property
     def pending(self) -> bool:
         """CUDA: adds of this backward still queued on the drain thread."""
         return bool(self._drains)
@@ -250,12 +255,24 @@ class GradientSink:
                 seg.has_grad = False
 
     def close(self) -> None:
+        """Stop taking gradients. Adds still queued are waited for; accumulators a stopped
+        backward left open are dropped, not written (the optimizer's states go with them, and
+        the model's store may be closed already)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        drains, self._drains = self._drains, []
+        for f in drains:
+            if f.exception() is not None:
+                log.warning("offload optimizer: a gradient add failed before close: %r", f.exception())
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        self._backward, self.listener = None, None
+        for shard in self.book.shards:
+            if shard.acc_buffer is not None and not shard.store.closed:
+                shard.store.staging.release(shard.acc_buffer)
+            shard.acc, shard.acc_buffer = None, None
 
     def shutdown_quietly(self) -> None:
         """From ``__del__``: stop the drain thread without waiting."""

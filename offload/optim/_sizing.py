@@ -19,21 +19,10 @@ from ..io import BudgetError
 from ..store import Tier
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, Placement, Shard, cut, master_mode)
 
-__all__ = ["state_rows", "grad_room", "check_host_budget", "check_machine", "write_back_bytes",
+__all__ = ["grad_room", "check_host_budget", "check_machine", "write_back_bytes",
            "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
-
-# the states each optimizer kind keeps per element, with its default settings
-_STATE_ROWS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-def state_rows(kind: str) -> tuple[str, ...]:
-    """The state rows an offload optimizer of ``kind`` keeps per element."""
-    if kind not in _STATE_ROWS:
-        raise ValueError(f"optimizer={kind!r}: use 'adamw', 'adam', 'sgd' or None")
-    return _STATE_ROWS[kind]
-
 
 def wrapped_mode(owner: Owner, param_home: Tier, cpu: bool) -> MasterMode:
     """``master_mode`` of a wrapped parameter, from its group and slot."""
@@ -130,11 +119,10 @@ def check_machine(shards: list[Shard]) -> None:
                         tier.files.path, format_size(total), format_size(limit))
 
 
-def plan_rows(groups: list[Any], config: Any, kind: str, *, param_staging: int) -> list[PlanRow]:
-    """The optimizer's rows of ``offload.plan``: an offload optimizer of ``kind`` with its
-    default settings over every parameter of ``groups`` (this rank's slices), laid out as
-    the optimizer lays them out. Raises the optimizer's BudgetError where it would refuse."""
-    rows = state_rows(kind)
+def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_staging: int) -> list[PlanRow]:
+    """The optimizer's rows of ``offload.plan``: an offload optimizer keeping state ``rows``
+    (``_rules.state_rows``) over every parameter of ``groups`` (this rank's slices), laid out
+    as the optimizer lays them out. Raises the optimizer's BudgetError where it would refuse."""
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
@@ -151,7 +139,7 @@ def plan_rows(groups: list[Any], config: Any, kind: str, *, param_staging: int) 
         return []
     shards = cut(items, first_index=0, shard_size=None, grad_room=grad_room(items, "auto"))
     check_host_budget(shards, {placement.key: placement})  # (the optimizer would refuse: so does the plan)
-    out = [PlanRow(f"optimizer: {', '.join(rows)}", home.value,
+    out = [PlanRow(f"optimizer: {', '.join(rows) or 'no states'}", home.value,
                    sum(4 * s.numel * (s.rows - s.master) for s in shards), "fp32, 4 bytes per parameter each")]
     masters = sum(4 * s.numel for s in shards if s.master)
     if masters:

@@ -183,13 +183,22 @@ class WriteBack:
             store, key = entry.manager.store, entry.group.key
             if settled(store, key):
                 store.evict(key, Tier.HOST)
+            if entry.data is not None and not entry.in_use:
+                # the host copy was (being) updated while the store held it as clean: a
+                # prefetch may have copied it to the device; that copy goes too
+                entry.manager.coordinator.forget(entry.group.whole or entry.group)
+                if store.state(key, Tier.DEVICE) is Residency.RESIDENT:
+                    store.evict(key, Tier.DEVICE)
             entry.fetched, entry.data = False, None
 
 
 def settled(store: Any, key: str) -> bool:
     """After an exception: wait for ``key``'s host copy to land or fail; whether one is
     resident to drop. A failed read has freed its copy already (its error was met by the
-    caller's step or is moot: the step is being abandoned); an interrupt goes through."""
+    caller's step or is moot: the step is being abandoned). A second interrupt goes through
+    (the caller has poisoned the optimizer first); a copy never asked for is not read."""
+    if store.state(key, Tier.HOST) is Residency.ABSENT:
+        return False
     try:
         store.wait(key, Tier.HOST, timeout=60)
     except (OSError, RuntimeError):  # (OffloadIOError, StoreError, BudgetError; TimeoutError is an OSError)

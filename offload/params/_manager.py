@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._plan import host_param_bytes, plan_groups
+from .._plan import host_param_bytes, param_staging, plan_groups
 from .._resolve import check_output_paths, choose_io_backend, resolve_engine
 from .._units import format_size
 from ..config import OffloadConfig
@@ -75,9 +75,8 @@ class ParamManager:
         must leave free in the shared host pool."""
         if self.home is not Tier.NVME:
             return 0
-        streamed = [g.nbytes for g in self.groups if not g.resident]
-        largest = max(streamed, default=0)
-        return min(self.config.host_budget, self.coordinator.prefetch_limit + largest)
+        largest = max((g.nbytes for g in self.groups if not g.resident), default=0)
+        return param_staging(self.config, self.coordinator.prefetch_limit, largest)
 
     def group_bytes(self, group: ParamGroup) -> torch.Tensor:
         """A host copy of ``group``'s current bytes (uint8)."""

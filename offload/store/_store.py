@@ -287,6 +287,10 @@ class TensorStore(Lending, Transfers):
         if nvme is not None:
             nvme.files.check_deleted()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Finish transfers in flight, drop every tensor, release files, threads and buffers."""
         with DEFER, self._cond:
