@@ -25,7 +25,7 @@ DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
 # fp32 CPU parameters of no wrapped model, states in host memory: nothing is read or written,
 # so shards only add per-call overhead (a fused call, a store lookup each). 1 GiB per row.
 HOST_PLAIN_SHARD = 1 << 28
-MIN_SHARD = 1 << 16
+MIN_SHARD = 1 << 12  # elements: below this, per-call overhead outweighs what a smaller budget saves
 SHARDS_IN_FLIGHT = 4  # read ahead (two), being updated, being written back
 # Note: row stagger. The rows of a shard are streamed side by side by one kernel, and their
 # buffer is on huge pages, so physically contiguous: rows a large power of two apart contend
@@ -140,6 +140,15 @@ class Shard:
         """Whether the step reads the gradient from a tier other than host memory."""
         return self.wrapped and self.grad_home is not Tier.HOST
 
+    def group_copy_bytes(self, param_home: Tier | None) -> int:
+        """Host bytes of the group copies updating this shard reads (whole groups: fp32
+        groups resting on NVMe, updated in place; a group spanning shards stays until its
+        last one is done)."""
+        if not self.wrapped or self.master or param_home is not Tier.NVME:
+            return 0
+        return sum({id(s.owner.group): s.owner.group.nbytes for s in self.segments
+                    if not s.owner.group.resident}.values())
+
     @property
     def host_reads(self) -> list[str]:
         """The store keys the step reads into host memory (none where the states rest there)."""
@@ -180,6 +189,7 @@ class Placement:
     host_budget: int
     write_back: int = 0  # host bytes the step needs to write a group back to the parameter tier
     param_staging: int = 0  # host bytes the wrapped model's parameter reads stage through
+    param_home: Tier | None = None  # where the wrapped model's parameter groups rest
     resting: int = 0  # host bytes earlier layouts of this store keep resting there
 
 
@@ -209,7 +219,7 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         p = item.placement
         wrapped = item.owner is not None
         rows = int(item.master) + item.rows
-        size = shard_elements(p, rows, wrapped, item.master, shard_size, grad_room.get(p.key, 0))
+        size = shard_elements(p, rows, wrapped, item.master, copies_group(item), shard_size, grad_room.get(p.key, 0))
         start, first = item.start, None
         while start < item.stop:
             if current is None or current.store is not p.store or current.master != item.master \
@@ -238,17 +248,25 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
     return shards
 
 
-def shard_elements(p: Placement, rows: int, wrapped: bool, master: bool, shard_size: int | None,
+def copies_group(item: Item) -> bool:
+    """Whether updating ``item`` reads its group into a host copy (fp32 groups resting on
+    NVMe are their own masters, updated in a copy of the group: ``MasterMode.GROUP``)."""
+    return item.owner is not None and not item.master and not item.owner.group.resident \
+        and item.placement.param_home is Tier.NVME
+
+
+def shard_elements(p: Placement, rows: int, wrapped: bool, master: bool, copies: bool, shard_size: int | None,
                    grad_room: int) -> int:
-    """Elements per shard: as given, or by where the states rest."""
+    """Elements per shard: as given, or by the host bytes a shard holds while in flight."""
     if shard_size is not None:
         return shard_size
-    if p.home is Tier.HOST:
+    if p.home is Tier.HOST and not copies:
         # plain fp32 parameters are updated where they are, with no staging: fewer calls
         return HOST_PLAIN_SHARD if not wrapped and not master else DEFAULT_SHARD
-    # NVMe: the shards in flight within the host budget, next to the staging that writes a
-    # parameter group's new values back and the gradients kept in host memory
-    per_element = 4 * (rows + (1 if wrapped else 0))
+    # the shards in flight within the host budget, next to the staging that writes a
+    # parameter group's new values back and the gradients kept in host memory: each holds
+    # its rows and gradient read from NVMe, and the host copies of groups updated in place
+    per_element = 4 * ((rows + (1 if wrapped else 0) if p.home is Tier.NVME else 0) + (1 if copies else 0))
     budget = p.host_budget - (p.write_back if wrapped else 0) - grad_room
     return max(MIN_SHARD, min(DEFAULT_SHARD, budget // (SHARDS_IN_FLIGHT * per_element)))
 

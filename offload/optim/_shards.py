@@ -153,7 +153,7 @@ class ShardBook:
         resting = sum(s.host_resting_bytes for s in self.shards if s.store is store)
         placement = Placement(store, id(store), Tier.parse(manager.config.optimizer_tier),
                               store.tiers[Tier.HOST].budget, write_back_bytes(manager.groups, manager.home),
-                              manager.host_staging_bytes(), resting)
+                              manager.host_staging_bytes(), resting=resting, param_home=manager.home)
         self.placements[id(store)] = placement
         return placement
 

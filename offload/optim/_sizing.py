@@ -32,12 +32,14 @@ def wrapped_mode(owner: Owner, param_home: Tier, cpu: bool) -> MasterMode:
 
 
 def write_back_bytes(groups: Iterable[Any], param_home: Tier) -> int:
-    """Host bytes the step needs to write parameter groups back to a parameter tier that is
-    not host memory: a staging buffer of the largest group, two at once (a shard may finish
-    one group and start the next)."""
+    """Host bytes the step needs to write parameter groups assembled from master rows back
+    to NVMe: a staging buffer of the largest group, two at once (a shard may finish one
+    group and start the next). All-fp32 groups are updated in their own host copies
+    (``Shard.group_copy_bytes``) and need none."""
     if param_home is not Tier.NVME:
         return 0
-    sizes = sorted((g.nbytes for g in groups if not g.resident), reverse=True)
+    sizes = sorted((g.nbytes for g in groups if not g.resident
+                    and not all(s.dtype == torch.float32 for s in g.slots)), reverse=True)
     return sum(sizes[:2])
 
 
@@ -74,12 +76,14 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
     for key, group in by_store.items():
         p = placements[key]
         resting = sum(s.host_resting_bytes for s in group)
-        largest = max((s.bytes_in_flight for s in group), default=0)
+        # one shard in flight: its rows and gradient, and the groups it updates in host copies
+        largest = max((s.bytes_in_flight + s.group_copy_bytes(p.param_home) for s in group), default=0)
         staging = p.write_back if any(s.wrapped for s in group) else 0
         need = resting + largest + staging
         if need <= p.host_budget:
             continue
-        parts = [(resting, "resting in host memory"), (largest, "for one shard in flight"),
+        parts = [(resting, "resting in host memory"),
+                 (largest, "for one shard in flight (with the parameter groups it updates in place)"),
                  (staging, "to write back a parameter group")]
         fixes = ["raise host_budget"]
         if any(s.home is Tier.HOST for s in group):
@@ -126,7 +130,7 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
-                          param_staging if param_home is Tier.NVME else 0)
+                          param_staging if param_home is Tier.NVME else 0, param_home=param_home)
     cpu = config.torch_device.type == "cpu"
     items = []
     for group in groups:
@@ -152,8 +156,9 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
             out.append(PlanRow("optimizer: gradient accumulators", tier.value, grads,
                                "fp32, summed over backward passes"
                                + ("; kept in host memory (grad_tier='auto')" if kept else "")))
-    if home is Tier.NVME:
-        in_flight = sorted((s.bytes_in_flight for s in shards), reverse=True)[:SHARDS_IN_FLIGHT]
+    if home is Tier.NVME or any(s.group_copy_bytes(param_home) for s in shards):
+        in_flight = sorted((s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards),
+                           reverse=True)[:SHARDS_IN_FLIGHT]
         out.append(PlanRow("optimizer: shards in flight", "host", min(config.host_budget, sum(in_flight)),
                            "read ahead, update, write back; within host_budget"))
     return out
