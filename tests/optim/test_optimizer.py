@@ -114,11 +114,11 @@ def test_plain_parameters(tmp_path, tier, kind, tiny_gpt2, lm_batches, train, ma
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])
 @pytest.mark.parametrize("wrapped", [True, False], ids=["wrapped", "plain"])
-def test_padded_rows_match_torch(tmp_path, tier, wrapped, wide_gpt2, lm_batches, make_opt, decay_groups, train,
+def test_padded_rows_match_torch(tmp_path, tier, wrapped, wide_llama, lm_batches, make_opt, decay_groups, train,
                                  offload_config, assert_losses, assert_rows_padded, assert_same_weights, no_leaks):
     """Rows padded apart (for the cache) change nothing: the trajectory equals torch's, and
     the state dict holds each parameter's moments and nothing of the padding."""
-    ref, model = wide_gpt2(), wide_gpt2()
+    ref, model = wide_llama(), wide_llama()
     batches = lm_batches(model.config.vocab_size, steps=3)
     ref_opt = make_opt("adamw", decay_groups(ref), False)
     ref_losses = train(ref, ref_opt, batches, clip=1.0)
