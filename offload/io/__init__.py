@@ -5,14 +5,14 @@ Knows nothing of torch modules or tiers. See ``FileEngine`` for the request mode
 
 from ._asyncio import aread, awrite, wait_async
 from ._backend import FileBackend, logical_block_size
-from ._buffers import PAGE_SIZE, BufferPool, HostBuffer, round_up
+from ._buffers import PAGE_SIZE, BufferPool, HostBuffer, pool_bytes, round_up
 from ._engine import EngineFile, EngineStats, FileEngine
 from ._handle import IOHandle
 from ._errors import BudgetError, DiskFullError, EngineClosedError, OffloadIOError
 
 __all__ = [
     "FileEngine", "EngineFile", "EngineStats", "IOHandle", "FileBackend", "logical_block_size",
-    "HostBuffer", "BufferPool", "round_up", "PAGE_SIZE",
+    "HostBuffer", "BufferPool", "pool_bytes", "round_up", "PAGE_SIZE",
     "OffloadIOError", "DiskFullError", "EngineClosedError", "BudgetError",
     "wait_async", "aread", "awrite",
 ]

@@ -20,11 +20,13 @@ import torch
 from .._signals import DEFER, wait as _wait
 from ._errors import BudgetError
 
-__all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE"]
+__all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE", "pool_bytes"]
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = mmap.PAGESIZE
 _HUGE = 2 << 20  # buffers from this size up ask for transparent huge pages
+_POOLS: "weakref.WeakSet[BufferPool]" = weakref.WeakSet()  # every pool made, for pool_bytes()
+_POOLS_LOCK = threading.Lock()
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -113,6 +115,19 @@ class HostBuffer:
             log.debug("a view still exports a %d-byte buffer; unmapped with the view", self.nbytes)
 
 
+def pool_bytes() -> dict[str, int]:
+    """Bytes held now by every open :class:`BufferPool` of this process, summed by pool
+    name ("host", "device", "checkpoint", ...): resident memory (each buffer is faulted in
+    when made), which ``offload.stats`` counts in the process's RSS."""
+    out: dict[str, int] = {}
+    with _POOLS_LOCK:
+        pools = list(_POOLS)
+    for pool in pools:
+        if not pool.closed:
+            out[pool.name] = out.get(pool.name, 0) + pool.held_bytes
+    return out
+
+
 class BufferPool:
     """Reusable :class:`HostBuffer` s under a byte budget.
 
@@ -136,11 +151,17 @@ class BufferPool:
         self.peak_bytes = 0
         self._cond = threading.Condition()
         self._closed = False
+        with _POOLS_LOCK:
+            _POOLS.add(self)
 
     # -- accounting -------------------------------------------------------------------
     @property
     def held_bytes(self) -> int:
         return self._held
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def in_use_bytes(self) -> int:
@@ -248,6 +269,15 @@ class BufferPool:
         return buf
 
     def _drop_cached(self, need: int) -> None:
+        # the one cached buffer that makes the room with least to spare, where there is one:
+        # dropping the largest first would drop the big buffers a step keeps reusing (the
+        # optimizer's shards) for a small request, and map them again at the next shard
+        fits = [size for size in self._free if size >= need]
+        if fits and need < self._held:
+            size = min(fits)
+            self._pop_cached(size).close()
+            self._held -= size
+            return
         freed = 0
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
