@@ -7,20 +7,24 @@ are dropped and, if some shard was updated, the optimizer is poisoned."""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable
 
 import torch
 
+from .._memory import HEAP_PEAK
 from ..store import Tier
 from ._grads import noted_norms, renote
-from ._layout import Segment, Shard
+from ._layout import SHARDS_IN_FLIGHT, Segment, Shard
 from ._phase import Phase
 from ._writeback import WriteBack, settled
 
 __all__ = ["Pipeline", "READ_AHEAD"]
 
 READ_AHEAD = 2  # shards read ahead of the one being updated; the host budget may hold fewer back
+# shards whose states are being written home while the next are read: the rest of the
+# shards in flight that the plan counts (offload.optim's sizing)
+WRITES_IN_FLIGHT = SHARDS_IN_FLIGHT - READ_AHEAD - 1
 
 # update(group_index, params, grads, state_rows, steps, grad_scale): one call of the update
 # rule over fp32 CPU tensors of one torch param group (``_rules``)
@@ -32,6 +36,7 @@ class Pipeline:
                  stats: dict, log: Callable[[str, Shard], None]):
         self.update, self.row_count, self.writeback = update, row_count, writeback
         self.phase, self.stats, self.log = phase, stats, log
+        self.writing: deque = deque()  # (store, key) of state rows being written home, oldest first
 
     def run(self, work: list[Shard], grad_scale: float, pending: dict | None = None) -> None:
         """Update ``work`` in order; ``pending``: group writes planned already (else planned here)."""
@@ -41,6 +46,8 @@ class Pipeline:
         try:
             for i, shard in enumerate(work):
                 for nxt in work[i: i + 1 + READ_AHEAD]:
+                    if id(nxt) not in issued:
+                        self.bound_writes()
                     self.issue(nxt, issued, pending)
                 started = i + 1
                 self.process(shard, grad_scale, pending)
@@ -64,6 +71,19 @@ class Pipeline:
             shard.store.fetch(key, Tier.HOST)
         self.stats["read_bytes"] += shard.bytes_in_flight
 
+    def bound_writes(self) -> None:
+        """Before reading another shard: wait for the oldest write-backs beyond
+        ``WRITES_IN_FLIGHT``. The store frees a written shard's host copy only when its write
+        lands; where the disk writes slower than the update runs, copies would pile up to
+        the host budget (seven shards at once on GPT-2 124M) and the pool grow step after
+        step; the plan counts ``SHARDS_IN_FLIGHT``, and the disk is the limit either way."""
+        while len(self.writing) > WRITES_IN_FLIGHT:
+            store, key = self.writing.popleft()
+            if not store.closed and key in store:
+                waited = time.perf_counter()
+                store.wait_stored(key, Tier.HOST)
+                self.stats["wait_seconds"] += time.perf_counter() - waited
+
     def abandon(self, rest: list[Shard], issued: set[int]) -> None:
         """After an exception: drop the host copies of the shard being updated and of those
         read ahead (they would hold the host budget); their home keeps the states from
@@ -86,6 +106,7 @@ class Pipeline:
         views = self.writeback.views(shard, pending)
         self.stats["wait_seconds"] += time.perf_counter() - waited
         self.log("update_start", shard)
+        HEAP_PEAK.sample()
         self._update_shard(shard, rows, grads, grad_scale, views)
         self.log("update_end", shard)
         self.writeback.after_update(shard, rows, pending, busy)
@@ -94,6 +115,7 @@ class Pipeline:
             if shard.rows:
                 shard.store.mark_dirty(shard.state_key, Tier.HOST)
                 shard.store.evict(shard.state_key, Tier.HOST)
+                self.writing.append((shard.store, shard.state_key))
                 self.stats["write_bytes"] += shard.state_bytes
             if shard.reads_grad:
                 shard.store.evict(shard.grad_key, Tier.HOST)

@@ -9,6 +9,7 @@ thread, or inline.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from .._signals import DEFER, wait as _wait
@@ -22,6 +23,23 @@ __all__ = ["Transfers", "start_transfer"]
 
 class Transfers:
     """Routing, reservations, transfers and completions of a TensorStore."""
+
+    def wait_stored(self, key: str, tier: Tier | str, *, timeout: float | None = None) -> None:
+        """Block while ``key``'s copy in ``tier`` is being written home (``evict`` of a
+        changed copy returns at once and frees the copy's room when the write lands); raise
+        that write's error. Lets a caller bound how much memory its write-backs hold."""
+        tier = Tier.parse(tier)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with DEFER, self._cond:
+            record = self._record(key)
+            copy = record.copies.get(tier)
+            while copy is not None and copy.state is Residency.STORING:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"the write-back of {key!r} from {tier.value} did not land in {timeout}s")
+                _wait(self._cond, remaining)
+            if copy is not None:
+                self._raise_error(record, copy)
 
     # -- issuing (lock held) --------------------------------------------------------------
     def _fetch(self, record: StoredTensor, tier: Tier, priority: int) -> None:
