@@ -24,7 +24,10 @@ from ._plan import MemoryPlan, MemoryPlanError
 from ._planner import plan
 from .params import close, init_empty_weights, log_step, note_step, reset_peak_stats, stats, unwrap, wrap, write_trace
 
+from ._memory import mark_baseline
+
 __version__ = "0.1.0"
+mark_baseline()  # the RSS breakdown's "baseline": the interpreter and what was imported up to here
 
 __all__ = ["OffloadConfig", "wrap", "unwrap", "close", "stats", "reset_peak_stats", "init_empty_weights",
            "log_step", "note_step", "write_trace",

@@ -53,6 +53,13 @@ class Tracer:
         with self._lock:
             self.events.append(event)
 
+    def counter(self, name: str, values: dict[str, float]) -> None:
+        """A sample of counters drawn as stacked areas (the step's memory breakdown)."""
+        event = {"name": name, "cat": "memory", "ph": "C", "ts": self._us(time.perf_counter()), "pid": self._pid,
+                 "args": values}
+        with self._lock:
+            self.events.append(event)
+
     def begin(self, name: str, cat: str, args: dict[str, Any] | None = None) -> int:
         """Start an async span (may overlap others); returns its id for :meth:`end`."""
         ident = next(self._ids)

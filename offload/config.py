@@ -25,6 +25,7 @@ _TIERS_PARAM = ("device", "host", "nvme")
 _TIERS_OPTIM = ("host", "nvme")
 _IO_MODES = ("auto", "manual")
 _IO_BACKENDS = ("auto", "direct", "mmap")
+_HOST_ALLOCATORS = ("auto", "lean", "system")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -85,6 +86,14 @@ class OffloadConfig:
             call, worker threads, blocks in the kernel at once. ``None`` (default): resolved
             as ``io`` says (built-in: 8MiB, 32, 32).
         file_size: bytes per preallocated swap file.
+        host_allocator: how torch's CPU tensors (activations and gradients on a CPU device,
+            the host side's temporaries on CUDA) get their memory back to the kernel:
+            ``"lean"`` fixes glibc's mmap threshold at 256 KiB, so RSS follows the tensors
+            alive (each one above it is faulted in anew: step time where tensors churn in
+            host memory); ``"system"`` leaves malloc as it is (fastest; glibc keeps freed
+            memory, about the activations' size again, which ``offload.plan`` counts);
+            ``"auto"`` (default): "lean" on CUDA, "system" on a CPU device (docs/memory.md).
+            Process-wide, applied at ``wrap``; once "lean", the process stays lean.
         world_size: ranks the parameters are partitioned over (ZeRO-3, see
             docs/distributed.md). ``None`` (default): the default process group's size when
             ``torch.distributed`` is initialised, else 1. A number > 1 requires an initialised
@@ -111,6 +120,7 @@ class OffloadConfig:
     file_size: int | str = "1GiB"
     log_path: str | None = None
     trace_path: str | None = None
+    host_allocator: str = "auto"
     world_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -156,6 +166,8 @@ class OffloadConfig:
                 set_(name, os.path.abspath(os.path.expanduser(str(getattr(self, name)))))
         set_("io", _check_choice("io", self.io, _IO_MODES, what="an I/O mode"))
         set_("io_backend", _check_choice("io_backend", self.io_backend, _IO_BACKENDS, what="an I/O backend"))
+        set_("host_allocator", _check_choice("host_allocator", self.host_allocator, _HOST_ALLOCATORS,
+                                             what="an allocator setting"))
 
     # -- derived ---------------------------------------------------------------------------
     @property

@@ -14,9 +14,10 @@ the busy time is summed over all the workers, so it can be many times the step t
 
 Memory, only when the records carry the ``mem_*`` / ``rss_*`` keys (older logs do not):
 GiB per step. Stacked bars (areas on logs of many steps) show what the resident set is
-made of: the interpreter and libraries (baseline), the host pool, the device pool (CPU
-device only), the I/O staging buffers, torch's own tensors at their peak during the step,
-and the rest (untracked).
+made of (``offload._memory``): the interpreter and libraries (baseline), the host pool, the
+device pool (CPU device only), other pools (checkpoint save and load), torch's CPU tensors
+at their peak during the step, the freed memory malloc keeps, mapped file pages, and the
+rest (untracked).
 Lines: the resident set at the end of the step and its peak so far. The stack can rise
 above the RSS line when torch's peak was freed before the step ended (untracked < 0 is
 drawn as 0). Keys missing from the log are left out.
@@ -35,8 +36,10 @@ GB, GIB = 1e9, 2**30
 MEMORY_PARTS = (("mem_baseline_bytes", "baseline (interpreter, libraries)", "tab:gray"),
                 ("mem_host_pool_bytes", "host pool", "tab:blue"),
                 ("mem_device_pool_bytes", "device pool (CPU)", "tab:cyan"),
-                ("mem_io_buffers_bytes", "I/O buffers", "tab:red"),
-                ("mem_torch_peak_bytes", "torch tensors (step peak)", "tab:orange"),
+                ("mem_other_pools_bytes", "other pools (checkpoints)", "tab:red"),
+                ("mem_heap_peak_bytes", "torch tensors (step peak)", "tab:orange"),
+                ("mem_heap_free_bytes", "freed, kept by malloc", "tab:brown"),
+                ("mem_mapped_files_bytes", "mapped files", "tab:pink"),
                 ("mem_untracked_bytes", "untracked", "tab:olive"))
 MEMORY_LINES = (("rss_bytes", "RSS (end of step)", "-"), ("rss_peak_bytes", "RSS peak so far", "--"))
 DENSE = 60  # more steps than this: lines and areas instead of bars, no markers (bars would alias into noise)

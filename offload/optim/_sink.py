@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
+from .._memory import HEAP_PEAK
 from ..params import graph_task
 from ..store import Tier
 from ._grads import noted_norms
@@ -92,6 +93,7 @@ class GradientSink:
         grad = p.grad
         if grad is None:
             return
+        HEAP_PEAK.sample()  # autograd's gradients are among torch's largest tensors: look while this one lives
         p.grad = None
         self.before()
         if self.listener is None:

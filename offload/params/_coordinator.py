@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .._memory import HEAP_PEAK
 from .._signals import DEFER
 from ..io import BudgetError
 from ..store import TensorStore, Tier
@@ -129,6 +130,7 @@ class Coordinator:
         pass's order (uses between passes are not)."""
         if group.resident:
             return
+        HEAP_PEAK.sample()  # torch's tensors peak somewhere in the passes: look at each group
         with DEFER:  # Ctrl-C lands before or after this bookkeeping (or in a wait), not inside
             self._acquire(group, phase, record)
 

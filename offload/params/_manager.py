@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._memory import resolve_allocator, tune_allocator
 from .._plan import host_param_bytes, param_staging, plan_groups
 from .._resolve import check_output_paths, choose_io_backend, resolve_engine
 from .._units import format_size
@@ -205,6 +206,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                               room=layout.room(config.device_budget))
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
+    tune_allocator(resolve_allocator(config.host_allocator, device.type))
     nvme_bytes = _nvme_bytes(mine, config)
     store = _make_store(config, nvme_bytes)
     try:

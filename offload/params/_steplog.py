@@ -9,6 +9,7 @@ import json
 import time
 from typing import Any
 
+from .._memory import HEAP_PEAK, breakdown
 from .._trace import Tracer
 
 __all__ = ["StepLog", "stats_of"]
@@ -35,6 +36,8 @@ def stats_of(manager: Any) -> dict[str, Any]:
         "gather_over_budget_bytes": c.gather_over_budget_bytes,
         "world_size": manager.partition.world if manager.partition is not None else 1,
         "rank": manager.partition.rank if manager.partition is not None else 0,
+        # the process's RSS and its parts (offload._memory); the heap's peak since the last step record
+        **breakdown(HEAP_PEAK.peek()).record(),
     }
 
 
@@ -76,6 +79,12 @@ class StepLog:
             record[key] = round(delta, 6) if isinstance(delta, float) else delta
         for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes"):
             record[key] = current[key]
+        memory = breakdown(HEAP_PEAK.take())  # (the peak of torch's tensors over this step)
+        record.update(memory.record())
+        if self.tracer is not None:
+            self.tracer.counter("memory (GiB)", {k[len("mem_"):-len("_bytes")]: round(max(v, 0) / 2**30, 3)
+                                                for k, v in memory.record().items()
+                                                if k.startswith("mem_") and k != "mem_heap_peak_bytes"})
         record.update(self._noted)
         record.update(fields)
         self._noted = {}
