@@ -9,6 +9,14 @@ against what the machine has, before anything is allocated.
 creating the store, its buffers or its files) when it cannot fit; the offloaded optimizers
 check their states the same way before allocating them.
 
+Note: the resident set. ``predicted_rss`` is the plan's promise about the process's RSS
+(what the OOM killer reads): the baseline (RSS now, less the model's parameters that
+wrapping frees), the host rows, the device rows on a CPU device, and, when ``offload.plan``
+is given a ``batch``, what torch allocates beside them on a CPU device: the tensors autograd
+saves (estimated on the meta device, ``_activation_estimate``), the largest gradient autograd
+hands over, and the freed memory glibc's malloc keeps (``host_allocator``, ``_memory``).
+On CUDA those count against the device's free memory instead.
+
 Note: what is counted. Budgets are upper bounds; the plan counts what the run will use up
 to them: the device budget or less if the whole model is smaller; host staging for NVMe
 reads (the prefetch window and the largest group), and everything that rests in host
@@ -31,6 +39,8 @@ import psutil
 import torch
 from torch import nn
 
+from ._activation_estimate import ActivationEstimate
+from ._memory import heap_overhead_factor, resolve_allocator, rss_bytes
 from ._os import nearest_existing_dir
 from ._units import format_size
 from .config import OffloadConfig
@@ -68,6 +78,11 @@ class MemoryPlan:
     pinned: int = 0
     memlock_limit: int | None = None
     world: int = 1  # ranks the parameters are partitioned over: the plan is one rank's
+    baseline_rss: int = 0      # RSS now, less ram_credit: what the process holds besides the run
+    activations: ActivationEstimate | None = None  # None: no batch was given
+    grad_bytes: int = 0        # the largest gradient autograd hands over (compute dtype)
+    heap_overhead: int = 0     # freed memory malloc is expected to keep (host_allocator="system")
+    allocator: str = "system"  # host_allocator as it applies to this run
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -80,6 +95,21 @@ class MemoryPlan:
         if self.problems:
             raise MemoryPlanError("offload memory plan does not fit this machine:\n  - "
                                   + "\n  - ".join(self.problems) + "\n" + str(self))
+
+    @property
+    def transient_bytes(self) -> int:
+        """What torch allocates on the compute device beside the tiers at the peak of a
+        training step: saved tensors, the largest gradient, malloc's kept memory (0 without
+        an activation estimate)."""
+        if self.activations is None or self.activations.error is not None:
+            return 0
+        return self.activations.peak_bytes + self.grad_bytes + self.heap_overhead
+
+    @property
+    def predicted_rss(self) -> int:
+        """The process's peak RSS this plan promises (see the module's note)."""
+        cuda = self.config.torch_device.type == "cuda"
+        return self.baseline_rss + self.ram_need + (0 if cuda else self.transient_bytes)
 
     def bytes_on(self, tier: str) -> int:
         return sum(r.nbytes for r in self.rows if r.tier == tier)
@@ -101,6 +131,7 @@ class MemoryPlan:
                   if self.ram_credit else "")
                + f", {format_size(self.ram_available)} available")
         lines.append("  " + ram)
+        lines.append("  " + self._rss_line())
         if self.device_free is not None:
             lines.append(f"  {c.device}: needs {format_size(self.device_need)}, {format_size(self.device_free)} free")
         if self.disk_need:
@@ -114,16 +145,42 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+    def _rss_line(self) -> str:
+        cuda = self.config.torch_device.type == "cuda"
+        parts = [f"baseline {format_size(self.baseline_rss)}", f"host rows {format_size(self.ram_need)}"
+                 + ("" if cuda else " (with the device rows)")]
+        act = self.activations
+        if act is None:
+            tail = "; activations not counted (give offload.plan a batch=)"
+        elif act.error is not None:
+            tail = f"; activations not counted: the forward does not run on the meta device ({act.error})"
+        else:
+            where = "on the device, " if cuda else ""
+            tail = "; " + where + ", ".join(
+                f"{what} {format_size(n)}" for n, what in (
+                    (act.peak_bytes, "activations"), (self.grad_bytes, "largest gradient"),
+                    (self.heap_overhead, f"malloc's kept memory (host_allocator '{self.allocator}')")) if n)
+            if not cuda:
+                parts.append(f"torch's tensors {format_size(self.transient_bytes)}")
+        return f"RSS: predicted peak {format_size(self.predicted_rss)} = " + " + ".join(parts) + tail
+
+
 def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, world: int = 1,
-                room: int | None = None, optimizer: Callable[[list, OffloadConfig, int], list] | None = None
-                ) -> MemoryPlan:
+                room: int | None = None, optimizer: Callable[[list, OffloadConfig, int], list] | None = None,
+                activations: ActivationEstimate | None = None, grad_bytes: int = 0) -> MemoryPlan:
     """The plan for parameter groups already built (``wrap`` calls this); with ``world``
     ranks, ``groups`` are this rank's slices. ``room``: what the device budget leaves for
     the prefetch window (offload.params.device_layout). ``optimizer(groups, config,
     param_staging)``: the optimizer's rows (``offload.optim.plan_rows``), given the host
-    bytes the parameter reads stage through."""
-    p = MemoryPlan(config=config, ram_credit=ram_credit, world=world)
+    bytes the parameter reads stage through. ``activations``: the estimate for a batch
+    (``offload.plan(batch=...)``), ``grad_bytes`` the largest gradient autograd hands over."""
     cuda = config.torch_device.type == "cuda"
+    p = MemoryPlan(config=config, ram_credit=ram_credit, world=world, activations=activations,
+                   grad_bytes=grad_bytes if activations is not None else 0,
+                   baseline_rss=max(0, rss_bytes() - ram_credit),
+                   allocator=resolve_allocator(config.host_allocator, config.torch_device.type))
+    if activations is not None and activations.error is None:
+        p.heap_overhead = int(heap_overhead_factor(p.allocator) * activations.peak_bytes)
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g.nbytes for g in groups if not g.resident]
     largest = max(streamed, default=0)
@@ -165,7 +222,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     host_rows = min(config.host_budget, p.bytes_on("host"))
     device_rows = min(config.device_budget, p.bytes_on("device"))
     p.ram_need = host_rows + (0 if cuda else device_rows)
-    p.device_need = device_rows if cuda else 0
+    p.device_need = device_rows + p.transient_bytes if cuda else 0
     p.disk_need = p.bytes_on("nvme")
     p.pinned = host_rows if cuda else 0
     _check_machine(p, config, cuda)
@@ -208,7 +265,7 @@ def check_disk(path: str, need: int, what: str, fix: str) -> None:
 
 def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
     p.ram_available = psutil.virtual_memory().available
-    ram = p.ram_need - p.ram_credit
+    ram = p.ram_need - p.ram_credit + (0 if cuda else p.transient_bytes)
     if ram > p.ram_available:
         fixes = []
         if p.bytes_on("host") and config.param_tier == "host":
@@ -220,13 +277,19 @@ def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
             fixes.append(f"host_budget<={format_size(limit)}")
         if not cuda:
             fixes.append("a smaller device_budget (on the CPU it is RAM too)")
+            if p.transient_bytes:
+                fixes.append("a smaller batch")
         p.problems.append(f"host RAM: {format_size(ram)} needed, {format_size(p.ram_available)} available: "
                           f"set {' or '.join(fixes) or 'smaller budgets'}")
     if cuda:
-        try:
-            free, _ = torch.cuda.mem_get_info(config.torch_device)
-        except RuntimeError:
-            free = None
+        free = None
+        if not torch.cuda.is_available():  # planning here for a GPU machine: nothing to check against
+            p.warnings.append(f"no CUDA device here: {config.device}'s free memory is not checked")
+        else:
+            try:
+                free, _ = torch.cuda.mem_get_info(config.torch_device)
+            except RuntimeError:
+                pass
         p.device_free = free
         if free is not None and p.device_need > free:
             p.problems.append(f"{config.device}: {format_size(p.device_need)} needed, {format_size(free)} free: "

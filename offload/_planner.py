@@ -5,8 +5,11 @@ for the device, ``offload.optim.plan_rows`` for the optimizer), allocating nothi
 from __future__ import annotations
 
 import torch.distributed as dist
+from typing import Any, Mapping
+
 from torch import nn
 
+from ._activation_estimate import estimate_activations
 from ._plan import MemoryPlan, host_param_bytes, plan_groups
 from .config import OffloadConfig
 from .distributed import Partition
@@ -16,10 +19,17 @@ from .params import device_layout, slice_groups
 __all__ = ["plan"]
 
 
-def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw") -> MemoryPlan:
+def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw",
+         batch: Mapping[str, Any] | None = None) -> MemoryPlan:
     """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
     of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``)
     with its default settings. Allocates nothing; the model may be on the meta device.
+
+    ``batch``: the keyword arguments of one training forward (``model(**batch)``), tensors
+    of the real shapes and dtypes on any device ("meta" allocates nothing). The plan then
+    counts what a training step allocates beside the tiers (the tensors autograd saves,
+    from a forward on the meta device; the largest gradient; the memory malloc keeps) and
+    ``predicted_rss`` is the peak RSS of the run.
 
     With several ranks (``config.world_size``, or an initialised torch.distributed) it is
     the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
@@ -38,5 +48,14 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
     rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging))
+    activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
-                       room=layout.room(config.device_budget), optimizer=rows)
+                       room=layout.room(config.device_budget), optimizer=rows, activations=activations,
+                       grad_bytes=_largest_gradient(model, config))
+
+
+def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:
+    """Bytes of the largest gradient autograd produces (a trained parameter's, in the
+    compute dtype): it exists whole before the optimizer takes it."""
+    sizes = [p.numel() * (config.dtype or p.dtype).itemsize for p in model.parameters() if p.requires_grad]
+    return max(sizes, default=0)

@@ -1,0 +1,120 @@
+"""What a training step's forward leaves for backward: the bytes of the tensors autograd
+saves, estimated by running the model's forward on the meta device (no memory, no compute)
+with parameters and inputs of the real shapes and dtypes.
+
+Works for any model whose forward runs on meta tensors (most transformers models do);
+where it does not (data-dependent shapes, ``.item()``), the estimate is unavailable and the
+plan says so instead of guessing.
+
+Note: attention. On the meta device ``scaled_dot_product_attention`` runs its math path,
+which saves the attention matrix (batch x heads x sequence squared); the fused kernels torch
+picks on a real device keep only the inputs, the output and the log-sum-exp. So the call is
+answered here as the real device would run it: the fused kernel's saved tensors where torch
+would pick one (on the CPU: without dropout, as ``torch._fused_sdp_choice`` says; on CUDA:
+always), the math path otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["ActivationEstimate", "estimate_activations"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    saved_bytes: int  # distinct storages autograd keeps from forward until backward
+    largest_bytes: int  # the largest of them (backward holds its gradient beside it)
+    error: str | None = None  # why there is no estimate
+
+    @property
+    def peak_bytes(self) -> int:
+        """Saved tensors at the turn from forward to backward, with the gradient of the
+        largest one being computed beside them (and the output's)."""
+        return self.saved_bytes + 2 * self.largest_bytes
+
+
+def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: torch.dtype | None = None,
+                         device_type: str = "cpu") -> ActivationEstimate:
+    """Run ``model(**inputs)`` on the meta device as a training forward and count what
+    autograd saves. ``inputs``: the forward's keyword arguments (tensors of the batch's
+    shape, on any device, or anything else passed as is). ``dtype``: the compute dtype the
+    parameters run in (None: their own). ``device_type``: where the run computes ("cpu",
+    "cuda"), which decides the attention kernel (see the module's note)."""
+    def meta(t: Any) -> Any:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+
+    params = {}
+    for name, p in model.named_parameters():
+        cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        params[name] = torch.empty(p.shape, dtype=cast, device="meta", requires_grad=p.requires_grad)
+    buffers = {name: meta(b) for name, b in model.named_buffers()}
+    storages: dict[int, int] = {}
+    # parameters and their views (a tied head's transpose) are the tiers' bytes, counted
+    # elsewhere; views of one storage count once
+    weights = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values())
+               if isinstance(t, torch.Tensor)}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in weights:
+            storages[storage._cdata] = storage.nbytes()
+        return t
+
+    was_training = model.training
+    model.train()
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _FusedAttention(pack, device_type):
+            torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=tree_map(meta, dict(inputs)),
+                                       strict=False, tie_weights=True)
+    except Exception as err:  # any failure of the meta forward: no estimate, said plainly
+        log.info("offload: no activation estimate: the forward does not run on the meta device (%s)", err)
+        return ActivationEstimate(0, 0, f"{type(err).__name__}: {err}")
+    finally:
+        model.train(was_training)
+    return ActivationEstimate(sum(storages.values()), max(storages.values(), default=0))
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors, saving what the real device's
+    kernel saves (the module's note)."""
+
+    def __init__(self, pack: Any, device_type: str):
+        super().__init__()
+        self.pack, self.device_type = pack, device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not self._fused(*args, **kwargs):
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device="meta",
+                          requires_grad=any(t.requires_grad for t in (q, k, v)))
+        if out.requires_grad:
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")
+            for t in (q, k, v, out, lse):
+                self.pack(t)
+        return out
+
+    def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False) -> bool:
+        if self.device_type != "cpu":
+            return True
+        tiny = lambda t: torch.empty((1, t.shape[-3] if t.dim() > 2 else 1, 2, t.shape[-1]), dtype=t.dtype)  # noqa: E731
+        mask = None if attn_mask is None else torch.zeros((1, 1, 2, 2), dtype=attn_mask.dtype)
+        try:
+            return torch._fused_sdp_choice(tiny(query), tiny(key), tiny(value), mask, dropout_p, is_causal,
+                                           scale=scale, enable_gqa=enable_gqa) != 0  # 0: the math path
+        except (RuntimeError, TypeError):  # a torch without this choice: the math path, counted as such
+            return False
