@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .._memory import HEAP_PEAK
-from ..store import Tier
+from ..store import Residency, Tier
 from ._grads import noted_norms, renote
 from ._layout import SHARDS_IN_FLIGHT, Segment, Shard
 from ._phase import Phase
@@ -84,6 +84,15 @@ class Pipeline:
                 store.wait_stored(key, Tier.HOST)
                 self.stats["wait_seconds"] += time.perf_counter() - waited
 
+    def _forget_landed(self) -> None:
+        """Drop the oldest entries whose write has landed (an update during backward
+        writes without reading ahead through ``run``: the list would grow every step)."""
+        while self.writing:
+            store, key = self.writing[0]
+            if not store.closed and key in store and store.state(key, Tier.HOST) is Residency.STORING:
+                return
+            self.writing.popleft()
+
     def abandon(self, rest: list[Shard], issued: set[int]) -> None:
         """After an exception: drop the host copies of the shard being updated and of those
         read ahead (they would hold the host budget); their home keeps the states from
@@ -116,6 +125,7 @@ class Pipeline:
                 shard.store.mark_dirty(shard.state_key, Tier.HOST)
                 shard.store.evict(shard.state_key, Tier.HOST)
                 self.writing.append((shard.store, shard.state_key))
+                self._forget_landed()
                 self.stats["write_bytes"] += shard.state_bytes
             if shard.reads_grad:
                 shard.store.evict(shard.grad_key, Tier.HOST)
