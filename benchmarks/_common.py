@@ -94,10 +94,11 @@ def saved_gpt2(root: str, name: str, shape: tuple[int, int, int]) -> str:
     return path
 
 
-def run_json_worker(cmd: list[str], what: str) -> dict | None:
-    """Run a benchmark worker process; its last stdout line is its JSON result. A failed
-    worker is logged with the end of its stderr and gives None."""
-    out = subprocess.run(cmd, capture_output=True, text=True)
+def run_json_worker(cmd: list[str], what: str, env: dict | None = None) -> dict | None:
+    """Run a benchmark worker process (``env``: its environment, default this one's); its
+    last stdout line is its JSON result. A failed worker is logged with the end of its
+    stderr and gives None."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         logging.getLogger("bench").warning("%s worker failed (exit %d):\n%s", what, out.returncode,
                                            out.stderr[-3000:])
