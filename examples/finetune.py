@@ -10,8 +10,9 @@ text is generated arithmetic ("17 plus 25 is 42.") tokenized as bytes, or ``--co
 FILE`` (any UTF-8 text), so the loss falls visibly within a few dozen steps.
 
 Every step logs one line: loss, tokens/s, step time, bytes read and written by the NVMe
-tier, stall seconds (compute waiting for parameters), peak device and host bytes; a tqdm
-bar shows progress. ``--save-dir`` checkpoints every ``--save-every`` steps and at the end
+tier, stall seconds (compute waiting for parameters), peak device and host bytes, the
+process's RSS and its peak next to the plan's prediction (``offload.plan(batch=...)``); a
+tqdm bar shows progress. ``--save-dir`` checkpoints every ``--save-every`` steps and at the end
 (atomic, resumable with ``--resume``); the trained weights are exported as safetensors to
 ``--export-dir`` (loadable with transformers' from_pretrained).
 
@@ -193,6 +194,10 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     model, weights = build_model(args)
+    # the process's peak RSS this run should reach (what the OOM killer reads), from a batch's shape
+    shape = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
+    predicted = offload.plan(model, offload_config(args), optimizer="adamw",
+                             batch={"input_ids": shape, "labels": shape}).predicted_rss
     model = offload.wrap(model, offload_config(args), checkpoint=weights)
     model.train()
     params = sum(p.numel() for p in model.parameters())
@@ -257,11 +262,12 @@ def main(argv=None) -> int:
         losses.append(total)
         times.append(seconds)
         log.info("step %d/%d loss %.4f | %.0f tok/s | %.2f s | read %s written %s | stall %.2f s | "
-                 "peak device %s host %s", step + 1, args.steps, total, tokens_per_step / seconds, seconds,
-                 offload.format_size(now["read_bytes"] - before["read_bytes"]),
+                 "peak device %s host %s | RSS %s, peak %s (plan %s)", step + 1, args.steps, total,
+                 tokens_per_step / seconds, seconds, offload.format_size(now["read_bytes"] - before["read_bytes"]),
                  offload.format_size(now["write_bytes"] - before["write_bytes"]),
                  now["stall_seconds"] - before["stall_seconds"], offload.format_size(now["device_peak_bytes"]),
-                 offload.format_size(now["host_peak_bytes"]))
+                 offload.format_size(now["host_peak_bytes"]), offload.format_size(now["rss_bytes"]),
+                 offload.format_size(now["rss_peak_bytes"]), offload.format_size(predicted))
         if not math.isfinite(total):
             log.error("the loss is not finite at step %d: lower --lr or use --dtype bf16/fp32", step + 1)
             return 1
