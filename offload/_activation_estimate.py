@@ -10,8 +10,9 @@ Note: attention. On the meta device ``scaled_dot_product_attention`` runs its ma
 which saves the attention matrix (batch x heads x sequence squared); the fused kernels torch
 picks on a real device keep only the inputs, the output and the log-sum-exp. So the call is
 answered here as the real device would run it: the fused kernel's saved tensors where torch
-would pick one (on the CPU: without dropout, as ``torch._fused_sdp_choice`` says; on CUDA:
-always), the math path otherwise.
+would pick one (on the CPU as ``torch._fused_sdp_choice`` says: without dropout), the math
+path otherwise. On CUDA (which this machine may not have to ask) it is counted as fused;
+where the memory-efficient kernel runs with a mask, the mask it keeps is not counted.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
     weights = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values())
                if isinstance(t, torch.Tensor)}
 
+    alive: list[Any] = []  # every storage counted, kept until the count is done: one freed early
+    # (a branch the fused attention below cuts off the graph) would give its address, the key
+    # here, to a later one
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage._cdata not in weights:
+        if storage._cdata not in weights and storage._cdata not in storages:
             storages[storage._cdata] = storage.nbytes()
+            alive.append(storage)
         return t
 
     was_training = model.training
@@ -99,8 +105,14 @@ class _FusedAttention(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention or not self._fused(*args, **kwargs):
             return func(*args, **kwargs)
         q, k, v = args[:3]
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device="meta",
-                          requires_grad=any(t.requires_grad for t in (q, k, v)))
+        # (laid out as the fused kernels write it, batch x sequence x heads x dim and handed out
+        # transposed: the usual transpose-and-reshape after attention is then a view, not a copy)
+        if q.dim() == 4:
+            b, h, t = q.shape[:-1]
+            out = torch.empty((b, t, h, v.shape[-1]), dtype=q.dtype, device="meta").transpose(1, 2)
+        else:
+            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device="meta")
+        out.requires_grad_(any(x.requires_grad for x in (q, k, v)))
         if out.requires_grad:
             lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")
             for t in (q, k, v, out, lse):

@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -51,32 +52,45 @@ class _Mallinfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def _preloaded_allocator() -> str | None:
-    """The malloc replacing glibc's in this process (LD_PRELOAD), if any."""
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p), ("dli_sname", ctypes.c_char_p),
+                ("dli_saddr", ctypes.c_void_p)]
+
+
+def _malloc_name() -> str:
+    """Which malloc this process calls: the library the dynamic linker resolved ``malloc``
+    to (``dladdr``), so a jemalloc, tcmalloc or mimalloc preloaded in glibc's place is
+    seen, and one that a library merely links is not."""
     try:
-        with open("/proc/self/maps") as fh:
-            maps = fh.read()
-    except OSError:
-        return None
-    for name in ("jemalloc", "tcmalloc", "mimalloc"):
-        if f"lib{name}" in maps:
-            return name
-    return None
+        proc = ctypes.CDLL(None)
+        info = _DlInfo()
+        if proc.dladdr(ctypes.cast(proc.malloc, ctypes.c_void_p), ctypes.byref(info)) and info.dli_fname:
+            library = os.path.basename(os.fsdecode(info.dli_fname))
+            for name in ("jemalloc", "tcmalloc", "mimalloc"):
+                if name in library:
+                    return name
+        if hasattr(proc, "gnu_get_libc_version"):
+            return "glibc"
+    except (OSError, AttributeError):  # no dynamic linker to ask (not Linux)
+        pass
+    return "unknown"
 
 
 def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallinfo2.restype = _Mallinfo2
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):  # not glibc (musl, macOS) or glibc before 2.33
+    """glibc, where it is the malloc in use (mallopt: every version; mallinfo2: 2.33+)."""
+    if _MALLOC != "glibc":
         return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _Mallinfo2
+    return libc
 
 
-_OTHER = _preloaded_allocator()
-_libc = None if _OTHER is not None else _glibc()  # (another malloc: glibc's counts would be of nothing)
-_process = psutil.Process()
+_MALLOC = _malloc_name()
+_libc = _glibc()
+_COUNTS = _libc is not None and hasattr(_libc, "mallinfo2")  # heap counts (another malloc: of nothing)
+_RSS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _status(key: str) -> int | None:
@@ -111,7 +125,7 @@ def mark_baseline() -> None:
     """Take the baseline now (``offload/__init__`` calls this once its imports are done)."""
     _BASE.rss = rss_bytes()
     _BASE.file = _status("RssFile") or 0
-    if _libc is not None:
+    if _COUNTS:
         _BASE.heap, _BASE.free = _raw_heap()
 
 
@@ -123,7 +137,11 @@ def baseline_rss_bytes() -> int:
 
 
 def rss_bytes() -> int:
-    return _process.memory_info().rss
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * _RSS_PAGE
+    except OSError:
+        return psutil.Process(os.getpid()).memory_info().rss
 
 
 def peak_rss_bytes() -> int:
@@ -133,7 +151,8 @@ def peak_rss_bytes() -> int:
         return peak
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # (bytes on macOS, KiB elsewhere)
 
 
 @dataclass(frozen=True)
@@ -146,8 +165,8 @@ class HeapUse:
 
 def heap_use() -> HeapUse | None:
     """malloc's counts (glibc 2.33+), or None where they are not available (another
-    malloc, another C library)."""
-    if _libc is None:
+    malloc, another C library, an older glibc)."""
+    if not _COUNTS:
         return None
     in_use, free = _raw_heap()
     return HeapUse(in_use=max(0, in_use - _BASE.heap), kept_free=free)
@@ -156,15 +175,16 @@ def heap_use() -> HeapUse | None:
 def allocator() -> str:
     """Which malloc serves torch's CPU tensors: "glibc", a preloaded "jemalloc",
     "tcmalloc" or "mimalloc", or "unknown"."""
-    return _OTHER or ("glibc" if _libc is not None else "unknown")
+    return _MALLOC
 
 
 def resolve_allocator(setting: str, device_type: str) -> str:
     """``OffloadConfig.host_allocator`` as it applies here: "auto" is "lean" where the
-    compute device is not the CPU (torch's tensors live on the device; host memory churns
-    little, so returning it costs nothing measurable) and "system" on a CPU device (where
-    activations and gradients churn through host memory each step and the lean setting
-    costs step time: docs/memory.md)."""
+    compute device is not the CPU (torch's tensors live on the device and the optimizer
+    works in the pools, so little host memory churns and returning it should cost little;
+    not measured on a GPU yet) and "system" on a CPU device (where activations and
+    gradients churn through host memory each step and the lean setting costs step time:
+    docs/memory.md)."""
     if setting != "auto":
         return setting
     return "system" if device_type == "cpu" else "lean"
@@ -182,6 +202,9 @@ def tune_allocator(mode: str) -> str:
     global _tuned, _lean
     with _tune_lock:
         if mode != "lean":
+            if _lean:
+                log.warning("offload: host_allocator='%s' asked for, but this process applied 'lean' already "
+                            "(a model wrapped earlier): glibc cannot go back, so it stays lean", mode)
             return _tuned or f"malloc left as it is ({allocator()}, host_allocator='{mode}')"
         if _tuned is None:
             if _libc is None:
@@ -212,13 +235,14 @@ class HeapPeak:
 
     def __init__(self) -> None:
         self._peak = 0
+        self._lock = threading.Lock()  # (sampled from autograd's device threads and the drain thread too)
 
     def sample(self) -> None:
-        if _libc is None:
+        if not _COUNTS:
             return
         in_use = _raw_heap()[0] - _BASE.heap
-        if in_use > self._peak:
-            self._peak = in_use
+        with self._lock:
+            self._peak = max(self._peak, in_use)
 
     def peek(self) -> int:
         """The peak since the previous :meth:`take`, without starting anew."""
@@ -228,11 +252,14 @@ class HeapPeak:
     def take(self) -> int:
         """The peak since the previous call (at least the heap in use now); starts anew."""
         self.sample()
-        peak, self._peak = self._peak, 0
+        with self._lock:
+            peak, self._peak = self._peak, 0
         return max(0, peak)
 
 
-HEAP_PEAK = HeapPeak()  # one process, one heap: every wrapped model and optimizer samples it
+# One process, one heap: every wrapped model and optimizer samples it, and each step record
+# takes it (two models logging steps in one process each see the peak since the other's record).
+HEAP_PEAK = HeapPeak()
 
 
 @dataclass(frozen=True)

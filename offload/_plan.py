@@ -82,6 +82,7 @@ class MemoryPlan:
     activations: ActivationEstimate | None = None  # None: no batch was given
     grad_bytes: int = 0        # the largest gradient autograd hands over (compute dtype)
     heap_overhead: int = 0     # freed memory malloc is expected to keep (host_allocator="system")
+    mapped_bytes: int = 0      # swap-file pages the mmap backend may keep mapped (up to host_budget)
     allocator: str = "system"  # host_allocator as it applies to this run
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -109,7 +110,7 @@ class MemoryPlan:
     def predicted_rss(self) -> int:
         """The process's peak RSS this plan promises (see the module's note)."""
         cuda = self.config.torch_device.type == "cuda"
-        return self.baseline_rss + self.ram_need + (0 if cuda else self.transient_bytes)
+        return self.baseline_rss + self.ram_need + self.mapped_bytes + (0 if cuda else self.transient_bytes)
 
     def bytes_on(self, tier: str) -> int:
         return sum(r.nbytes for r in self.rows if r.tier == tier)
@@ -144,11 +145,13 @@ class MemoryPlan:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
 
-
     def _rss_line(self) -> str:
         cuda = self.config.torch_device.type == "cuda"
         parts = [f"baseline {format_size(self.baseline_rss)}", f"host rows {format_size(self.ram_need)}"
                  + ("" if cuda else " (with the device rows)")]
+        if self.mapped_bytes:
+            parts.append(f"mapped swap-file pages {format_size(self.mapped_bytes)} (io_backend "
+                         f"'{self.config.io_backend}')")
         act = self.activations
         if act is None:
             tail = "; activations not counted (give offload.plan a batch=)"
@@ -175,11 +178,13 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     bytes the parameter reads stage through. ``activations``: the estimate for a batch
     (``offload.plan(batch=...)``), ``grad_bytes`` the largest gradient autograd hands over."""
     cuda = config.torch_device.type == "cuda"
+    if cuda and torch.cuda.is_available():
+        torch.cuda.init()  # (the CUDA context's libraries are resident from here: part of the baseline)
     p = MemoryPlan(config=config, ram_credit=ram_credit, world=world, activations=activations,
                    grad_bytes=grad_bytes if activations is not None else 0,
                    baseline_rss=max(0, rss_bytes() - ram_credit),
                    allocator=resolve_allocator(config.host_allocator, config.torch_device.type))
-    if activations is not None and activations.error is None:
+    if activations is not None and activations.error is None and not cuda:  # (on CUDA they are on the device)
         p.heap_overhead = int(heap_overhead_factor(p.allocator) * activations.peak_bytes)
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g.nbytes for g in groups if not g.resident]
@@ -224,6 +229,11 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     p.ram_need = host_rows + (0 if cuda else device_rows)
     p.device_need = device_rows + p.transient_bytes if cuda else 0
     p.disk_need = p.bytes_on("nvme")
+    # the mmap backend keeps pages of the swap files mapped, up to host_budget, beside the
+    # pool ("auto" may choose it where the NVMe data fits in host_budget: offload._resolve)
+    if p.disk_need and (config.io_backend == "mmap"
+                        or (config.io_backend == "auto" and p.disk_need <= config.host_budget)):
+        p.mapped_bytes = min(p.disk_need, config.host_budget)
     p.pinned = host_rows if cuda else 0
     _check_machine(p, config, cuda)
     return p

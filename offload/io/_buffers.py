@@ -214,12 +214,12 @@ class BufferPool:
     def trim(self) -> None:
         """Unmap every cached buffer."""
         with DEFER, self._cond:
-            self._drop_cached(self._held)
+            self._drop_all()
 
     def close(self) -> None:
         with DEFER, self._cond:
             self._closed = True
-            self._drop_cached(self._held)
+            self._drop_all()
             self._cond.notify_all()
 
     # -- internals --------------------------------------------------------------------
@@ -252,7 +252,7 @@ class BufferPool:
                     self._asked[id(buf)] = size
                     self._inflation += buf.nbytes - size
                 return buf
-            self._drop_cached(self._held + size - self.budget)
+            self._make_room(self._held + size - self.budget)
         if self._held + size > self.budget:
             return None
         buf = HostBuffer(size, pin=self.pin)
@@ -268,25 +268,22 @@ class BufferPool:
         self._cached -= size
         return buf
 
-    def _drop_cached(self, need: int) -> None:
-        # the one cached buffer that makes the room with least to spare, where there is one:
-        # dropping the largest first would drop the big buffers a step keeps reusing (the
-        # optimizer's shards) for a small request, and map them again at the next shard
-        fits = [size for size in self._free if size >= need]
-        if fits and need < self._held:
-            size = min(fits)
-            self._pop_cached(size).close()
-            self._held -= size
-            return
-        freed = 0
-        for size in sorted(self._free, reverse=True):
-            bufs = self._free[size]
-            while bufs and freed < need:
-                bufs.pop().close()
-                freed += size
+    def _drop_all(self) -> None:
+        for size in list(self._free):
+            while size in self._free:
+                self._pop_cached(size).close()
                 self._held -= size
-                self._cached -= size
-            if not bufs:
-                del self._free[size]
-            if freed >= need:
-                break
+
+    def _make_room(self, need: int) -> None:
+        """Unmap cached buffers until ``need`` bytes are free or none is left: the one that
+        makes the room with least to spare where there is one, else the smallest first.
+        Dropping the largest first would drop the big buffers a step keeps reusing (the
+        optimizer's shards) for a small request, and map them again at the next shard."""
+        fits = [size for size in self._free if size >= need]
+        order = [min(fits)] if fits else sorted(self._free)
+        freed = 0
+        for size in order:
+            while size in self._free and freed < need:
+                self._pop_cached(size).close()
+                self._held -= size
+                freed += size

@@ -65,6 +65,11 @@ class EarlyUpdate:
         queue = self.queue
         while queue:
             for shard in queue[: 1 + READ_AHEAD]:
+                if id(shard) not in self.issued:  # reading another shard: within the shards in flight
+                    if block:
+                        self.pipeline.bound_writes()
+                    elif self.pipeline.writes_backlogged():
+                        break  # (the backward goes on; a later call reads it, or step() does)
                 self.pipeline.issue(shard, self.issued, self.pending)
             head = queue[0]
             if not block and not self._in_memory(head):

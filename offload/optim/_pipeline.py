@@ -25,6 +25,9 @@ READ_AHEAD = 2  # shards read ahead of the one being updated; the host budget ma
 # shards whose states are being written home while the next are read: the rest of the
 # shards in flight that the plan counts (offload.optim's sizing)
 WRITES_IN_FLIGHT = SHARDS_IN_FLIGHT - READ_AHEAD - 1
+if WRITES_IN_FLIGHT < 1:
+    raise ImportError(f"SHARDS_IN_FLIGHT ({SHARDS_IN_FLIGHT}) must leave room for a write-back beside the shard "
+                      f"being updated and the {READ_AHEAD} read ahead")
 
 # update(group_index, params, grads, state_rows, steps, grad_scale): one call of the update
 # rule over fp32 CPU tensors of one torch param group (``_rules``)
@@ -83,6 +86,11 @@ class Pipeline:
                 waited = time.perf_counter()
                 store.wait_stored(key, Tier.HOST)
                 self.stats["wait_seconds"] += time.perf_counter() - waited
+
+    def writes_backlogged(self) -> bool:
+        """Whether reading another shard now would hold more than the shards in flight."""
+        self._forget_landed()
+        return len(self.writing) > WRITES_IN_FLIGHT
 
     def _forget_landed(self) -> None:
         """Drop the oldest entries whose write has landed (an update during backward

@@ -79,11 +79,11 @@ class StepLog:
             record[key] = round(delta, 6) if isinstance(delta, float) else delta
         for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes"):
             record[key] = current[key]
-        memory = breakdown(HEAP_PEAK.take())  # (the peak of torch's tensors over this step)
-        record.update(memory.record())
+        memory = breakdown(HEAP_PEAK.take()).record()  # (the peak of torch's tensors over this step)
+        record.update(memory)
         if self.tracer is not None:
             self.tracer.counter("memory (GiB)", {k[len("mem_"):-len("_bytes")]: round(max(v, 0) / 2**30, 3)
-                                                for k, v in memory.record().items()
+                                                for k, v in memory.items()
                                                 if k.startswith("mem_") and k != "mem_heap_peak_bytes"})
         record.update(self._noted)
         record.update(fields)

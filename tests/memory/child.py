@@ -34,7 +34,7 @@ def train(out: str, workdir: str, allocator: str, steps: int) -> None:
         model = GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme",
                                 nvme_path=os.path.join(workdir, "swap"), device_budget="8MiB", host_budget="96MiB",
-                                file_size="64MiB", host_allocator=allocator,
+                                file_size="64MiB", host_allocator=allocator, io_backend="direct",
                                 log_path=os.path.join(workdir, "steps.jsonl"))
     ids = torch.randint(0, GPT2["vocab_size"], (4, 128), generator=torch.Generator().manual_seed(1))
     plan = offload.plan(model, cfg, batch={"input_ids": ids, "labels": ids})
@@ -53,7 +53,8 @@ def train(out: str, workdir: str, allocator: str, steps: int) -> None:
     offload.close(model)
     records = [json.loads(line) for line in open(cfg.log_path)]
     with open(out, "w") as fh:
-        json.dump({"predicted_rss": plan.predicted_rss, "transient": plan.transient_bytes, "peak_rss": peak,
+        json.dump({"predicted_rss": plan.predicted_rss, "transient": plan.transient_bytes,
+                   "activations": plan.activations.saved_bytes, "peak_rss": peak,
                    "records": records, "pools": pools}, fh)
 
 

@@ -14,7 +14,7 @@ import torch
 
 import offload
 from offload._activation_estimate import estimate_activations
-from offload._memory import HEAP_PEAK, allocator, breakdown, heap_use, resolve_allocator
+from offload._memory import HEAP_PEAK, allocator, heap_use, resolve_allocator
 
 transformers = pytest.importorskip("transformers")
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
@@ -31,23 +31,27 @@ def run_child(*args, timeout=240) -> dict:
 
 
 @glibc_only
-def test_a_long_run_keeps_rss_and_pools_flat_and_under_the_plan(tmp_path):
-    """22 steps in a fresh process (lean allocator: RSS follows what is alive, so a leak of
-    a tensor per step shows): every pool the same from step 3 on, RSS within 2% from step 3
-    to step 22, the high-water mark under the plan's prediction, and the prediction no
-    more than torch's tensors above it (the plan counts them; the rest is arithmetic)."""
-    got = run_child("train", tmp_path / "out.json", tmp_path, "lean", 22)
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, steps", [("lean", 14), ("system", 6)])
+def test_a_run_stays_under_the_plan_and_lean_keeps_rss_flat(tmp_path, setting, steps):
+    """A run in a fresh process: the high-water mark (loading included) under the plan's
+    prediction and no more than torch's tensors below it (the CPU default, "system",
+    counts malloc's kept memory; "lean" none); untracked bytes under 10% of RSS; torch's
+    heap peak sampled while the activations were alive. With "lean" (RSS follows what is
+    alive, so a leak of a megabyte per step shows), 14 steps: every pool the same from step 3
+    on and RSS within 2% from step 3 to step 14."""
+    got = run_child("train", tmp_path / "out.json", tmp_path, setting, steps)
     records = got["records"]
-    assert len(records) == 22
-    assert all(pools == got["pools"][2] for pools in got["pools"][2:]), got["pools"]
-    rss3, rss22 = records[2]["rss_bytes"], records[21]["rss_bytes"]
-    assert abs(rss22 - rss3) <= 0.02 * rss3, (rss3, rss22)
+    assert len(records) == steps
     assert got["predicted_rss"] - got["transient"] <= got["peak_rss"] <= 1.1 * got["predicted_rss"], got
     for r in records:
         assert abs(r["mem_untracked_bytes"]) <= 0.10 * r["rss_bytes"], r
-        # the heap's peak was sampled while the activations were alive: at least the
-        # estimate's saved tensors, at most what the plan counts for torch's tensors
-        assert 0.5 * got["transient"] <= r["mem_heap_peak_bytes"] <= got["transient"] + 32 * MiB, r
+        # at least the estimate's activations; at most what the plan counts for torch's tensors
+        assert 0.5 * got["activations"] <= r["mem_heap_peak_bytes"] <= got["transient"] + 32 * MiB, r
+    if setting == "lean":
+        assert all(pools == got["pools"][2] for pools in got["pools"][2:]), got["pools"]
+        rss3, last = records[2]["rss_bytes"], records[-1]["rss_bytes"]
+        assert abs(last - rss3) <= 0.02 * rss3, (rss3, last)
 
 
 @glibc_only
@@ -108,25 +112,30 @@ def test_the_breakdown_counts_pools_and_a_tensor_freed_before_the_record(tmp_pat
     assert record["mem_device_pool_bytes"] == stats["device_bytes"]
     assert record["mem_heap_peak_bytes"] >= before + 60 * MiB  # (a little slack: other objects may go meanwhile)
     assert record["mem_heap_bytes"] < before + 32 * MiB
-    parts = ("baseline", "host_pool", "device_pool", "other_pools", "heap", "heap_free", "mapped_files", "untracked")
-    assert sum(record[f"mem_{p}_bytes"] for p in parts) == record["rss_bytes"]
-    assert record["rss_peak_bytes"] >= record["rss_bytes"] > 0
+    assert record["rss_peak_bytes"] >= record["rss_bytes"] >= record["mem_baseline_bytes"] > 0
+    assert stats["allocator"] == allocator() == "glibc"
     counters = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "C"]
-    assert len(counters) == 1 and set(counters[0]["args"]) == set(parts)
+    parts = {"baseline", "host_pool", "device_pool", "other_pools", "heap", "heap_free", "mapped_files", "untracked"}
+    assert len(counters) == 1 and set(counters[0]["args"]) == parts
 
 
-def test_stats_of_a_wrapped_model_carry_the_breakdown(tmp_path, tiny_gpt2, offload_config, no_leaks):
-    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, param_tier="host", optimizer_tier="host"))
-    try:
-        stats = offload.stats(model)
-    finally:
-        offload.unwrap(model)
-    now = breakdown()
-    assert stats["mem_baseline_bytes"] == now.baseline > 0
-    assert stats["rss_bytes"] > 0 and stats["allocator"] == allocator()
+class _Attention(torch.nn.Module):
+    """Plain torch self-attention with its own q, k, v projections (freed unless saved)."""
+
+    def __init__(self, width=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x, labels=None):
+        b, t, w = x.shape
+        split = lambda y: y.view(b, t, self.heads, w // self.heads).transpose(1, 2)  # noqa: E731
+        y = torch.nn.functional.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
+                                                             is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, w)).square().mean()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "bert", "torch-attention"])
 def test_the_activation_estimate_is_what_autograd_saves(family):
     """The meta-device estimate against a real training forward of the same model and batch,
     counting each storage autograd saves once (parameters and buffers excluded): within 1%
@@ -145,15 +154,21 @@ def test_the_activation_estimate_is_what_autograd_saves(family):
             vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
             max_position_embeddings=64)),
     }
-    model = models[family]().train()
-    ids = torch.randint(0, 200, (2, 32))
-    inputs = {"input_ids": ids, "labels": ids}
+    if family == "torch-attention":
+        model = _Attention().train()
+        inputs = {"x": torch.randn(2, 32, 64)}
+    else:
+        model = models[family]().train()
+        ids = torch.randint(0, 200, (2, 32))
+        inputs = {"input_ids": ids, "labels": ids}
     weights = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     saved: dict[int, int] = {}
+    alive = []  # (a storage freed during the forward would hand its address, the key, to another)
 
     def pack(t):
         if t.untyped_storage()._cdata not in weights:
             saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            alive.append(t.untyped_storage())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -176,13 +191,12 @@ def test_the_plan_counts_a_batch_and_refuses_one_that_cannot_fit(tmp_path, tiny_
     assert bare.activations is None and "give offload.plan a batch=" in str(bare)
     assert with_batch.transient_bytes > with_batch.activations.peak_bytes > 0
     grown = lambda p: p.predicted_rss - p.baseline_rss  # noqa: E731 (the baseline is the RSS at each call)
-    assert grown(with_batch) - grown(bare) == with_batch.transient_bytes
     assert "activations" in str(with_batch) and with_batch.fits
     huge = torch.empty(1 << 21, 64, dtype=torch.long, device="meta")  # activations far beyond any RAM here
     refused = offload.plan(model, cfg, batch={"input_ids": huge, "labels": huge})
     assert not refused.fits and any("a smaller batch" in p for p in refused.problems)
     on_cuda = offload.plan(model, cfg.replace(device="cuda"), batch={"input_ids": ids, "labels": ids})
-    assert grown(on_cuda) == on_cuda.ram_need  # the host rows only
+    assert grown(on_cuda) == on_cuda.ram_need + on_cuda.mapped_bytes  # the host rows (RSS), not torch's tensors
     assert on_cuda.device_need == min(cfg.device_budget, on_cuda.bytes_on("device")) + on_cuda.transient_bytes
     assert on_cuda.transient_bytes > 0
 
