@@ -52,6 +52,10 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
     shape, on any device, or anything else passed as is). ``dtype``: the compute dtype the
     parameters run in (None: their own). ``device_type``: where the run computes ("cpu",
     "cuda"), which decides the attention kernel (see the module's note)."""
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"batch must be a mapping of the forward's keyword arguments (e.g. {{'input_ids': ids, "
+                        f"'labels': ids}}), got {type(inputs).__name__}")
+
     def meta(t: Any) -> Any:
         return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
 
@@ -81,20 +85,29 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
     model.train()
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                _FusedAttention(pack, device_type):
+                _RealKernels(pack, device_type):
             torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=tree_map(meta, dict(inputs)),
                                        strict=False, tie_weights=True)
-    except Exception as err:  # any failure of the meta forward: no estimate, said plainly
+    except RuntimeError as err:  # the forward reads values (.item(), data-dependent shapes): no estimate, said
         log.info("offload: no activation estimate: the forward does not run on the meta device (%s)", err)
         return ActivationEstimate(0, 0, f"{type(err).__name__}: {err}")
+    except Exception as err:  # (ValueError, TypeError, KeyError: what the batch gave the forward)
+        raise ValueError(f"model(**batch) refused the batch given to offload.plan ({type(err).__name__}: {err}): "
+                         "give the keyword arguments of one training forward, e.g. "
+                         "batch={'input_ids': ids, 'labels': ids}") from err
     finally:
         model.train(was_training)
     return ActivationEstimate(sum(storages.values()), max(storages.values(), default=0))
 
 
-class _FusedAttention(TorchFunctionMode):
-    """``scaled_dot_product_attention`` on meta tensors, saving what the real device's
-    kernel saves (the module's note)."""
+_GROUPED_MM = {f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None}
+
+
+class _RealKernels(TorchFunctionMode):
+    """Calls whose meta path differs from the real device's: ``scaled_dot_product_attention``
+    saves what the real device's kernel saves (the module's note), and the grouped matmul of
+    mixture-of-experts layers, whose meta kernel takes bf16 only, is answered for any dtype
+    (its inputs saved, as its backward needs them)."""
 
     def __init__(self, pack: Any, device_type: str):
         super().__init__()
@@ -102,6 +115,8 @@ class _FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _GROUPED_MM:
+            return self._grouped_mm(func, *args, **kwargs)
         if func is not F.scaled_dot_product_attention or not self._fused(*args, **kwargs):
             return func(*args, **kwargs)
         q, k, v = args[:3]
@@ -117,6 +132,16 @@ class _FusedAttention(TorchFunctionMode):
             lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")
             for t in (q, k, v, out, lse):
                 self.pack(t)
+        return out
+
+    def _grouped_mm(self, func, a, b, *args, out_dtype=None, **kwargs):
+        with torch.no_grad():  # (the shape only, from bf16 stand-ins)
+            shape = func(a.detach().to(torch.bfloat16), b.detach().to(torch.bfloat16), *args, **kwargs).shape
+        out = torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
+        if a.requires_grad or b.requires_grad:
+            out.requires_grad_(True)
+            self.pack(a)
+            self.pack(b)
         return out
 
     def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

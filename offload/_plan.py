@@ -42,6 +42,7 @@ from torch import nn
 from ._activation_estimate import ActivationEstimate
 from ._memory import heap_overhead_factor, resolve_allocator, rss_bytes
 from ._os import nearest_existing_dir
+from ._resolve import choose_io_backend
 from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
@@ -95,7 +96,7 @@ class MemoryPlan:
         """Raise :class:`MemoryPlanError` listing every problem, each with its fix."""
         if self.problems:
             raise MemoryPlanError("offload memory plan does not fit this machine:\n  - "
-                                  + "\n  - ".join(self.problems) + "\n" + str(self))
+                                  + "\n  - ".join(self.problems) + "\n" + self._render(problems=False))
 
     @property
     def transient_bytes(self) -> int:
@@ -116,6 +117,9 @@ class MemoryPlan:
         return sum(r.nbytes for r in self.rows if r.tier == tier)
 
     def __str__(self) -> str:
+        return self._render(problems=True)
+
+    def _render(self, *, problems: bool) -> str:
         c = self.config
         head = (f"offload memory plan: device {c.device}, param_tier {c.param_tier}, optimizer_tier "
                 f"{c.optimizer_tier}, device_budget {format_size(c.device_budget)}, host_budget "
@@ -143,6 +147,8 @@ class MemoryPlan:
             lines.append(f"  pinned host memory: {format_size(self.pinned)} (ulimit -l: {limit})")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
+        for problem in self.problems if problems else []:
+            lines.append(f"  does not fit: {problem}")
         return "\n".join(lines)
 
     def _rss_line(self) -> str:
@@ -186,6 +192,10 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
                    allocator=resolve_allocator(config.host_allocator, config.torch_device.type))
     if activations is not None and activations.error is None and not cuda:  # (on CUDA they are on the device)
         p.heap_overhead = int(heap_overhead_factor(p.allocator) * activations.peak_bytes)
+    if activations is not None and activations.error is not None:
+        p.warnings.append("predicted_rss leaves out torch's tensors (activations, gradients): the forward does "
+                          f"not run on the meta device ({activations.error}); the first step's log line "
+                          "(mem_heap_peak_bytes) measures them")
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g.nbytes for g in groups if not g.resident]
     largest = max(streamed, default=0)
@@ -230,10 +240,11 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     p.device_need = device_rows + p.transient_bytes if cuda else 0
     p.disk_need = p.bytes_on("nvme")
     # the mmap backend keeps pages of the swap files mapped, up to host_budget, beside the
-    # pool ("auto" may choose it where the NVMe data fits in host_budget: offload._resolve)
-    if p.disk_need and (config.io_backend == "mmap"
-                        or (config.io_backend == "auto" and p.disk_need <= config.host_budget)):
-        p.mapped_bytes = min(p.disk_need, config.host_budget)
+    # pool; "auto" chooses as wrap will (from the parameters' NVMe bytes: offload._resolve)
+    if p.disk_need and config.nvme_path:
+        params_on_nvme = sum(r.nbytes for r in p.rows if r.tier == "nvme" and r.item.startswith("parameters"))
+        if choose_io_backend(config, params_on_nvme).backend == "mmap":
+            p.mapped_bytes = min(p.disk_need, config.host_budget)
     p.pinned = host_rows if cuda else 0
     _check_machine(p, config, cuda)
     return p
@@ -276,7 +287,12 @@ def check_disk(path: str, need: int, what: str, fix: str) -> None:
 def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
     p.ram_available = psutil.virtual_memory().available
     ram = p.ram_need - p.ram_credit + (0 if cuda else p.transient_bytes)
-    if ram > p.ram_available:
+    if ram > p.ram_available and not cuda and p.transient_bytes and ram - p.transient_bytes <= p.ram_available:
+        # the budgets fit: the batch's tensors do not
+        p.problems.append(f"host RAM: {format_size(ram)} needed, {format_size(p.ram_available)} available, of which "
+                          f"torch's tensors for this batch take {format_size(p.transient_bytes)}: use a smaller "
+                          "batch, or activation checkpointing (model.gradient_checkpointing_enable())")
+    elif ram > p.ram_available:
         fixes = []
         if p.bytes_on("host") and config.param_tier == "host":
             fixes.append("param_tier='nvme'")

@@ -157,7 +157,7 @@ def test_plot_log_writes_a_png(tmp_path):
                 "optimizer_seconds": 0.3, "io_busy_seconds": 2.0, "loss": 5.0 - i} for i in range(4)]
     memory = {"rss_bytes": 5 << 30, "rss_peak_bytes": 6 << 30, "mem_baseline_bytes": 1 << 29,
               "mem_host_pool_bytes": 2 << 30, "mem_device_pool_bytes": 1 << 30, "mem_other_pools_bytes": 1 << 26,
-              "mem_heap_peak_bytes": 1 << 30, "mem_heap_free_bytes": 1 << 28, "mem_mapped_files_bytes": 1 << 20,
+              "mem_heap_bytes": 1 << 26, "mem_heap_peak_bytes": 1 << 30, "mem_heap_free_bytes": 1 << 28, "mem_mapped_files_bytes": 1 << 20,
               "mem_untracked_bytes": 1 << 28}
     height = {}  # the PNG's height (IHDR): the memory panel is a third row, drawn only when the log has its keys
     for name, log in (("old", records), ("memory", [{**r, **memory} for r in records])):

@@ -14,13 +14,13 @@ the busy time is summed over all the workers, so it can be many times the step t
 
 Memory, only when the records carry the ``mem_*`` / ``rss_*`` keys (older logs do not):
 GiB per step. Stacked bars (areas on logs of many steps) show what the resident set is
-made of (``offload._memory``): the interpreter and libraries (baseline), the host pool, the
-device pool (CPU device only), other pools (checkpoint save and load), torch's CPU tensors
-at their peak during the step, the freed memory malloc keeps, mapped file pages, and the
-rest (untracked).
-Lines: the resident set at the end of the step and its peak so far. The stack can rise
-above the RSS line when torch's peak was freed before the step ended (untracked < 0 is
-drawn as 0). Keys missing from the log are left out.
+made of at the end of the step (``offload._memory``; the parts add up to the RSS line): the
+interpreter and libraries (baseline), the host pool, the device pool (CPU device only),
+other pools (checkpoint save and load), torch's CPU tensors, the freed memory malloc keeps,
+mapped file pages, and the rest (untracked; < 0 is drawn as 0). Lines: the resident set at
+the end of the step, its peak so far, and torch's tensors at their peak within the step
+(activations and gradients, gone by the end: what lifts the peak above the stack). Keys
+missing from the log are left out.
 
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -37,11 +37,12 @@ MEMORY_PARTS = (("mem_baseline_bytes", "baseline (interpreter, libraries)", "tab
                 ("mem_host_pool_bytes", "host pool", "tab:blue"),
                 ("mem_device_pool_bytes", "device pool (CPU)", "tab:cyan"),
                 ("mem_other_pools_bytes", "other pools (checkpoints)", "tab:red"),
-                ("mem_heap_peak_bytes", "torch tensors (step peak)", "tab:orange"),
+                ("mem_heap_bytes", "torch tensors (end of step)", "tab:orange"),
                 ("mem_heap_free_bytes", "freed, kept by malloc", "tab:brown"),
                 ("mem_mapped_files_bytes", "mapped files", "tab:pink"),
                 ("mem_untracked_bytes", "untracked", "tab:olive"))
-MEMORY_LINES = (("rss_bytes", "RSS (end of step)", "-"), ("rss_peak_bytes", "RSS peak so far", "--"))
+MEMORY_LINES = (("rss_bytes", "RSS (end of step)", "-", "black"), ("rss_peak_bytes", "RSS peak so far", "--", "black"),
+                ("mem_heap_peak_bytes", "torch tensors, their peak in the step", ":", "tab:orange"))
 DENSE = 60  # more steps than this: lines and areas instead of bars, no markers (bars would alias into noise)
 
 
@@ -130,10 +131,10 @@ def memory_panel(ax, steps: list, records: list[dict]) -> None:
             else:
                 ax.bar(steps, part, 0.8, bottom=below, color=color, label=label)
             below = top
-    for key, label, style in MEMORY_LINES:
+    for key, label, style, color in MEMORY_LINES:
         if has(records, key):
             ax.plot([s for s, r in zip(steps, records) if key in r], [r[key] / GIB for r in records if key in r],
-                    color="black", linestyle=style, marker=".", label=label)
+                    color=color, linestyle=style, marker=".", label=label)
     ax.set_ylabel("GiB")
     ax.set_ylim(bottom=0)
     legend([ax])

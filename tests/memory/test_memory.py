@@ -135,7 +135,7 @@ class _Attention(torch.nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, w)).square().mean()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "bert", "torch-attention"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "bert", "mixtral", "torch-attention"])
 def test_the_activation_estimate_is_what_autograd_saves(family):
     """The meta-device estimate against a real training forward of the same model and batch,
     counting each storage autograd saves once (parameters and buffers excluded): within 1%
@@ -153,6 +153,9 @@ def test_the_activation_estimate_is_what_autograd_saves(family):
         "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
             vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
             max_position_embeddings=64)),
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=211, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)),
     }
     if family == "torch-attention":
         model = _Attention().train()
@@ -194,7 +197,13 @@ def test_the_plan_counts_a_batch_and_refuses_one_that_cannot_fit(tmp_path, tiny_
     assert "activations" in str(with_batch) and with_batch.fits
     huge = torch.empty(1 << 21, 64, dtype=torch.long, device="meta")  # activations far beyond any RAM here
     refused = offload.plan(model, cfg, batch={"input_ids": huge, "labels": huge})
-    assert not refused.fits and any("a smaller batch" in p for p in refused.problems)
+    assert not refused.fits and len(refused.problems) == 1
+    assert "use a smaller batch" in refused.problems[0] and "nvme" not in refused.problems[0]  # (the tiers fit)
+    assert "does not fit: " in str(refused)
+    with pytest.raises(TypeError, match="batch must be a mapping"):
+        offload.plan(model, cfg, batch=ids)
+    with pytest.raises(ValueError, match="model\\(\\*\\*batch\\) refused the batch"):
+        offload.plan(model, cfg, batch={"pixel_values": torch.empty(2, 3, 8, 8, device="meta")})
     on_cuda = offload.plan(model, cfg.replace(device="cuda"), batch={"input_ids": ids, "labels": ids})
     assert grown(on_cuda) == on_cuda.ram_need + on_cuda.mapped_bytes  # the host rows (RSS), not torch's tensors
     assert on_cuda.device_need == min(cfg.device_budget, on_cuda.bytes_on("device")) + on_cuda.transient_bytes
@@ -213,3 +222,4 @@ def test_a_forward_that_cannot_run_on_meta_is_said_not_counted(tmp_path, offload
     plan = offload.plan(DataDependent(), offload_config(tmp_path), batch={"x": torch.ones(4, 8)})
     assert plan.activations.error is not None and plan.transient_bytes == 0
     assert "activations not counted" in str(plan)
+    assert any("predicted_rss leaves out torch's tensors" in w for w in plan.warnings)
