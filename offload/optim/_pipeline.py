@@ -49,8 +49,11 @@ class Pipeline:
         try:
             for i, shard in enumerate(work):
                 for nxt in work[i: i + 1 + READ_AHEAD]:
-                    if id(nxt) not in issued:
-                        self.bound_writes()
+                    if id(nxt) in issued:
+                        continue
+                    if nxt is not shard and self.writes_backlogged():
+                        break  # read it later, once a write has landed: the update goes on meanwhile
+                    self.bound_writes()  # (the shard to update now, not read yet: wait for the room)
                     self.issue(nxt, issued, pending)
                 started = i + 1
                 self.process(shard, grad_scale, pending)
@@ -75,10 +78,11 @@ class Pipeline:
         self.stats["read_bytes"] += shard.bytes_in_flight
 
     def bound_writes(self) -> None:
-        """Before reading another shard: wait for the oldest write-backs beyond
-        ``WRITES_IN_FLIGHT``. The store frees a written shard's host copy only when its write
-        lands; where the disk writes slower than the update runs, copies would pile up to
-        the host budget (seven shards at once on GPT-2 124M) and the pool grow step after
+        """Before reading the shard to update next: wait for the oldest write-backs beyond
+        ``WRITES_IN_FLIGHT`` (shards further ahead are read later instead:
+        ``writes_backlogged``). The store frees a written shard's host copy only when its
+        write lands; where the disk writes slower than the update runs, copies would pile up
+        to the host budget (seven shards at once on GPT-2 124M) and the pool grow step after
         step; the plan counts ``SHARDS_IN_FLIGHT``, and the disk is the limit either way."""
         while len(self.writing) > WRITES_IN_FLIGHT:
             store, key = self.writing.popleft()
