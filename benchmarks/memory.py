@@ -112,6 +112,8 @@ def checks(run: dict) -> dict:
            "untracked_within_10pct": run["untracked_share"] <= 0.10}
     if run["rss_step20_bytes"] is not None:
         out["flat_step3_to_20"] = abs(run["rss_step20_bytes"] - run["rss_step3_bytes"]) <= 0.02 * run["rss_step3_bytes"]
+        # a leak grows; a pool that unmaps a cached buffer to map one of another size falls
+        out["no_growth_step3_to_20"] = max(run["rss_per_step_bytes"][2:]) <= 1.02 * run["rss_step3_bytes"]
     return out
 
 
