@@ -9,7 +9,9 @@ the lock).
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -20,6 +22,20 @@ from ._tiers import Done, Pending
 from ._transfers import start_transfer
 
 __all__ = ["Lending"]
+
+
+@contextmanager
+def _handing_out(release: Any) -> Iterator[threading.Event]:
+    """A loan's section: once the copy is held (``held.set()``), a KeyboardInterrupt that
+    ends the section (a Ctrl-C held back by DEFER is delivered as its locked section
+    closes) returns the loan, since the caller will never see ``release`` to call it."""
+    held = threading.Event()
+    try:
+        yield held
+    except KeyboardInterrupt:
+        if held.is_set():
+            release()
+        raise
 
 
 class Lending:
@@ -43,38 +59,39 @@ class Lending:
         (``wait()`` raises the transfer's error). The bytes come from the fastest copy that
         holds the newest version, read in place: no copy is made in any tier, so this needs
         no budget, and that copy cannot be dropped until the transfer ends."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            if record.lost is not None:
-                raise lost_error(record) from record.lost
-            if dest.numel() < record.nbytes:
-                raise ValueError(f"read_into({key!r}): destination holds {dest.numel()} bytes, "
-                                 f"the tensor {record.nbytes}")
-            while True:
-                source = self._source(record, exclude=None)
-                if source is not None:
-                    break
-                if not any(c.state is Residency.LOADING for c in record.copies.values()):
-                    raise StoreError(f"tensor {key!r} has no copy holding its newest bytes")
-                _wait(self._cond)
-            if record.nbytes == 0:
-                return Done()
-            source.readers += 1
-            self._in_flight += 1
-            backend = self.tiers[source.tier]
-        completion, interrupt = start_transfer(
-            lambda: backend.read_into(source.slot, dest, record.nbytes, priority=priority), f"read_into of {key!r}")
-        done = Pending()
+        with DEFER:  # a Ctrl-C is delivered once the callback that ends the hold is attached
+            with self._cond:
+                record = self._record(key)
+                if record.lost is not None:
+                    raise lost_error(record) from record.lost
+                if dest.numel() < record.nbytes:
+                    raise ValueError(f"read_into({key!r}): destination holds {dest.numel()} bytes, "
+                                     f"the tensor {record.nbytes}")
+                while True:
+                    source = self._source(record, exclude=None)
+                    if source is not None:
+                        break
+                    if not any(c.state is Residency.LOADING for c in record.copies.values()):
+                        raise StoreError(f"tensor {key!r} has no copy holding its newest bytes")
+                    _wait(self._cond)
+                if record.nbytes == 0:
+                    return Done()
+                source.readers += 1
+                self._in_flight += 1
+                backend = self.tiers[source.tier]
+            completion, interrupt = start_transfer(
+                lambda: backend.read_into(source.slot, dest, record.nbytes, priority=priority), f"read_into of {key!r}")
+            done = Pending()
 
-        def finished(c: Any) -> None:
-            with DEFER, self._cond:
-                self._in_flight -= 1
-                self._reader_done(record, source)
-                self._pump_all()
-                self._cond.notify_all()
-            done._finish(c.exception())
+            def finished(c: Any) -> None:
+                with DEFER, self._cond:
+                    self._in_flight -= 1
+                    self._reader_done(record, source)
+                    self._pump_all()
+                    self._cond.notify_all()
+                done._finish(c.exception())
 
-        completion.add_done_callback(finished)
+            completion.add_done_callback(finished)
         if interrupt is not None:
             raise interrupt
         return done
@@ -84,20 +101,21 @@ class Lending:
         memory (a HOST slot, or a DEVICE slot on a CPU device), else None. The copy is held
         (not dropped, its slot not reused) until ``release()`` is called; the caller must
         not change it. Lets a writer send resting bytes to a file without copying them."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            source = self._source(record, exclude=None)
-            if source is None or record.nbytes == 0 or not self.tiers[source.tier].addressable:
-                return None
-            source.readers += 1
-            view = self.tiers[source.tier].tensor(source.slot)[: record.nbytes]
-
         def release() -> None:
             with DEFER, self._cond:
                 self._reader_done(record, source)
                 self._pump_all()
                 self._cond.notify_all()
 
+        with _handing_out(release) as held:
+            with DEFER, self._cond:
+                record = self._record(key)
+                source = self._source(record, exclude=None)
+                if source is None or record.nbytes == 0 or not self.tiers[source.tier].addressable:
+                    return None
+                source.readers += 1
+                held.set()
+                view = self.tiers[source.tier].tensor(source.slot)[: record.nbytes]
         return view, release
 
     def map_view(self, key: str) -> tuple[torch.Tensor, Any] | None:
@@ -106,22 +124,23 @@ class Lending:
         copy does; else None. No copy is made: pages come from the page cache (or the disk,
         on first touch). The copy is held (not rewritten, not freed) until ``release()``;
         the caller must not write the view. A CPU device computes on such views directly."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            nvme = record.copies.get(Tier.NVME)
-            backend = self.tiers.get(Tier.NVME)
-            if nvme is None or not hasattr(backend, "view") or record.nbytes == 0 \
-                    or self._source(record, exclude=None) is not nvme or nvme.state is not Residency.RESIDENT:
-                return None
-            view = backend.view(nvme.slot, record.nbytes)
-            nvme.readers += 1
-
         def release() -> None:
             with DEFER, self._cond:
                 self._reader_done(record, nvme)
                 self._pump_all()
                 self._cond.notify_all()
 
+        with _handing_out(release) as held:
+            with DEFER, self._cond:
+                record = self._record(key)
+                nvme = record.copies.get(Tier.NVME)
+                backend = self.tiers.get(Tier.NVME)
+                if nvme is None or not hasattr(backend, "view") or record.nbytes == 0 \
+                        or self._source(record, exclude=None) is not nvme or nvme.state is not Residency.RESIDENT:
+                    return None
+                view = backend.view(nvme.slot, record.nbytes)
+                nvme.readers += 1
+                held.set()
         return view, release
 
     def advise(self, key: str) -> None:
@@ -141,28 +160,6 @@ class Lending:
         transfers touching the home copy waited for; the caller writes the new bytes into
         ``view`` and calls ``done()``. Lets a reader fill resting bytes from a file
         without a second copy."""
-        with DEFER, self._cond:
-            record = self._record(key)
-            home = record.copies.get(record.home)
-            if not self.tiers[record.home].addressable or record.nbytes == 0 or home is None:
-                return None
-            busy = (Residency.LOADING, Residency.STORING)
-            while any(c.state in busy for c in record.copies.values()) or home.readers:
-                _wait(self._cond)
-            if home.state is not Residency.RESIDENT:
-                return None
-            for other in list(record.copies.values()):
-                if other is not home and other.state is Residency.RESIDENT:
-                    other.valid = False
-                    self._drop(record, other)
-                elif other is not home and other.state is Residency.QUEUED:
-                    self._queues[other.tier].remove((record, other))
-                    self._move(record, other, Residency.ABSENT)
-                    self._release(record, other)
-            home.readers += 1  # nothing frees or reuses the slot while the caller writes
-            record.version += 1
-            view = self.tiers[record.home].tensor(home.slot)[: record.nbytes]
-
         def done() -> None:
             with DEFER, self._cond:
                 home.valid, home.dirty = True, False
@@ -170,4 +167,27 @@ class Lending:
                 self._pump_all()
                 self._cond.notify_all()
 
+        with _handing_out(done) as held:
+            with DEFER, self._cond:
+                record = self._record(key)
+                home = record.copies.get(record.home)
+                if not self.tiers[record.home].addressable or record.nbytes == 0 or home is None:
+                    return None
+                busy = (Residency.LOADING, Residency.STORING)
+                while any(c.state in busy for c in record.copies.values()) or home.readers:
+                    _wait(self._cond)
+                if home.state is not Residency.RESIDENT:
+                    return None
+                for other in list(record.copies.values()):
+                    if other is not home and other.state is Residency.RESIDENT:
+                        other.valid = False
+                        self._drop(record, other)
+                    elif other is not home and other.state is Residency.QUEUED:
+                        self._queues[other.tier].remove((record, other))
+                        self._move(record, other, Residency.ABSENT)
+                        self._release(record, other)
+                home.readers += 1  # nothing frees or reuses the slot while the caller writes
+                held.set()
+                record.version += 1
+                view = self.tiers[record.home].tensor(home.slot)[: record.nbytes]
         return view, done

@@ -88,43 +88,47 @@ class TensorStore(Lending, Transfers):
         backend = self._backend(home)
         source = as_bytes(tensor)
         record = StoredTensor(key, tensor.dtype, tuple(tensor.shape), source.numel(), home)
-        with DEFER, self._cond:
-            self._check_open()
-            if key in self._tensors:
-                self._delete(self._tensors[key])
-            self._check_fits(record, home)
-            self._tensors[key] = record
-            copy = record.copy(home)
-            if record.nbytes == 0:
-                self._move(record, copy, Residency.RESIDENT)
-                copy.valid = True
-                return record
-            direct = backend.addressable or home is Tier.DEVICE
-            try:
-                copy.slot = self._reserve_blocking(record, backend, stage=False)
-                if not direct:
-                    copy.stage = self._reserve_blocking(record, None, stage=True)
-            except BaseException as err:  # no room, or interrupted while waiting for it
-                self._release(record, copy)
-                record.lost = err if isinstance(err, Exception) else \
-                    TransferInterrupted(f"the put of {key!r} was interrupted ({type(err).__name__})")
-                raise
-            self._move(record, copy, Residency.LOADING)
-            self._in_flight += 1
-        # Note: the copy runs outside the store's lock, so that I/O workers finishing other
-        # transfers are not held up in their completion callbacks while it runs.
-        def start() -> Any:
-            if direct:
-                backend.consume(copy.slot)
-                backend.tensor(copy.slot)[: record.nbytes].copy_(source)
-                backend.fence(copy.slot)
-                return Done()
-            copy.stage.bytes[: record.nbytes].copy_(source)
-            return backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
+        # Note: the outer DEFER delivers a Ctrl-C only once the completion's callback is
+        # attached: delivered as the locked section ends, it would leave the copy loading
+        # and counted in flight with no transfer to end it (close() then waits for ever).
+        with DEFER:
+            with self._cond:
+                self._check_open()
+                if key in self._tensors:
+                    self._delete(self._tensors[key])
+                self._check_fits(record, home)
+                self._tensors[key] = record
+                copy = record.copy(home)
+                if record.nbytes == 0:
+                    self._move(record, copy, Residency.RESIDENT)
+                    copy.valid = True
+                    return record
+                direct = backend.addressable or home is Tier.DEVICE
+                try:
+                    copy.slot = self._reserve_blocking(record, backend, stage=False)
+                    if not direct:
+                        copy.stage = self._reserve_blocking(record, None, stage=True)
+                except BaseException as err:  # no room, or interrupted while waiting for it
+                    self._release(record, copy)
+                    record.lost = err if isinstance(err, Exception) else \
+                        TransferInterrupted(f"the put of {key!r} was interrupted ({type(err).__name__})")
+                    raise
+                self._move(record, copy, Residency.LOADING)
+                self._in_flight += 1
+            # Note: the copy runs outside the store's lock, so that I/O workers finishing other
+            # transfers are not held up in their completion callbacks while it runs.
+            def start() -> Any:
+                if direct:
+                    backend.consume(copy.slot)
+                    backend.tensor(copy.slot)[: record.nbytes].copy_(source)
+                    backend.fence(copy.slot)
+                    return Done()
+                copy.stage.bytes[: record.nbytes].copy_(source)
+                return backend.write_from(copy.slot, copy.stage.bytes, record.nbytes)
 
-        completion, interrupt = start_transfer(start, f"put of {key!r}")
-        self._trace(completion, "put", record, None, copy.tier)
-        completion.add_done_callback(lambda c, r=record, cp=copy: self._loaded(r, cp, None, c))
+            completion, interrupt = start_transfer(start, f"put of {key!r}")
+            self._trace(completion, "put", record, None, copy.tier)
+            completion.add_done_callback(lambda c, r=record, cp=copy: self._loaded(r, cp, None, c))
         if interrupt is not None:
             raise interrupt
         return record
