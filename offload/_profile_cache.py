@@ -20,7 +20,7 @@ __all__ = ["CACHE_NAME", "REPORT_VERSION", "CachedProfile", "find_profile"]
 log = logging.getLogger(__name__)
 
 CACHE_NAME = "offload-profile.json"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: disk_read_gbps / disk_write_gbps are sustained figures, not the sweep's best
 
 
 class CachedProfile(NamedTuple):

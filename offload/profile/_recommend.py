@@ -20,6 +20,10 @@ def config_size(nbytes: int) -> str | int:
     return int(nbytes)
 
 
+def _fmt(gbps: float | None) -> str:
+    return "-" if gbps is None else f"{gbps:.2f}"
+
+
 def _round_down(nbytes: float, grain: int) -> int:
     return max(grain, int(nbytes) // grain * grain)
 
@@ -48,8 +52,15 @@ def recommend(report: dict[str, Any], *, model_bytes: int | None = None, dtype: 
     reasons.append(
         f"block_size {format_size(engine['block_size'])}, queue_depth {engine['queue_depth']}, io_threads "
         f"{engine['threads']}: the measured setting with the best read and write together (geometric mean; "
-        f"read {engine['read_gbps']:.2f}, write {engine['write_gbps']:.2f} GB/s, against the best "
-        f"{report['disk_read_gbps']:.2f} / {report['disk_write_gbps']:.2f})")
+        f"read {engine['read_gbps']:.2f}, write {engine['write_gbps']:.2f} GB/s in the sweep, against its best "
+        f"{report['disk_best_read']['gbps']:.2f} / {report['disk_best_write']['gbps']:.2f})")
+    spread = {op: report[f"disk_{op}_spread"] for op in ("read", "write")}
+    reasons.append(
+        f"disk figures used below: read {report['disk_read_gbps']:.2f}, write {report['disk_write_gbps']:.2f} GB/s "
+        f"(spread {spread['read']['min']:.2f}-{spread['read']['max']:.2f} and {spread['write']['min']:.2f}-"
+        f"{spread['write']['max']:.2f}), as a training step moves bytes: the {report['disk_figures_used']}; the "
+        f"re-read and overwrite of just-moved data ({_fmt(report.get('disk_cached_read_gbps'))} / "
+        f"{_fmt(report.get('disk_cached_write_gbps'))}) are what caches in front of the disk give")
 
     # -- budgets ---------------------------------------------------------------------------
     available = report["host"]["ram_available_bytes"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -17,6 +16,7 @@ import torch
 from .._profile_cache import CACHE_NAME, REPORT_VERSION
 from .._units import format_size
 from ._disk import DiskProbe, DiskResult, DiskSetting, remove_stale_test_files, sweep_grid
+from ._figures import best, disk_report, engine_choice, leaders
 
 __all__ = ["run_profile", "check_target", "save_report", "planned_steps", "CACHE_NAME", "REPORT_VERSION"]
 
@@ -24,9 +24,12 @@ log = logging.getLogger(__name__)
 
 _RUNTIME_DEFAULT = DiskSetting(8 << 20, 32, 32)  # the runtime's built-in engine setting
 _RETRIES = 3  # the best settings of each op are measured again this many times in all
+_SECONDS_PER_MEASUREMENT = {"quick": 0.4, "full": 0.6}  # of the sweep: it ranks settings
+_PASSES, _PASS_SECONDS = 3, 3.0  # the sustained passes the recommendation uses
+_VALIDATE_MIN = 64 << 20  # two of its 32 MiB tensors
 
 
-def check_target(path: str, size: int, device: str) -> torch.device:
+def check_target(path: str, size: int, device: str, *, validate: int | None = None) -> torch.device:
     """Refuse, before touching anything, what cannot be profiled; returns the device."""
     path = os.path.abspath(path)
     fix = "give --path an existing directory on the disk the runtime will use"
@@ -44,10 +47,16 @@ def check_target(path: str, size: int, device: str) -> torch.device:
     if size < 64 << 20:
         raise ValueError(f"--size {format_size(size)} is too small to measure a disk: use at least 64MiB "
                          "(1GiB or more gives steadier figures)")
+    if validate is not None and validate < _VALIDATE_MIN:
+        raise ValueError(f"--validate {format_size(validate)} is too small: use at least "
+                         f"{format_size(_VALIDATE_MIN)} (the default 6GiB gets past the caches the profile "
+                         "gets past)")
     free = shutil.disk_usage(path).free
-    if free < size + (64 << 20):
-        raise OSError(f"--path {path!r} has {format_size(free)} free, less than --size {format_size(size)} "
-                      "plus 64 MiB of headroom: free space there or pass a smaller --size")
+    # the test file is removed before the validation's swap files are made
+    for flag, need in (("--size", size), ("--validate", validate or 0)):
+        if free < need + (64 << 20):
+            raise OSError(f"--path {path!r} has {format_size(free)} free, less than {flag} {format_size(need)} "
+                          f"plus 64 MiB of headroom: free space there or pass a smaller {flag}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -68,15 +77,17 @@ def check_target(path: str, size: int, device: str) -> torch.device:
 
 def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode: str = "quick",
                 progress: Callable[[str], None] | None = None, cache: bool = True,
-                fio: bool = False) -> dict[str, Any]:
+                fio: bool = False, validate: int | None = None) -> dict[str, Any]:
     """Measure the disk at ``path`` (through offload's file engine), host memory, the CPU
     optimizer and, on CUDA, the host-device link. Returns the report (see the keys in
     ``docs/profile.md``) and, with ``cache``, saves it as ``path/offload-profile.json``,
     where ``OffloadConfig(io="auto")`` finds it. With ``fio`` (and fio installed), fio
     measures the best read and write settings again, as the yardstick of the table's share
-    column."""
+    column. With ``validate`` (bytes), offload's store then moves that many bytes of
+    distinct tensors with the chosen setting, and the report's ``validation`` holds what it
+    achieved against the profile's figures."""
     path = os.path.abspath(os.fspath(path))
-    dev = check_target(path, size, device)
+    dev = check_target(path, size, device, validate=validate)
     started = time.perf_counter()
     note = progress or (lambda label: None)
     for stale in remove_stale_test_files(path):
@@ -88,7 +99,7 @@ def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode
         "device": str(dev), "host": _host_facts(), "torch": torch.__version__,
     }
     grid = sweep_grid(mode)
-    with DiskProbe(path, size) as probe:
+    with DiskProbe(path, size, time_per_measurement=_SECONDS_PER_MEASUREMENT[mode]) as probe:
         note("disk: first write (new extents)")
         first = probe.first_write(_RUNTIME_DEFAULT)
         for setting in grid:
@@ -98,10 +109,12 @@ def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode
         # the leaders of each op again, interleaved, so one lucky or unlucky run decides less
         for _ in range(_RETRIES - 1):
             for op in ("write", "read"):
-                for setting in _leaders(probe.results, op, 3):
+                for setting in leaders(probe.results, op, 3):
                     note(f"disk {op} again: {setting.label()}")
                     probe.measure(op, setting)
-        best_read = _best(probe.results, "read")
+        choice = engine_choice(probe.results)
+        passes, cached = _sustained(probe, choice, first, note)
+        best_read = best(probe.results, "read")
         if probe.direct_supported:
             for op in ("read", "write"):
                 note(f"disk {op}: buffered")
@@ -120,8 +133,12 @@ def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode
                                                   engine_settings=settings), dev))
         report["disk_direct_supported"] = bool(probe.direct_supported)
         report["disk_bytes_per_measurement"] = probe.measure_bytes
-        report.update(_disk_report(probe.results, first))
+        report.update(disk_report(probe.results, choice, first, passes, cached))
         report["disk_mmap"] = {f"{k}_gbps": round(v, 4) for k, v in probe.mmap_results.items()}
+    if validate:
+        from ._validate import validate as run_validation
+
+        report["validation"] = run_validation(path, report, validate, note)
     if fio:
         note("fio: the best settings again")
     report["fio"] = _fio_check(path, report) if fio else None
@@ -146,9 +163,10 @@ def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode
     return report
 
 
-def planned_steps(mode: str, cuda: bool, fio: bool) -> int:
+def planned_steps(mode: str, cuda: bool, fio: bool, validate: bool = False) -> int:
     """How many progress notes :func:`run_profile` makes (for a progress bar's total)."""
-    return 1 + 2 * len(sweep_grid(mode)) + 2 * 3 * (_RETRIES - 1) + 2 + 3 + int(cuda) + int(fio) + 2
+    return (1 + 2 * len(sweep_grid(mode)) + 2 * 3 * (_RETRIES - 1) + 2 * _PASSES + 1 + 2 + 3 + int(cuda)
+            + int(fio) + 2 + 3 * int(validate))
 
 
 def save_report(report: dict[str, Any], target: str) -> None:
@@ -185,7 +203,7 @@ def _fio_check(path: str, report: dict[str, Any]) -> dict[str, Any] | None:
                        for kind in kinds}
             kind = max(figures, key=figures.get)
             out[f"{op}_gbps"], out[f"{op}_iomem"] = figures[kind], kind
-            out[f"{op}_share"] = report[f"disk_{op}_gbps"] / figures[kind]
+            out[f"{op}_share"] = best["gbps"] / figures[kind]  # the same setting on both sides
         return out
     finally:
         remove(filename)
@@ -198,50 +216,22 @@ def _host_facts() -> dict[str, Any]:
             "platform": platform.platform()}
 
 
-def _best_by_setting(results: list[DiskResult], op: str) -> dict[DiskSetting, DiskResult]:
-    best: dict[DiskSetting, DiskResult] = {}
-    for r in results:
-        if r.op == op and (r.setting not in best or r.gbps > best[r.setting].gbps):
-            best[r.setting] = r
-    return best
-
-
-def _leaders(results: list[DiskResult], op: str, n: int) -> list[DiskSetting]:
-    ranked = sorted(_best_by_setting(results, op).values(), key=lambda r: -r.gbps)
-    return [r.setting for r in ranked[:n] if r.setting.direct]
-
-
-def _best(results: list[DiskResult], op: str) -> DiskResult:
-    direct = [r for r in results if r.op == op and r.setting.direct]
-    return max(direct or [r for r in results if r.op == op], key=lambda r: r.gbps)
-
-
-def _setting_dict(r: DiskResult) -> dict[str, Any]:
-    s = r.setting
-    return {"block_size": s.block_size, "queue_depth": s.queue_depth, "threads": s.threads,
-            "direct": s.direct, "gbps": round(r.gbps, 4)}
-
-
-def _disk_report(results: list[DiskResult], first: DiskResult) -> dict[str, Any]:
-    best_read, best_write = _best(results, "read"), _best(results, "write")
-    reads, writes = _best_by_setting(results, "read"), _best_by_setting(results, "write")
-    both = [s for s in reads if s in writes and s.direct] or [s for s in reads if s in writes]
-    choice = max(both, key=lambda s: math.sqrt(reads[s].gbps * writes[s].gbps))
-    buffered = {op: max((r.gbps for r in results if r.op == op and not r.setting.direct), default=None)
-                for op in ("read", "write")}
-    return {
-        "disk_read_gbps": best_read.gbps,
-        "disk_write_gbps": best_write.gbps,
-        "disk_best_read": _setting_dict(best_read),
-        "disk_best_write": _setting_dict(best_write),
-        "disk_first_write_gbps": first.gbps,
-        "disk_buffered_read_gbps": buffered["read"],
-        "disk_buffered_write_gbps": buffered["write"],
-        "engine_choice": {"block_size": choice.block_size, "queue_depth": choice.queue_depth,
-                          "threads": choice.threads, "direct": choice.direct,
-                          "read_gbps": reads[choice].gbps, "write_gbps": writes[choice].gbps},
-        "disk_sweep": [r.to_dict() for r in results],
-    }
+def _sustained(probe: DiskProbe, setting: DiskSetting, first: DiskResult,
+               note: Callable[[str], None]) -> tuple[list[DiskResult], list[DiskResult]]:
+    """The figures the recommendation uses: with the engine's chosen setting, writes then
+    reads of about ``_PASS_SECONDS`` of bytes each (at most half the file: see DiskProbe),
+    ``_PASSES`` times; then the cached best case, the same bytes read twice and written
+    twice."""
+    rate = max(first.sustained_gbps(), 0.05) * 1e9
+    nbytes = probe.stretch(int(rate * _PASS_SECONDS))
+    passes = []
+    for i in range(_PASSES):
+        for op in ("write", "read"):
+            note(f"disk {op}: sustained pass {i + 1} of {_PASSES} ({format_size(nbytes)})")
+            passes.append(probe.measure(op, setting, nbytes, record=False))
+    note("disk: cached re-read and rewrite")
+    cached = [probe.measure_cached(op, setting) for op in ("read", "write")]
+    return passes, cached
 
 
 def _cuda_report(links: dict[str, Any], dev: torch.device) -> dict[str, Any]:

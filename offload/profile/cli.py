@@ -8,14 +8,16 @@ Measures, on this machine:
   * with --device cuda: host-to-device and device-to-host copies, pinned and pageable,
     and whether disk reads and host-to-device copies overlap.
 
-Prints one row per link (best GB/s, the setting that reached it, and its share of the
-PCIe link or of fio when known), saves the report as DIR/offload-profile.json, where
-OffloadConfig(io="auto") picks up the engine settings for DIR and the directories
-under it, and with --recommend writes an OffloadConfig JSON with one line of reasoning
-per choice.
+Prints one row per link (GB/s, the setting that reached it, and its share of the
+PCIe link or of fio when known; for the disk, first the sustained figures the
+recommendation uses, then the burst, cached and best-of-sweep figures, labelled), saves
+the report as DIR/offload-profile.json, where OffloadConfig(io="auto") picks up the
+engine settings for DIR and the directories under it, and with --recommend writes an
+OffloadConfig JSON with one line of reasoning per choice. --validate then checks the
+disk figures against offload's store.
 
 Example:
-  offload-profile --path /mnt/nvme/offload --size 1GiB --quick --json r.json --recommend c.json
+  offload-profile --path /mnt/nvme/offload --quick --json r.json --recommend c.json --validate
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--path", required=True, help="an existing, writable directory on the disk to "
                         "measure: the nvme_path the runtime will use (or a parent of it)")
-    parser.add_argument("--size", default="1GiB", type=_size_arg, help="bytes of the test file, moved "
-                        "by each disk measurement (default 1GiB; at least 64MiB; larger is steadier and "
-                        "slower). A slow disk gets fewer bytes per measurement, so the run stays short")
+    parser.add_argument("--size", default="12GiB", type=_size_arg, help="bytes of the test file (default "
+                        "12GiB; at least 64MiB). Each measurement moves the next stretch of it, so that no "
+                        "read is of bytes just read or written: a larger file gets past larger caches in "
+                        "front of the disk. Each measurement moves a fixed time's worth of bytes, so the "
+                        "run's length hardly depends on it")
     parser.add_argument("--device", default="cpu", help="compute device: 'cpu' (default), 'cuda' or "
                         "'cuda:N'; CUDA adds the host-device rows")
     mode = parser.add_mutually_exclusive_group()
@@ -63,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dtype for --model-bytes (default bf16 on CUDA, fp32 on the CPU)")
     parser.add_argument("--fio", action="store_true", help="also run fio (if installed) with the best "
                         "read and write settings, and show our share of its figures")
+    parser.add_argument("--validate", nargs="?", const=6 << 30, default=None, type=_size_arg, metavar="SIZE",
+                        help="after the profile, move SIZE bytes (default 6GiB) of distinct 32 MiB tensors "
+                        "through offload's store with the chosen setting (first write, overwrite, read) and "
+                        "print the profile's figures over what the store achieved")
     parser.add_argument("--no-cache", action="store_true", help="do not save the report as "
                         "PATH/offload-profile.json (io='auto' then finds nothing new)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -85,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._run import check_target, run_profile
 
     try:
-        check_target(args.path, args.size, args.device)
+        check_target(args.path, args.size, args.device, validate=args.validate)
     except (OSError, ValueError, RuntimeError) as err:
         parser.exit(EXIT_REFUSED, f"offload-profile: error: {err}\n")
     # SIGTERM (kill, a job scheduler) ends the run like Ctrl-C: the test files are removed
@@ -93,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar = _progress_bar(args)
     try:
         report = run_profile(args.path, args.size, device=args.device, mode=args.mode,
-                             progress=bar.step if bar else None, cache=not args.no_cache, fio=args.fio)
+                             progress=bar.step if bar else None, cache=not args.no_cache, fio=args.fio,
+                             validate=args.validate)
     except KeyboardInterrupt:
         if bar:
             bar.close()
@@ -144,12 +153,16 @@ def _progress_bar(args: argparse.Namespace) -> _Bar | None:
         return None
     from ._run import planned_steps
 
-    return _Bar(planned_steps(args.mode, args.device.startswith("cuda"), args.fio))
+    return _Bar(planned_steps(args.mode, args.device.startswith("cuda"), args.fio, bool(args.validate)))
 
 
 # ---------------------------------------------------------------------------------------
 def _gbps(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} GB/s"
+
+
+def _spread(d: dict[str, Any]) -> str:
+    return f"{d['min']:.2f}-{d['max']:.2f}"
 
 
 def _setting(d: dict[str, Any]) -> str:
@@ -158,19 +171,41 @@ def _setting(d: dict[str, Any]) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """One row per link: the best figure, the setting that reached it, its share of a
+    """One row per link: its rate, the setting that reached it, and notes: for the disk,
+    which figures the recommendation uses and which are a cache's; elsewhere the share of a
     known limit (fio, the PCIe link) where one is known."""
     fio = report.get("fio") or {}
     direct = "O_DIRECT" if report.get("disk_direct_supported") else "buffered: no O_DIRECT here"
-    best_read, best_write = report["disk_best_read"], report["disk_best_write"]
+    best_read = report["disk_best_read"]
+    choice = report["engine_choice"]
+    burst = report["disk_burst_seconds"]
+    def passes(op: str) -> str:
+        spread = report[f"disk_{op}_spread"]
+        return (f"recommended on: median of {len(spread['runs'])} passes of {format_size(report['disk_pass_bytes'])}"
+                + ("" if spread.get("split") else f" (whole: too short to leave out {burst:g} s)")
+                + f", spread {_spread(spread)}")
+
     rows: list[tuple[str, str, str, str]] = [
-        (f"disk read ({direct})", _gbps(report["disk_read_gbps"]), _setting(best_read),
-         f"{fio['read_share']:.2f} of fio {fio['read_gbps']:.2f}" if fio.get("read_gbps") else ""),
-        (f"disk write ({direct})", _gbps(report["disk_write_gbps"]), _setting(best_write),
-         f"{fio['write_share']:.2f} of fio {fio['write_gbps']:.2f}" if fio.get("write_gbps") else ""),
+        (f"disk read, sustained ({direct})", _gbps(report["disk_read_gbps"]), _setting(choice), passes("read")),
+        (f"disk write, sustained ({direct})", _gbps(report["disk_write_gbps"]), _setting(choice), passes("write")),
         ("disk first write (new extents)", _gbps(report["disk_first_write_gbps"]), "8 MiB blocks, depth 32, "
          "32 threads", f"{report['disk_first_write_gbps'] / report['disk_write_gbps']:.2f} of overwrite"),
     ]
+    for key, name in (("disk_read_burst_gbps", "disk read"), ("disk_write_burst_gbps", "disk write"),
+                      ("disk_first_write_burst_gbps", "disk first write")):
+        if report.get(key) is not None:
+            rows.append((f"{name}, first {burst:g} s (burst)", _gbps(report[key]),
+                         _setting(choice) if "first" not in name else "8 MiB blocks, depth 32, 32 threads",
+                         "a cache absorbing the start; not recommended on"))
+    for op, what in (("read", "re-read of data just read"), ("write", "overwrite of data just written")):
+        if report.get(f"disk_cached_{op}_gbps") is not None:
+            rows.append((f"disk {op}, cached ({what})", _gbps(report[f"disk_cached_{op}_gbps"]), _setting(choice),
+                         "a cache's best case; not recommended on"))
+    for op in ("read", "write"):
+        best = report[f"disk_best_{op}"]
+        rows.append((f"disk {op}, best of the sweep", _gbps(best["gbps"]), _setting(best),
+                     (f"{fio[f'{op}_share']:.2f} of fio {fio[f'{op}_gbps']:.2f}; " if fio.get(f"{op}_gbps") else "")
+                     + "ranks settings only"))
     if report.get("disk_buffered_read_gbps") is not None:
         rows.append(("disk read (buffered, cold cache)", _gbps(report["disk_buffered_read_gbps"]),
                      _setting(best_read), f"{report['disk_buffered_read_gbps'] / report['disk_read_gbps']:.2f}"
@@ -206,13 +241,18 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{overlap['disk_read_alone_gbps']:.2f} + {overlap['h2d_alone_gbps']:.1f} GB/s",
                      f"{overlap['overlap_efficiency']:.2f} of both alone"
                      + ("" if overlap["overlaps"] else ": they do not overlap")))
-    header = ("link", "best", "setting", "share")
+    header = ("link", "rate", "setting", "notes")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header] + rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"\n{report['path']}: {report['mode']} sweep of {len(report['disk_sweep'])} disk "
-                 f"measurements, {format_size(report['disk_bytes_per_measurement'])} each; "
+                 f"measurements of up to {format_size(report['disk_bytes_per_measurement'])}; "
                  f"{report['elapsed_s']:.1f} s in all")
+    lines.append(f"disk figures recommended on: {report['disk_figures_used']}")
+    if report.get("validation"):
+        from ._validate import format_validation
+
+        lines.append(format_validation(report["validation"]))
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import torch
 import offload
 from offload._resolve import resolve_engine
 from offload.profile import CACHE_NAME, find_profile, recommend
+from offload.profile._run import REPORT_VERSION
 from offload.profile._disk import remove_stale_test_files
 from offload.profile.cli import format_table
 
@@ -44,7 +45,7 @@ def profiled(tmp_path_factory):
     target.mkdir()
     report, rec = base / "r.json", base / "c.json"
     out = cli("--path", str(target), "--size", "64MiB", "--quick", "--json", str(report),
-              "--recommend", str(rec))
+              "--recommend", str(rec), "--validate", "64MiB")
     assert out.returncode == 0, out.stderr
     return target, json.loads(report.read_text()), out.stdout, rec
 
@@ -57,7 +58,6 @@ def test_report_has_the_keys_and_sane_figures(profiled):
         best = report[key]
         assert {"block_size", "queue_depth", "threads", "direct"} <= set(best)
         assert best["block_size"] % 4096 == 0 and best["queue_depth"] >= 1 and best["threads"] >= 1
-    assert report["disk_best_read"]["gbps"] == pytest.approx(report["disk_read_gbps"], rel=1e-3)
     if not torch.cuda.is_available():
         assert report["h2d_pinned_gbps"] is None and report["d2h_pinned_gbps"] is None
     assert report["disk_read_gbps"] > 0 and report["disk_write_gbps"] > 0
@@ -65,7 +65,7 @@ def test_report_has_the_keys_and_sane_figures(profiled):
     # every swept setting was measured both ways, and the best is the max of the sweep
     sweep = report["disk_sweep"]
     reads = [r["gbps"] for r in sweep if r["op"] == "read" and r["direct"] == report["disk_best_read"]["direct"]]
-    assert max(reads) == pytest.approx(report["disk_read_gbps"], rel=1e-3)
+    assert max(reads) == pytest.approx(report["disk_best_read"]["gbps"], rel=1e-3)
     assert {(r["block_size"], r["queue_depth"]) for r in sweep if r["op"] == "write"} == \
            {(r["block_size"], r["queue_depth"]) for r in sweep if r["op"] == "read"}
     assert report["path"] == str(target)
@@ -76,6 +76,111 @@ def test_report_has_the_keys_and_sane_figures(profiled):
     assert report["disk_best_read"]["direct"] is direct and report["disk_best_write"]["direct"] is direct
     assert report["engine_choice"]["direct"] is direct
     _assert_engine_choice_is_the_best_of_both_ways(report["engine_choice"], sweep, direct)
+
+
+def test_recommended_figures_are_the_sustained_passes_with_their_spread(profiled):
+    """disk_read_gbps / disk_write_gbps are the medians of the sustained passes, not the
+    sweep's best; the cached figures are there beside them, and the report says which the
+    recommendation used."""
+    _, report, stdout, _ = profiled
+    for op in ("read", "write"):
+        spread = report[f"disk_{op}_spread"]
+        assert len(spread["runs"]) == 3 and spread["min"] <= spread["median"] <= spread["max"]
+        assert report[f"disk_{op}_gbps"] == pytest.approx(spread["median"], abs=1e-4)
+        assert report[f"disk_cached_{op}_gbps"] > 0
+    assert report["disk_figures_used"].startswith("sustained read and write: median of 3 passes")
+    assert f"disk figures used below: read {report['disk_read_gbps']:.2f}" in stdout
+    assert "a cache's best case; not recommended on" in stdout and "recommended on:" in stdout
+
+
+def test_validate_reports_the_store_against_the_profile(profiled):
+    target, report, stdout, _ = profiled
+    v = report["validation"]
+    assert v["bytes"] == 64 << 20 and v["tensor_bytes"] == 32 << 20
+    for phase in ("first_write", "write", "read"):
+        assert v[f"{phase}_gbps"] > 0
+        assert v[f"{phase}_predicted_gbps"] == pytest.approx(report[f"disk_{phase}_gbps"], abs=1e-4)
+        assert v[f"{phase}_ratio"] == pytest.approx(v[f"{phase}_predicted_gbps"] / v[f"{phase}_gbps"], rel=1e-3)
+    assert "predicted/achieved" in stdout
+    assert not leftover_files(target)
+
+
+def test_no_measurement_moves_bytes_moved_recently(tmp_path, monkeypatch):
+    """Through run_profile's whole sequence (sweep, retries, deadlines, sustained passes,
+    cached pairs, buffered and mmap rows): reads stay in the first half of the test file,
+    writes in the second, every stretch is whole 32 MiB, and a stretch is read again only
+    after half the file of other reads; the one exception, on purpose, is the timed half
+    of a cached pair (and the warm mmap read)."""
+    from offload.profile import _links
+    from offload.profile._disk import DiskProbe, DiskResult
+
+    size, grain, moves = 512 << 20, 32 << 20, []
+
+    def fake_measure(self, op, setting, nbytes, start, *, record=True, deadline=None):
+        if deadline is not None and len(moves) % 5 == 0:  # some sweep measurements stop early
+            nbytes = grain
+        moves.append((op, start, nbytes))
+        marks = ((0.5, nbytes // 2), (1.0, nbytes)) if nbytes else ()
+        result = DiskResult(op, setting, nbytes, 1.0 + len(moves) % 7 / 10, start=start, marks=marks)
+        if record:
+            self.results.append(result)
+        return result
+
+    def fake_copy(view, mm, buf, start, nbytes, op, *rest):
+        moves.append((f"mmap_{op}", start, nbytes))
+
+    monkeypatch.setattr(DiskProbe, "_measure", fake_measure)
+    monkeypatch.setattr(DiskProbe, "_copy_mapped", staticmethod(fake_copy))
+    monkeypatch.setattr(_links, "host_copy", lambda n: {"host_copy_gbps": 1.0, "bytes": n, "threads": 1})
+    monkeypatch.setattr(_links, "adam_throughput", lambda n: {"adam_params_per_s": 1.0, "threads": 1, "params": n})
+    offload.profile.run_profile(str(tmp_path), size, cache=False)
+    half, last_read = size // 2, {}
+    read_bytes = 0  # bytes read so far, cached pairs and warm mmap reads aside
+    for i, (op, start, nbytes) in enumerate(moves):
+        assert start % grain == 0 and nbytes % grain == 0 and nbytes > 0, (op, start, nbytes)
+        if op == "first_write":
+            assert (start, nbytes) == (0, size)
+            continue
+        reading = "read" in op
+        region = (0, half) if reading else (half, size)
+        chunks = [region[0] + (start - region[0] + k) % half for k in range(0, nbytes, grain)]
+        assert all(region[0] <= c < region[1] for c in chunks), (op, start, nbytes)
+        if op == "read" and moves[i + 1][:2] == ("cached_read", start):
+            continue  # the untimed first half of a cached pair
+        if reading and op not in ("cached_read", "mmap_read") or (op == "mmap_read" and
+                                                                  moves[i + 1][:2] != ("mmap_read", start)):
+            for c in chunks:
+                assert read_bytes - last_read.get(c, -half) >= half - nbytes, (op, start, nbytes)
+                last_read[c] = read_bytes
+            read_bytes += nbytes
+
+
+def test_a_slow_sweep_setting_stops_at_its_deadline(tmp_path):
+    """A sweep measurement submits nothing more after three times its share of time and
+    counts what it moved; the next measurement starts right after it."""
+    from offload.profile._disk import DiskProbe, DiskSetting
+
+    setting = DiskSetting(1 << 20, 1, 1)  # 32 MiB requests (the buffer), one 1 MiB block at a time
+    with DiskProbe(str(tmp_path), 512 << 20, time_per_measurement=1e-4, buffer_bytes=32 << 20) as probe:
+        probe.measure_bytes = probe.size
+        first = probe.measure("read", setting)
+        second = probe.measure("read", setting)
+    assert 0 < first.nbytes < 512 << 20 and first.nbytes % (32 << 20) == 0
+    assert second.start == first.nbytes
+
+
+def test_burst_and_sustained_split_at_the_first_second():
+    from offload.profile._disk import DiskResult, DiskSetting
+
+    gb = 10**9
+    # 5 GB/s for the first second, then 2 GB/s for two more
+    fast_then_slow = DiskResult("write", DiskSetting(1 << 20, 1, 1), 9 * gb, 3.0,
+                                marks=((0.5, int(2.5 * gb)), (1.0, 5 * gb), (2.0, 7 * gb), (3.0, 9 * gb)))
+    assert fast_then_slow.burst_gbps() == pytest.approx(5.0)
+    assert fast_then_slow.sustained_gbps() == pytest.approx(2.0)
+    assert fast_then_slow.gbps == pytest.approx(3.0)
+    short = DiskResult("read", DiskSetting(1 << 20, 1, 1), gb, 0.5, marks=((0.5, gb),))
+    assert short.burst_gbps() is None and short.sustained_gbps() == pytest.approx(2.0)
 
 
 def _assert_engine_choice_is_the_best_of_both_ways(choice: dict, sweep: list[dict], direct: bool) -> None:
@@ -138,8 +243,14 @@ def fake_report(path, **over) -> dict:
             sweep.append({"op": op, "block_size": bs, "queue_depth": qd, "threads": qd, "direct": True,
                           "bytes": 1 << 30, "seconds": 0.4, "gbps": gbps})
     report = {
-        "version": 1, "path": str(path), "fs_device": os.stat(path).st_dev, "device": "cpu",
-        "disk_read_gbps": 2.5, "disk_write_gbps": 2.5, "disk_sweep": sweep,
+        "version": REPORT_VERSION, "path": str(path), "fs_device": os.stat(path).st_dev, "device": "cpu",
+        "disk_read_gbps": 1.9, "disk_write_gbps": 2.1, "disk_sweep": sweep, "disk_pass_bytes": 2 << 30,
+        "disk_read_spread": {"min": 1.8, "median": 1.9, "max": 2.0, "runs": [1.8, 1.9, 2.0], "split": True},
+        "disk_write_spread": {"min": 2.0, "median": 2.1, "max": 2.3, "runs": [2.0, 2.1, 2.3], "split": False},
+        "disk_cached_read_gbps": 3.7, "disk_cached_write_gbps": 8.0, "disk_burst_seconds": 1.0,
+        "disk_read_burst_gbps": None, "disk_write_burst_gbps": 4.9, "disk_figures_used": "the sustained passes",
+        "disk_best_read": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32, "direct": True, "gbps": 2.5},
+        "disk_best_write": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32, "direct": True, "gbps": 2.5},
         "engine_choice": {"block_size": 4 << 20, "queue_depth": 8, "threads": 12, "direct": True,
                           "read_gbps": 2.4, "write_gbps": 2.4},
         "host": {"ram_available_bytes": 16 << 30}, "cuda_free_bytes": None,
@@ -160,7 +271,9 @@ def test_recommend_tiers_follow_the_model_size(tmp_path):
     small, reasons = recommend(report, model_bytes=256 << 20)  # fits half the device budget
     assert small["param_tier"] == "device" and small["optimizer_tier"] == "host"
     assert small["nvme_path"] is None  # no tier on disk: no path needed
-    assert len(reasons) == 6 and all(isinstance(r, str) and r for r in reasons)
+    assert len(reasons) == 7 and all(isinstance(r, str) and r for r in reasons)
+    assert any(r.startswith("disk figures used below: read 1.90, write 2.10 GB/s (spread 1.80-2.00 and 2.00-2.30)")
+               and "the sustained passes" in r for r in reasons)
     middle, _ = recommend(report, model_bytes=5 << 29)  # 2.5 GiB: above half the 4 GiB device budget,
     # below half the 5.5 GiB host budget (CPU: 25% and 35% of the 16 GiB free)
     assert middle["param_tier"] == "host" and middle["optimizer_tier"] == "nvme"
@@ -319,10 +432,45 @@ def test_help_explains_every_flag(help_entries):
                          env=dict(os.environ, COLUMNS="1000"))  # one line per entry: no word broken at a hyphen
     assert out.returncode == 0
     for flag in ("--path", "--size", "--device", "--quick", "--full", "--json", "--recommend",
-                 "--model-bytes", "--dtype", "--fio", "--no-cache", "--no-progress", "--verbose"):
+                 "--model-bytes", "--dtype", "--fio", "--validate", "--no-cache", "--no-progress", "--verbose"):
         assert flag in out.stdout, flag
         # argparse lists a flag whether it is explained or not: its own entry must say something
         assert len(help_entries(out.stdout).get(flag, "").split()) >= 3, (flag, help_entries(out.stdout).get(flag))
+
+
+def test_interrupt_during_validate_removes_its_swap_files(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "offload.profile", "--no-progress", "--no-cache", "--path",
+                             str(tmp_path), "--size", "64MiB", "--quick", "--validate", "2GiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    swap = tmp_path / f".offload-profile-{proc.pid}-validate.tmp"
+    deadline = time.monotonic() + 120
+    while not (swap.exists() and any(swap.iterdir())) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert swap.exists(), "the validation never started"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert not leftover_files(tmp_path)
+
+
+def test_a_dead_runs_validate_directory_is_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".offload-profile-{dead.pid}-validate.tmp"
+    stale.mkdir()
+    (stale / "swap-0.bin").write_bytes(b"x")
+    assert remove_stale_test_files(str(tmp_path)) == [str(stale)]
+    assert not stale.exists()
+
+
+def test_refuses_a_validate_below_its_floor_without_touching_size(tmp_path):
+    out = cli("--path", str(tmp_path), "--size", "32MiB", "--validate", "1GiB")
+    assert out.returncode == 2 and "--size" in out.stderr and "at least 64MiB" in out.stderr
+    out = cli("--path", str(tmp_path), "--validate", "1MiB")
+    assert out.returncode == 2 and "--validate" in out.stderr and "too small" in out.stderr
+    out = cli("--path", str(tmp_path), "--size", "64MiB", "--validate", "100TiB")
+    assert out.returncode == 2 and "less than --validate" in out.stderr
+    assert not leftover_files(tmp_path)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -356,8 +504,6 @@ def test_stale_test_files_of_dead_runs_are_removed(tmp_path):
 def test_format_table_shows_cuda_rows_and_shares(tmp_path):
     report = fake_report(tmp_path)
     report.update({
-        "disk_best_read": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32, "direct": True},
-        "disk_best_write": {"block_size": 8 << 20, "queue_depth": 32, "threads": 32, "direct": True},
         "disk_direct_supported": True, "disk_first_write_gbps": 1.8, "disk_buffered_read_gbps": 0.6,
         "disk_buffered_write_gbps": 1.2, "host_copy_gbps": 9.0, "host_copy": {"bytes": 256 << 20, "threads": 2},
         "adam_params_per_s": 1.6e9, "adam": {"threads": 2, "params": 16 << 20},
@@ -370,5 +516,9 @@ def test_format_table_shows_cuda_rows_and_shares(tmp_path):
     })
     table = format_table(report)
     assert "0.96 of fio 2.60" in table
+    assert "passes of 2.00 GiB, spread 1.80-2.00" in table  # reads were split
+    assert "passes of 2.00 GiB (whole: too short to leave out 1 s), spread 2.00-2.30" in table
+    assert "disk write, first 1 s (burst)" in table and "4.90 GB/s" in table
+    assert "disk read, cached (re-read of data just read)" in table and "not recommended on" in table
     assert "host to device, pinned" in table and "0.83 of PCIe 32 GT/s x16 (63.0)" in table
     assert "disk read + H2D at once" in table and "0.96 of both alone" in table
