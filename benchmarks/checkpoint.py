@@ -18,8 +18,8 @@ about 2.4 GB. Two layouts:
 
 Per round, for each layout: fio sequential write and read of the same number of bytes
 (8 MiB blocks, queue depth 32, O_DIRECT, libaio) and offload-profile's quick sweep of
-offload's file engine on a test file of that size (``offload.profile.run_profile``, its best
-O_DIRECT write and read); the disk's bandwidth is the better of the two,
+offload's file engine on a test file of that size (``offload.profile.run_profile``, its
+sustained O_DIRECT write and read); the disk's bandwidth is the better of the two,
 then offload's save (including fsyncs and the atomic swap) and load (checksums verified),
 then torch.save of the same tensors (offload.state_dict + the optimizer's state_dict,
 gathered in memory beforehand, not timed) to one file with fsync, and torch.load of it
@@ -156,7 +156,7 @@ def summarize(layout: str, rows: list[dict], use_fio: bool) -> dict:
     out = {k: med(k) for k in rows[0]}
     out["layout"] = layout
     out["rounds"] = rows
-    # The disk per round: the better of fio and offload-profile's best (fio's read of the
+    # The disk per round: the better of fio and offload-profile's sustained figure (fio's read of the
     # file it just wrote ran well below the engine's in some rounds); ratios per round,
     # then the median, so a disk that drifts between rounds compares like with like.
     disk_w = lambda r: max(r["raw_write_gbps"], r.get("fio_write_gbps", 0.0))  # noqa: E731
@@ -186,7 +186,7 @@ def print_report(rep: dict) -> None:
         print(f"\n[{s['layout']}]  ours {s['ours_bytes'] / gib:.2f} GiB on disk, torch.save {s['torch_bytes'] / gib:.2f} GiB")
         print(f"  disk          write {s['disk_write_gbps']:.2f} GB/s   read {s['disk_read_gbps']:.2f} GB/s   "
               f"(per round the better of fio {s.get('fio_write_gbps', float('nan')):.2f} / "
-              f"{s.get('fio_read_gbps', float('nan')):.2f} and offload-profile's best "
+              f"{s.get('fio_read_gbps', float('nan')):.2f} and offload-profile's sustained "
               f"{s['raw_write_gbps']:.2f} / {s['raw_read_gbps']:.2f})")
         for op in ("save", "load"):
             line = (f"  {op:5s} ours  {s[f'ours_{op}_gbps']:.2f} GB/s ({s[f'ours_{op}_s']:.2f} s, RSS +"

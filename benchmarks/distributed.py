@@ -10,7 +10,7 @@ optimizer states), the block-device bytes it reads and writes per step (/proc/se
 disk as the kernel sees it, page cache defeated by O_DIRECT), its peak RSS, and the time its
 collectives took (all-gathers of parameter groups, reduce-scatters of their gradients). The disk limit: the bytes all ranks
 move per step over this disk's bandwidth (offload-profile's quick sweep of offload's file
-engine on a 1 GiB test file, its best O_DIRECT read and write, measured here first), as a
+engine on a 1 GiB test file, its sustained O_DIRECT read and write, measured here first), as a
 lower bound on the step and its ratio to the measured step.
 
 On one machine the ranks share its cores and its disk: N ranks are not N machines. What
@@ -175,7 +175,7 @@ def main() -> None:
         parser.error(f"--batch {args.batch} must split evenly over every world size in {worlds}")
     disk = disk_bandwidth(args.path, 1 << 30)
     write_gbps, read_gbps = disk["write_gbps"], disk["read_gbps"]
-    log.info("disk (offload-profile's best): write %.2f GB/s, read %.2f GB/s", write_gbps, read_gbps)
+    log.info("disk (offload-profile's sustained figures): write %.2f GB/s, read %.2f GB/s", write_gbps, read_gbps)
     report = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
               "disk_write_gbps": write_gbps, "disk_read_gbps": read_gbps, "models": {}}
     for name in args.models.split(","):

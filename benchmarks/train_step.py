@@ -26,7 +26,8 @@ Lower bound = max(forward+backward compute, parameter bytes / disk) + max(optimi
 compute, optimizer bytes / disk), with compute from the in-memory run (scaled by
 parameter count from the largest measured size when the model does not fit) and the
 disk's read and write bandwidth measured in the same invocation by offload-profile's quick
-sweep (``offload.profile.run_profile``: the best O_DIRECT read and write of offload's engine).
+sweep (``offload.profile.run_profile``: the sustained O_DIRECT read and write of offload's
+engine, of bytes not moved recently).
 """
 
 from __future__ import annotations
