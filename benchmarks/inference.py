@@ -32,7 +32,7 @@ there is no swap here), after the page cache is dropped: the page cache cannot k
 weights, as for a model larger than RAM. The disk lower bound is the bytes offload reads
 per token divided by the disk's sustained read bandwidth: offload-profile's sustained
 O_DIRECT read (data not read or written recently, after the first second, median of its
-passes; a test file of at least 4 GiB) right before and right after the round, averaged
+passes; a test file of at least 12 GiB) right before and right after the round, averaged
 (this disk drifts up to 2x within minutes, so only adjacent measurements compare). The
 round does not read the swap extents before offload's run: that would leave them in the
 virtual disk's host cache, and the run would read them faster than a model larger than
@@ -182,10 +182,9 @@ def worker_accelerate(path: str, args) -> dict:
 
 def worker_bandwidth(path: str, args) -> dict:
     """offload-profile's sustained O_DIRECT read (``offload.profile.run_profile``, quick) on a
-    test file next to the checkpoint, of the checkpoint's size and at least 4 GiB (half of
-    it is what each sustained pass may read)."""
+    test file next to the checkpoint (see ``disk_bandwidth`` for its size)."""
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    disk = disk_bandwidth(args.work, max(size, 4 << 30))
+    disk = disk_bandwidth(args.work, size)
     return {"read_gbps": disk["read_gbps"], "cached_read_gbps": disk["cached_read_gbps"]}
 
 

@@ -51,7 +51,7 @@ def profile_round(path: str, size: str, store_size: str, workdir: str) -> dict:
     keep = ("disk_read_gbps", "disk_write_gbps", "disk_first_write_gbps", "disk_read_spread",
             "disk_write_spread", "disk_read_burst_gbps", "disk_write_burst_gbps", "disk_first_write_burst_gbps",
             "disk_cached_read_gbps", "disk_cached_write_gbps", "disk_best_read", "disk_best_write",
-            "disk_pass_bytes", "engine_choice", "validation", "elapsed_s")
+            "engine_choice", "validation", "elapsed_s")
     return {"wall_s": wall, **{k: data.get(k) for k in keep}, "table": table}
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     store_size = parse_size(args.store_size, name="--store-size")
     path = args.path or tempfile.mkdtemp(prefix="offload-profile-validate-", dir=scratch_dir("profile-validate"))
     rounds = []
-    hugepages = reserved_hugepages(max(b * d for b, d in FIO_CONFIGS) * 3 // 2)
+    hugepages = reserved_hugepages(max(b * d for b, d in FIO_CONFIGS) * 3 // 2 if use_fio else 0)
     try:
         with tempfile.TemporaryDirectory() as workdir, hugepages:
             iomems = ("malloc", "shmhuge") if hugepages.ok else ("malloc",)

@@ -180,7 +180,8 @@ class DiskProbe:
     def __enter__(self) -> DiskProbe:
         try:
             self._buffer = HostBuffer(self._buffer_bytes)
-            self._buffer.bytes[:: 4096].fill_(0x5A)  # something other than zeros on disk
+            # random bytes: a disk (or its host) that compresses or deduplicates gains nothing
+            self._buffer.bytes.random_(0, 256)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
             try:
                 os.posix_fallocate(fd, 0, self.size)
@@ -225,13 +226,14 @@ class DiskProbe:
             raise ValueError(f"op={op!r}: use 'read' or 'write'")
         sweep = nbytes is None
         nbytes = self.stretch(nbytes or self.measure_bytes)
-        if op == "read" and not setting.direct:
+        buffered = not setting.direct or self.direct_supported is False  # O_DIRECT refused here
+        if op == "read" and buffered:
             self._drop_cached_pages()
         # a sweep measurement of a slow setting stops after three times its share of time
         result = self._measure(op, setting, nbytes, self._at(op), record=record,
                                deadline=3 * self.time_per_measurement if sweep else None)
         self._cursor[op] = (self._cursor[op] + result.nbytes) % self.half
-        if op == "write" and not setting.direct:
+        if op == "write" and buffered:
             self._drop_cached_pages()
         return result
 
@@ -255,16 +257,15 @@ class DiskProbe:
         range advised ``MADV_WILLNEED`` when issued (what ``MmapTier`` does). A cold read
         drops the file's pages first; a warm read follows a read of the same bytes (they are
         in the page cache); a write (``pwrite`` into the page cache, as the tier writes) is
-        timed to the end of its ``fsync``. Each moves ``measure_bytes`` in one stretch of
-        ``op``'s half, from the next byte if the stretch fits before the half's end."""
+        timed to the end of its ``fsync``. Each moves ``measure_bytes`` of ``op``'s half from
+        where the last measurement of its kind stopped (in two stretches where it wraps)."""
         buf = self._buffer
         if buf is None:
             raise RuntimeError("DiskProbe used outside its 'with' block")
         nbytes = self.measure_bytes
         kind = "read" if op == "read" else "write"
-        if self._cursor[kind] + nbytes > self.half:
-            self._cursor[kind] = 0
-        start = self._at(kind)
+        first = min(nbytes, self.half - self._cursor[kind])
+        stretches = [(self._at(kind), first)] + ([(self._region[kind], nbytes - first)] if first < nbytes else [])
         self._cursor[kind] = (self._cursor[kind] + nbytes) % self.half
         fd = os.open(self.path, os.O_RDWR)
         try:
@@ -275,9 +276,9 @@ class DiskProbe:
                     if op == "read" and not warm:
                         self._drop_cached_pages()
                     if op == "read" and warm:
-                        self._copy_mapped(view, mm, buf, start, nbytes, "read", threads, chunk, fd)  # bring them in
+                        self._copy_mapped(view, mm, buf, stretches, "read", threads, chunk, fd)  # bring them in
                     started = time.perf_counter()
-                    self._copy_mapped(view, mm, buf, start, nbytes, op, threads, chunk, fd)
+                    self._copy_mapped(view, mm, buf, stretches, op, threads, chunk, fd)
                     if op == "write":
                         os.fsync(fd)
                     seconds = time.perf_counter() - started
@@ -292,12 +293,13 @@ class DiskProbe:
         return gbps
 
     @staticmethod
-    def _copy_mapped(view, mm, buf, start: int, nbytes: int, op: str, threads: int, chunk: int, fd: int) -> None:
+    def _copy_mapped(view, mm, buf, stretches: list[tuple[int, int]], op: str, threads: int, chunk: int,
+                     fd: int) -> None:
         room = buf.nbytes // chunk * chunk or buf.nbytes
 
-        def one(offset: int) -> None:
-            n = min(chunk, start + nbytes - offset)
-            at = (offset - start) % room
+        def one(offset: int, end: int) -> None:
+            n = min(chunk, end - offset)
+            at = offset % room
             if op == "read":
                 buf.bytes[at: at + n].copy_(view[offset: offset + n])
             else:  # as MmapTier writes: pwrite of whole pages into the page cache
@@ -308,10 +310,11 @@ class DiskProbe:
 
         with ThreadPoolExecutor(threads, thread_name_prefix="offload-profile-mmap") as pool:
             futures = []
-            for offset in range(start, start + nbytes, chunk):
-                if op == "read":
-                    mm.madvise(mmap.MADV_WILLNEED, offset, min(chunk, start + nbytes - offset))
-                futures.append(pool.submit(one, offset))
+            for start, nbytes in stretches:
+                for offset in range(start, start + nbytes, chunk):
+                    if op == "read":
+                        mm.madvise(mmap.MADV_WILLNEED, offset, min(chunk, start + nbytes - offset))
+                    futures.append(pool.submit(one, offset, start + nbytes))
             for f in futures:
                 f.result()
 
@@ -342,9 +345,10 @@ class DiskProbe:
                 # a file system that refuses O_DIRECT was measured buffered: say so
                 setting = dataclasses.replace(setting, direct=file.direct)
             submit = engine.read if reading else engine.write
-            # requests in flight: enough to keep the setting's queue full, no more, so that
-            # a slow setting can stop at the deadline
-            window = max(2, -(-2 * setting.queue_depth * setting.block_size // buf.nbytes))
+            # requests of the setting's bytes in flight (at least 32 MiB), two of them at a
+            # time: the queue stays full, and the timing and the deadline see each one land
+            request = min(buf.nbytes, max(_GRAIN, setting.queue_depth * setting.block_size // _GRAIN * _GRAIN))
+            window = 2
             started = time.perf_counter()
             pending: list = []
             marks: list[tuple[float, int]] = []
@@ -353,7 +357,7 @@ class DiskProbe:
                 if done < nbytes and len(pending) < window and not (
                         marks and deadline is not None and marks[-1][0] > deadline):
                     offset = base + (start - base + done) % span
-                    n = min(buf.nbytes, nbytes - done, base + span - offset)
+                    n = min(request, nbytes - done, base + span - offset)
                     done += n
                     pending.append((done, submit(file, offset, buf, n)))
                     continue

@@ -13,16 +13,17 @@ from ._disk import BURST_S, DiskResult, DiskSetting
 __all__ = ["best", "leaders", "engine_choice", "disk_report", "figures_used"]
 
 
-def figures_used(split: dict[str, bool], passes: int, pass_bytes: int) -> str:
-    """In words, which figures the recommendation used and why."""
+def figures_used(spread: dict[str, dict[str, Any]]) -> str:
+    """In words, which figures the recommendation used and why (``spread``: per op, what
+    :func:`disk_report` puts in ``disk_*_spread``)."""
     def how(op: str) -> str:
-        return (f"{op} after each pass's first {BURST_S:g} s" if split[op] else
-                f"{op} over whole passes (too short to leave out the first {BURST_S:g} s: a larger --size "
-                "makes longer passes)")
+        s = spread[op]
+        return (f"{len(s['runs'])} {op}s of {format_size(s['pass_bytes'])}, "
+                + (f"each after its first {BURST_S:g} s" if s["split"] else
+                   f"each whole (too short to leave out the first {BURST_S:g} s)"))
 
-    return (f"sustained read and write: median of {passes} passes of {format_size(pass_bytes)} each with the "
-            f"chosen setting, of bytes not moved recently, {how('read')}, {how('write')}; not the burst, cached "
-            "or best-of-sweep figures")
+    return (f"sustained figures: the median of {how('read')} and of {how('write')}, with the chosen setting, "
+            "of bytes not moved recently; not the burst, cached or best-of-sweep figures")
 
 
 def _best_by_setting(results: list[DiskResult], op: str) -> dict[DiskSetting, DiskResult]:
@@ -62,7 +63,7 @@ def _spread(passes: list[DiskResult]) -> dict[str, Any]:
     values = [r.sustained_gbps() for r in passes]
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4),
             "max": round(max(values), 4), "runs": [round(v, 4) for v in values],
-            "split": all(r.split() for r in passes)}
+            "split": all(r.split() for r in passes), "pass_bytes": passes[0].nbytes}
 
 
 def _burst(passes: list[DiskResult]) -> float | None:
@@ -87,9 +88,7 @@ def disk_report(results: list[DiskResult], choice: DiskSetting, first: DiskResul
         "disk_write_gbps": statistics.median(r.sustained_gbps() for r in by_op["write"]),
         "disk_read_spread": spread["read"],
         "disk_write_spread": spread["write"],
-        "disk_pass_bytes": passes[0].nbytes,
-        "disk_figures_used": figures_used({op: spread[op]["split"] for op in spread}, len(by_op["read"]),
-                                          passes[0].nbytes),
+        "disk_figures_used": figures_used(spread),
         "disk_first_write_gbps": first.sustained_gbps(),
         "disk_first_write_burst_gbps": first.burst_gbps(),
         "disk_read_burst_gbps": _burst([r for r in passes if r.op == "read"]),

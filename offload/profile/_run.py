@@ -46,7 +46,7 @@ def check_target(path: str, size: int, device: str, *, validate: int | None = No
                               "fix its permissions") from None
     if size < 64 << 20:
         raise ValueError(f"--size {format_size(size)} is too small to measure a disk: use at least 64MiB "
-                         "(1GiB or more gives steadier figures)")
+                         "(the default 12GiB gets past larger caches)")
     if validate is not None and validate < _VALIDATE_MIN:
         raise ValueError(f"--validate {format_size(validate)} is too small: use at least "
                          f"{format_size(_VALIDATE_MIN)} (the default 6GiB gets past the caches the profile "
@@ -219,16 +219,18 @@ def _host_facts() -> dict[str, Any]:
 def _sustained(probe: DiskProbe, setting: DiskSetting, first: DiskResult,
                note: Callable[[str], None]) -> tuple[list[DiskResult], list[DiskResult]]:
     """The figures the recommendation uses: with the engine's chosen setting, writes then
-    reads of about ``_PASS_SECONDS`` of bytes each (at most half the file: see DiskProbe),
-    ``_PASSES`` times; then the cached best case, the same bytes read twice and written
-    twice."""
-    rate = max(first.sustained_gbps(), 0.05) * 1e9
-    nbytes = probe.stretch(int(rate * _PASS_SECONDS))
+    reads of about ``_PASS_SECONDS`` of bytes each at the rate the sweep saw for that
+    setting and direction (at most half the file: see DiskProbe), ``_PASSES`` times; then
+    the cached best case, the same bytes read twice and written twice."""
+    nbytes = {}
+    for op in ("write", "read"):
+        seen = [r.gbps for r in probe.results if r.op == op and r.setting == setting] or [first.gbps]
+        nbytes[op] = probe.stretch(int(max(max(seen), 0.05) * 1e9 * _PASS_SECONDS))
     passes = []
     for i in range(_PASSES):
         for op in ("write", "read"):
-            note(f"disk {op}: sustained pass {i + 1} of {_PASSES} ({format_size(nbytes)})")
-            passes.append(probe.measure(op, setting, nbytes, record=False))
+            note(f"disk {op}: sustained pass {i + 1} of {_PASSES} ({format_size(nbytes[op])})")
+            passes.append(probe.measure(op, setting, nbytes[op], record=False))
     note("disk: cached re-read and rewrite")
     cached = [probe.measure_cached(op, setting) for op in ("read", "write")]
     return passes, cached

@@ -26,13 +26,14 @@ __all__ = ["Lending"]
 
 @contextmanager
 def _handing_out(release: Any) -> Iterator[threading.Event]:
-    """A loan's section: once the copy is held (``held.set()``), a KeyboardInterrupt that
-    ends the section (a Ctrl-C held back by DEFER is delivered as its locked section
-    closes) returns the loan, since the caller will never see ``release`` to call it."""
+    """A loan's section: once the copy is held (``held.set()``), anything that ends the
+    section with an exception (a Ctrl-C held back by DEFER is delivered as its locked
+    section closes) returns the loan, since the caller will never see ``release`` to call
+    it."""
     held = threading.Event()
     try:
         yield held
-    except KeyboardInterrupt:
+    except BaseException:
         if held.is_set():
             release()
         raise
