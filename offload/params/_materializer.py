@@ -17,6 +17,7 @@ the group records (its own count of device bytes), ``schedule.next_in_pass`` and
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from ..store import TensorStore, Tier
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["Materializer"]
 
 
-class Materializer:
+class Materializer(ABC):
     """The interface; ``StoreCopies`` is the usual implementation, the others extend it."""
 
     zero_copy = False  # parameters view the stored bytes in place (no device copy, no device budget)
@@ -44,35 +45,35 @@ class Materializer:
         """The coordinator this serves (set once, by the coordinator)."""
         self.coordinator = coordinator
 
+    @abstractmethod
     def used_bytes(self) -> int:
         """Device bytes in use, as the coordinator's decisions must see them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def prefetch(self, candidates: list[ParamGroup], room: int) -> list[ParamGroup]:
         """Start reading ahead the nearest of ``candidates`` (in order, none read ahead yet)
         within ``room`` bytes of the prefetch window and what the device has free now;
         returns those started."""
-        raise NotImplementedError
 
+    @abstractmethod
     def materialize(self, group: ParamGroup, source: GroupState) -> Materialized:
         """The group's whole flat buffer on the device, waited for. ``source``: the state it
         comes from (AHEAD: it was read ahead, and taken out of the read-ahead set; CACHED:
         kept on the device; RELEASED: nothing)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def give_back(self, group: ParamGroup, record: GroupRecord) -> bool:
         """The parameters no longer view ``record.flat``: give back its lease. True when a
         device copy of the stored bytes remains, for the coordinator to keep or evict."""
-        raise NotImplementedError
 
+    @abstractmethod
     def keep_write(self, group: ParamGroup, record: GroupRecord, certain: bool) -> bool:
         """The viewed bytes were (``certain``) or may have been written in place: make the
         change reach the stored bytes; False when it does not count as a write."""
-        raise NotImplementedError
 
+    @abstractmethod
     def evict(self, group: ParamGroup) -> None:
         """Drop the device copy of the stored bytes (a read-ahead no longer wanted)."""
-        raise NotImplementedError
 
     def after_acquire(self) -> None:
         """An acquisition is done: start what runs while the module computes (several ranks:
