@@ -9,7 +9,6 @@ the lock).
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -25,16 +24,16 @@ __all__ = ["Lending"]
 
 
 @contextmanager
-def _handing_out(release: Any) -> Iterator[threading.Event]:
-    """A loan's section: once the copy is held (``held.set()``), anything that ends the
+def _handing_out(release: Any) -> Iterator[list[bool]]:
+    """A loan's section: once the copy is held (``held.append(True)``), anything that ends the
     section with an exception (a Ctrl-C held back by DEFER is delivered as its locked
     section closes) returns the loan, since the caller will never see ``release`` to call
     it."""
-    held = threading.Event()
+    held: list[bool] = []  # a flag, cheap enough for the per-group map_view of the mmap path
     try:
         yield held
-    except BaseException:
-        if held.is_set():
+    except BaseException:  # re-raised: only the loan is returned on the way out
+        if held:
             release()
         raise
 
@@ -115,7 +114,7 @@ class Lending:
                 if source is None or record.nbytes == 0 or not self.tiers[source.tier].addressable:
                     return None
                 source.readers += 1
-                held.set()
+                held.append(True)
                 view = self.tiers[source.tier].tensor(source.slot)[: record.nbytes]
         return view, release
 
@@ -141,7 +140,7 @@ class Lending:
                     return None
                 view = backend.view(nvme.slot, record.nbytes)
                 nvme.readers += 1
-                held.set()
+                held.append(True)
         return view, release
 
     def advise(self, key: str) -> None:
@@ -188,7 +187,7 @@ class Lending:
                         self._move(record, other, Residency.ABSENT)
                         self._release(record, other)
                 home.readers += 1  # nothing frees or reuses the slot while the caller writes
-                held.set()
+                held.append(True)
                 record.version += 1
                 view = self.tiers[record.home].tensor(home.slot)[: record.nbytes]
         return view, done
