@@ -169,9 +169,9 @@ def main(argv=None) -> int:
     t.add_argument("--warmup", type=int, default=2, help="linear warm-up steps (default 2)")
     t.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm, 0 to disable (default 1.0)")
     t.add_argument("--update-in-backward", action="store_true", help="update each layer's weights during "
-                   "backward as soon as its gradients are final (opt.update_during_backward()): the optimizer's "
-                   "disk traffic overlaps the backward pass; the same result as step() after backward; needs "
-                   "--clip 0 and fp32 or bf16")
+                   "backward as soon as its gradients are final (opt.update_during_backward()) instead of during "
+                   "the next forward (the default, which clips exactly); the same result as step() after "
+                   "backward; needs --clip 0 and fp32 or bf16")
     t.add_argument("--corpus", default=None, help="UTF-8 text file to train on (default: generated arithmetic)")
     t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     c = parser.add_argument_group("checkpoints and output")

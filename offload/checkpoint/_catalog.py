@@ -92,6 +92,8 @@ def catalog(model: nn.Module) -> Catalog:
     if len(cat.managers) > 1 and any(m.partition is not None for m in cat.managers):
         raise ValueError("the module holds several wrapped models partitioned over ranks: save or load each "
                          "wrapped model on its own")
+    for manager in cat.managers:  # a step's update still owed to the weights lands first
+        manager.pending.settle()
     seen: dict[int, Tensorish] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, buf in module._buffers.items():

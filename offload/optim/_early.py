@@ -15,14 +15,26 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..store import Residency, Tier
 from ._layout import ParamEntry, Shard
 from ._phase import Phase
 from ._pipeline import READ_AHEAD, Pipeline
 from ._sink import on_drain_thread
 from ._writeback import WriteBack
 
-__all__ = ["EarlyUpdate"]
+__all__ = ["EarlyUpdate", "refuse_to_start"]
+
+
+def refuse_to_start(*, loss_scaling: bool, clipped: bool, shards: list[Shard]) -> None:
+    """Entering ``update_during_backward()``: refuse what would make its result differ."""
+    if loss_scaling:
+        raise ValueError("update_during_backward() cannot be used with fp16 loss scaling: an overflow "
+                         "must skip the whole step, so every gradient has to be seen first. Use bf16 or "
+                         "fp32, or call step() after backward() (its update runs in the next forward)")
+    if clipped or any(seg.scale != 1.0 for s in shards for seg in s.segments):
+        raise ValueError("clip_grad_norm_() was called before update_during_backward(): the clip "
+                         "factor must come from this step's gradients; clip without "
+                         "update_during_backward() (backward(), clip_grad_norm_(), step(): its update "
+                         "runs in the next forward)")
 
 
 class EarlyUpdate:
@@ -72,11 +84,11 @@ class EarlyUpdate:
                         break  # (the backward goes on; a later call reads it, or step() does)
                 self.pipeline.issue(shard, self.issued, self.pending)
             head = queue[0]
-            if not block and not self._in_memory(head):
+            if not block and not self.pipeline.in_memory(head, self.pending):
                 break
             queue.pop(0)
             try:
-                self.pipeline.process(head, 1.0, self.pending, busy=self.busy)
+                self.pipeline.process(head, 1.0, self.pending, busy=self.busy, where="backward")
             except BaseException:
                 self.queue.insert(0, head)
                 self.abandon()
@@ -88,10 +100,6 @@ class EarlyUpdate:
                 self.writeback.finish(entry)
             else:
                 self.busy.append(entry)
-
-    def _in_memory(self, shard: Shard) -> bool:
-        return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in shard.host_reads) and \
-            self.writeback.copies_ready(shard, self.pending)
 
     def finish(self, rest_of: Callable[[set[int]], list[Shard]]) -> list[Shard]:
         """``step()``: update the shards still queued, then ``rest_of(done ids)`` (shards with

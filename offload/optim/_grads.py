@@ -182,13 +182,15 @@ class GradientBook:
     an open accumulator is already final once its post-accumulate-grad hooks run (torch's
     own p.grad is final then too), so hooks may read and write it there."""
 
-    def __init__(self, book: Any, sink: Any, *, loss_factor: Any, in_backward_update: Any, closed: Any):
+    def __init__(self, book: Any, sink: Any, *, loss_factor: Any, in_backward_update: Any, closed: Any,
+                 settle: Any):
         # book: the ShardBook (shards, each parameter's segments); sink: the GradientSink
         # (CUDA adds still queued); loss_factor(): the loss scale the sums are in units of;
         # in_backward_update(): update_during_backward() is under way; closed(): the
-        # optimizer is closed
+        # optimizer is closed; settle(): finish a step's update owed to the next forward
+        # (before a view's call: the step read the gradient as it was)
         self.book, self.sink, self._loss_factor = book, sink, loss_factor
-        self._in_backward_update, self._closed = in_backward_update, closed
+        self._in_backward_update, self._closed, self._settle = in_backward_update, closed, settle
         self.epoch = 0  # advanced when zero_grad() clears the gradients
         self._views: dict[int, OffloadedGrad] = {}
 
@@ -198,6 +200,15 @@ class GradientBook:
         for shard in self.book.shards:
             for seg in shard.segments:
                 seg.scale, seg.sumsq, seg.maxabs = 1.0, 0.0, 0.0
+
+    def hide(self, param: torch.Tensor | None = None) -> None:
+        """Views of ``param``'s gradient (every view: None) refuse use from now on: it is
+        dropped (a step's update owed to the next forward still reads it, then drops it)."""
+        if param is None:
+            self.epoch += 1
+            self._views.clear()
+        else:
+            self._views.pop(id(param), None)
 
     def zero_kept(self) -> None:
         """``zero_grad(set_to_none=False)``: the held gradients become zeros, still held."""
@@ -248,6 +259,7 @@ class GradientBook:
             self.write(param, value)
 
     def check(self, view: OffloadedGrad) -> None:
+        self._settle()
         if view._epoch != self.epoch or self._closed() or id(view._param) not in self._views:
             raise RuntimeError("this p.grad stood for a gradient that zero_grad() or p.grad = None has dropped (or "
                                "the optimizer is closed): read p.grad again")

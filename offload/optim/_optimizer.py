@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 
 from ..config import OffloadConfig
 from ..params import hold_gradients, release_gradients
-from ._checkpoint import CheckpointView
-from ._early import EarlyUpdate
+from ._deferred import Deferral
+from ._early import EarlyUpdate, refuse_to_start
 from ._grads import GradientBook
 from ._layout import Shard
 from ._norms import found_inf, scale_all, total_norm
@@ -36,7 +36,7 @@ from ._pipeline import Pipeline
 from ._scaler import LossScaler
 from ._shards import ShardBook
 from ._sink import GradientSink
-from ._statedict import check_groups, gather_state, scatter_state
+from ._persist import StateDicts
 from ._states import StateRows
 from ._writeback import WriteBack
 
@@ -45,7 +45,7 @@ __all__ = ["OffloadOptimizer"]
 log = logging.getLogger(__name__)
 
 
-class OffloadOptimizer(Optimizer):
+class OffloadOptimizer(StateDicts, Optimizer):
     """Base of :class:`AdamW`, :class:`Adam` and :class:`SGD`; see the module docstring.
 
     Extra keyword arguments (beyond torch's):
@@ -60,13 +60,20 @@ class OffloadOptimizer(Optimizer):
             ``"host"`` requires all of them in host memory (BudgetError if the budget cannot
             hold them); ``"nvme"`` writes them all to NVMe (least host memory).
         loss_scale: ``"dynamic"`` (default when a parameter is fp16), a fixed float, or None.
+        update_in_next_forward: ``True`` (default): ``step()`` decides the step at once (clip
+            factor, fp16 overflow) and returns; a wrapped model's shards are updated during
+            the next forward, each parameter group just before its first use, so the
+            optimizer's reads and writes overlap the forward's compute (``_deferred``). The
+            result is the same as updating inside ``step()``; any other access to the weights,
+            states or gradients finishes the update first. ``False``: inside ``step()``.
     """
 
     # torch optimizers are refused over a wrapped model's streamed parameters (offload.params)
     serves_offloaded_parameters = True
 
     def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
-                 shard_size: int | None = None, loss_scale: str | float | None = "auto", grad_tier: str = "auto"):
+                 shard_size: int | None = None, loss_scale: str | float | None = "auto", grad_tier: str = "auto",
+                 update_in_next_forward: bool = True):
         if type(self)._update is OffloadOptimizer._update:
             raise TypeError("OffloadOptimizer is the base of the offload optimizers: use offload.AdamW, "
                             "offload.Adam or offload.SGD")
@@ -75,18 +82,24 @@ class OffloadOptimizer(Optimizer):
         # read_bytes / write_bytes: what the optimizer asked its tier for (a read of a state
         # still being written back is served from memory; the store's stats count the disk's)
         # reduce_seconds: several ranks, time in the reduce-scatters of gradients
+        # forward_update_seconds: time spent updating shards during the next forward
         self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
-                      "read_bytes": 0, "write_bytes": 0, "reduce_seconds": 0.0}
+                      "read_bytes": 0, "write_bytes": 0, "reduce_seconds": 0.0, "forward_update_seconds": 0.0}
         self._phase = Phase()
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
                                shard_size=shard_size, grad_tier=grad_tier)
         self._states = StateRows(self._book)
-        self._sink = GradientSink(self._book, self._phase, self.stats, self._ensure_layout)
+        self._sink = GradientSink(self._book, self._phase, self.stats, self._before_gradient)
         self._writeback = WriteBack(self.stats)
         self._pipeline = Pipeline(self._update_rows, lambda gi: len(self._rows_for(self.param_groups[gi])),
                                   self._writeback, self._phase, self.stats, self._log)
         self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
-                                   in_backward_update=lambda: self._early is not None, closed=lambda: self._closed)
+                                   in_backward_update=lambda: self._early is not None, closed=lambda: self._closed,
+                                   settle=self._settle)
+        self._later = Deferral(self._pipeline, self._writeback, self._phase, self.stats,
+                               enabled=update_in_next_forward, partitioned=lambda: self._book.partition() is not None,
+                               managers=self._book.managers, sink_open=lambda: self._sink.open,
+                               grads=lambda: self._grads, drop=self._drop_gradients)
         self._clipped = False  # clip_grad_norm_() since the last step
         try:
             super().__init__(params, defaults)
@@ -119,6 +132,9 @@ class OffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
+        self._settle()
+        for manager in self._book.managers():  # (another optimizer's update owed to the same groups)
+            manager.pending.settle()
         self._sink.sync()
         self._phase.refuse_if_poisoned()
         self._ensure_layout()
@@ -142,9 +158,14 @@ class OffloadOptimizer(Optimizer):
                 work = [s for s in shards if id(s) in early.done] + rest
             else:
                 work = [s for s in shards if s.takes_step]
-                self._pipeline.run(work, self._scaler.factor)
+                now, later = self._later.split(work)
+                owed = self._later.prepare(later, self.param_groups, lambda: self._scaler.factor) if later else None
+                self._pipeline.run(now, self._scaler.factor)
+                if owed is not None:
+                    self._later.owe(owed)
         finally:
-            if not self._phase.poisoned:  # (a step from a hook of a backward still adding)
+            # (back to ACCUMULATING: a step from a hook of a backward still adding)
+            if not self._phase.poisoned and self._later.owed is None:
                 self._phase.enter(OptimizerPhase.ACCUMULATING if self._sink.open else OptimizerPhase.IDLE)
         self._scaler.stepped()
         self.stats["steps"] += 1
@@ -153,6 +174,15 @@ class OffloadOptimizer(Optimizer):
             manager.coordinator.resume_prefetch()
         self._end_step(started, skipped=False)
         return loss
+
+    def _settle(self) -> None:
+        self._later.settle()
+
+    def _before_gradient(self) -> None:
+        """Ahead of each gradient's add: the last step's update is finished (it reads the
+        accumulators this gradient goes into); parameters added since are laid out."""
+        self._settle()
+        self._ensure_layout()
 
     def _end_step(self, started: float, *, skipped: bool) -> None:
         """Tell the wrapped models this optimizer serves: their optimizer time, and the line
@@ -181,20 +211,15 @@ class OffloadOptimizer(Optimizer):
           ``step()``;
         * no gradient clipping (``clip_grad_norm_`` needs every gradient before the first
           update; it raises after this block) and no fp16 loss scaling (an overflow would
-          have to skip the whole step);
+          have to skip the whole step): with either, the default update in the next forward
+          overlaps the same work exactly;
         * each parameter receives its gradient once in that pass (true of a parameter used
           several times in one graph, and of activation checkpointing; a reentrant backward
           that reports a parameter twice raises, and the optimizer then refuses to step
           until a checkpoint or state dict is loaded).
         """
-        if self._scaler.enabled:
-            raise ValueError("update_during_backward() cannot be used with fp16 loss scaling: an overflow "
-                             "must skip the whole step, so every gradient has to be seen first. Use bf16 or "
-                             "fp32, or call step() after backward()")
-        if self._clipped or any(seg.scale != 1.0 for s in self._book.shards for seg in s.segments):
-            raise ValueError("clip_grad_norm_() was called before update_during_backward(): the clip "
-                             "factor must come from this step's gradients; clip without "
-                             "update_during_backward() (backward(), clip_grad_norm_(), step())")
+        self._settle()
+        refuse_to_start(loss_scaling=self._scaler.enabled, clipped=self._clipped, shards=self._book.shards)
         self._sink.sync()
         self._phase.refuse_if_poisoned()
         if self._early is not None:
@@ -230,7 +255,9 @@ class OffloadOptimizer(Optimizer):
     def synchronize(self) -> None:
         """Wait until the step's write-backs have reached their tier. ``step()`` returns
         with them in flight, so they overlap the next forward and backward; a fetch of a
-        state still being written is served from memory."""
+        state still being written is served from memory. A step's update left to the next
+        forward is finished first."""
+        self._settle()
         self._sink.sync()
         self._book.synchronize()
 
@@ -240,6 +267,7 @@ class OffloadOptimizer(Optimizer):
         if set_to_none:
             self.reset_gradients()
         else:
+            self._settle()
             self._sink.sync()
             self._grads.zero_kept()
             self._clipped = False
@@ -247,10 +275,15 @@ class OffloadOptimizer(Optimizer):
 
     def reset_gradients(self) -> None:
         """Drop every gradient this optimizer holds for wrapped parameters, with its noted
-        norms and factors (``zero_grad()``, a checkpoint load)."""
+        norms and factors (``zero_grad()``, a checkpoint load). While a step's update is owed
+        to the next forward it still needs them: hidden now, dropped when it is done."""
+        self._clipped = False
+        if not self._later.hide():
+            self._drop_gradients()
+
+    def _drop_gradients(self) -> None:
         self._sink.reset()
         self._grads.cleared()
-        self._clipped = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all this optimizer's parameters to a total norm of
@@ -261,6 +294,7 @@ class OffloadOptimizer(Optimizer):
         inside the next ``step()``.
         """
         norm_type = float(norm_type)
+        self._settle()
         if self._early is not None:
             raise RuntimeError("clip_grad_norm_() after update_during_backward(): the shards were updated "
                                "during backward, before the total norm was known. To clip, run "
@@ -285,67 +319,26 @@ class OffloadOptimizer(Optimizer):
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
+        self._settle()  # (an owed update divides by the scale its sums were made in)
         self._scaler.scale = float(value)
 
     @property
     def phase(self) -> OptimizerPhase:
         return self._phase.value
 
-    def state_dict(self) -> dict:
-        """torch's format: per parameter ``step``, the moment buffers (full tensors in the
-        parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``."""
-        self._sink.sync()
-        self._ensure_layout()
-        packed = super().state_dict()  # param_groups with indices; our self.state is empty
-        index: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index.setdefault(id(p), len(index))
-        packed["state"] = gather_state(self._book.shards, self._states, index)
-        return packed
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch's format (from this class or from the torch optimizer of the same
-        name); moments are kept in fp32 whatever the parameters' dtype."""
-        self._sink.sync()
-        by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)
-        with self._loading("load_state_dict()"):
-            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-            loaded = {id(by_index[int(k)]): v for k, v in state_dict["state"].items()}
-            self._ensure_layout()
-            scatter_state(self._book.shards, self._states, loaded)
-
-    @contextlib.contextmanager
-    def _loading(self, what: str):
-        """A load replaces every state: an update during backward pending is dropped; a load
-        that raises half way poisons the optimizer, one that completes clears a poisoning."""
-        self._drop_early()  # (its host copies dropped: the load replaces what it updated)
-        self._phase.enter(OptimizerPhase.LOADING)
-        try:
-            yield
-        except BaseException:
-            self._phase.poison(f"{what} stopped half way")
-            raise
-        self._phase.enter(OptimizerPhase.IDLE)
-
-    def checkpoint_view(self) -> CheckpointView:
-        """What ``offload.save_checkpoint`` / ``load_checkpoint`` read and write."""
-        def prepare() -> list[Shard]:
-            self.synchronize()
-            self._ensure_layout()
-            return self._book.shards
-
-        own = self._book.own_store
-        return CheckpointView(prepare=prepare, states=self._states, scaler=self._scaler, loading=self._loading,
-                              reset_gradients=self.reset_gradients,
-                              holds_gradients=lambda: any(s.grad_valid for s in self._book.shards),
-                              staging=own.staging if own is not None else None)
-
     def close(self) -> None:
         """Release the optimizer's stored states, hooks and threads."""
         if self._closed:
             return
+        try:
+            self._settle()  # (the weights get the last step's update)
+        except Exception:  # noqa: BLE001 - closing goes on
+            log.warning("offload optimizer: the last step's update could not finish at close()", exc_info=True)
+        finally:
+            try:
+                self._later.abandon()  # (what could not finish: poisoned where it had begun)
+            except Exception:  # noqa: BLE001 - closing goes on
+                log.warning("offload optimizer: dropping the last step's update failed at close()", exc_info=True)
         self._closed = True
         self._sink.close()  # (open accumulators are dropped, not flushed: the states go too)
         for group in getattr(self, "param_groups", []):
@@ -360,11 +353,16 @@ class OffloadOptimizer(Optimizer):
     def gradient_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param.grad`` of a wrapped parameter whose gradient this optimizer holds (see
         ``_grads``); None when it holds none."""
+        if self._later.hidden(param):
+            return None  # (a view's calls finish the owed update first: GradientBook.check)
         return self._grads.view(param)
 
     def set_gradient(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         """``param.grad = value`` for a wrapped parameter: None drops what this optimizer
         holds for it (``model.zero_grad()``), a tensor replaces it."""
+        if value is None and self._later.hide(param):
+            return  # (the owed update reads it first)
+        self._settle()
         self._grads.assign(param, value)
 
     def __del__(self):
@@ -383,8 +381,9 @@ class OffloadOptimizer(Optimizer):
     def _rows_for(cls, group: dict) -> tuple[str, ...]:
         raise TypeError("use offload.AdamW, offload.Adam or offload.SGD")
 
-    def _update_rows(self, gi: int, params: list, grads: list, rows: list, steps: list, grad_scale: float) -> None:
-        self._update(self.param_groups[gi], params, grads, rows, steps, grad_scale)
+    def _update_rows(self, gi: int, params: list, grads: list, rows: list, steps: list, grad_scale: float,
+                     groups: list[dict] | None = None) -> None:
+        self._update((groups or self.param_groups)[gi], params, grads, rows, steps, grad_scale)
 
     # -- helpers -----------------------------------------------------------------------------
     def _ensure_layout(self) -> None:

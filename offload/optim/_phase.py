@@ -3,9 +3,11 @@
 ``IDLE`` between steps (gradients may be held); ``ACCUMULATING`` while a backward adds
 gradients into the accumulators; ``UPDATING_IN_BACKWARD`` from entering
 ``update_during_backward()`` until the ``step()`` that finishes its work; ``STEPPING`` inside
-``step()``; ``LOADING`` while a checkpoint or state dict streams in; ``POISONED`` when a
-step, an update during backward or a load stopped half way: the weights and states are a
-mix, so every step is refused until a load succeeds.
+``step()``; ``UPDATING_IN_FORWARD`` from a ``step()`` that left its update of a wrapped
+model's shards to the next forward until the last of them is written; ``LOADING`` while a
+checkpoint or state dict streams in; ``POISONED`` when a step, an update during backward or
+a load stopped half way: the weights and states are a mix, so every step is refused until a
+load succeeds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class OptimizerPhase(enum.Enum):
     ACCUMULATING = "accumulating"
     UPDATING_IN_BACKWARD = "updating in backward"
     STEPPING = "stepping"
+    UPDATING_IN_FORWARD = "updating in the next forward"
     LOADING = "loading"
     POISONED = "poisoned"
 
@@ -31,10 +34,13 @@ _P = OptimizerPhase
 # A step taken while a backward still adds (from a hook, as torch allows) comes back to
 # ACCUMULATING.
 _ALLOWED = {
-    _P.IDLE: {_P.ACCUMULATING, _P.UPDATING_IN_BACKWARD, _P.STEPPING, _P.LOADING, _P.POISONED},
+    _P.IDLE: {_P.ACCUMULATING, _P.UPDATING_IN_BACKWARD, _P.STEPPING, _P.UPDATING_IN_FORWARD, _P.LOADING,
+              _P.POISONED},
     _P.ACCUMULATING: {_P.IDLE, _P.STEPPING, _P.LOADING, _P.POISONED},
     _P.UPDATING_IN_BACKWARD: {_P.STEPPING, _P.IDLE, _P.LOADING, _P.POISONED},
-    _P.STEPPING: {_P.IDLE, _P.ACCUMULATING, _P.POISONED},
+    _P.STEPPING: {_P.IDLE, _P.ACCUMULATING, _P.UPDATING_IN_FORWARD, _P.POISONED},
+    # (every other call finishes the owed update first: back to IDLE before it goes on)
+    _P.UPDATING_IN_FORWARD: {_P.IDLE, _P.POISONED},
     _P.LOADING: {_P.IDLE, _P.POISONED},
     _P.POISONED: {_P.LOADING, _P.POISONED},
 }

@@ -29,9 +29,10 @@ if WRITES_IN_FLIGHT < 1:
     raise ImportError(f"SHARDS_IN_FLIGHT ({SHARDS_IN_FLIGHT}) must leave room for a write-back beside the shard "
                       f"being updated and the {READ_AHEAD} read ahead")
 
-# update(group_index, params, grads, state_rows, steps, grad_scale): one call of the update
-# rule over fp32 CPU tensors of one torch param group (``_rules``)
-Update = Callable[[int, list, list, list, list, float], None]
+# update(group_index, params, grads, state_rows, steps, grad_scale, groups): one call of the
+# update rule over fp32 CPU tensors of one torch param group (``_rules``); ``groups``: the
+# param groups' settings as the step saw them (None: the optimizer's current ones)
+Update = Callable[[int, list, list, list, list, float, "list[dict] | None"], None]
 
 
 class Pipeline:
@@ -77,6 +78,11 @@ class Pipeline:
             shard.store.fetch(key, Tier.HOST)
         self.stats["read_bytes"] += shard.bytes_in_flight
 
+    def in_memory(self, shard: Shard, pending: dict) -> bool:
+        """Whether everything updating ``shard`` reads is in host memory now."""
+        return all(shard.store.state(k, Tier.HOST) is Residency.RESIDENT for k in shard.host_reads) and \
+            self.writeback.copies_ready(shard, pending)
+
     def bound_writes(self) -> None:
         """Before reading the shard to update next: wait for the oldest write-backs beyond
         ``WRITES_IN_FLIGHT`` (shards further ahead are read later instead:
@@ -117,10 +123,12 @@ class Pipeline:
                 if settled(shard.store, key):
                     shard.store.evict(key, Tier.HOST)
 
-    def process(self, shard: Shard, grad_scale: float, pending: dict, *, busy: list | None = None) -> None:
+    def process(self, shard: Shard, grad_scale: float, pending: dict, *, busy: list | None = None,
+                where: str = "step", groups: list[dict] | None = None) -> None:
         """Update ``shard`` (its reads issued) and start writing it back: states to their
         tier, parameter groups whose shards are all done to the parameter tier (into
-        ``busy`` instead when given and the group is in use by a pass)."""
+        ``busy`` instead when given and the group is in use by a pass). ``where``: what the
+        trace says the update ran in; ``groups``: the settings of the step it belongs to."""
         waited = time.perf_counter()
         rows = shard.store.wait(shard.state_key, Tier.HOST) if shard.rows else None
         grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
@@ -128,7 +136,7 @@ class Pipeline:
         self.stats["wait_seconds"] += time.perf_counter() - waited
         self.log("update_start", shard)
         HEAP_PEAK.sample()
-        self._update_shard(shard, rows, grads, grad_scale, views)
+        self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
         self.log("update_end", shard)
         self.writeback.after_update(shard, rows, pending, busy)
         if shard.home is not Tier.HOST:
@@ -145,7 +153,7 @@ class Pipeline:
             shard.store.mark_dirty(shard.state_key, Tier.HOST)
 
     def _update_shard(self, shard: Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
-                      grad_scale: float, views: dict | None) -> None:
+                      grad_scale: float, views: dict | None, where: str, groups: list[dict] | None) -> None:
         # one call per torch param group and gradient factor (p.grad.mul_(c), clipping:
         # applied as the kernel's grad_scale, the stored sums untouched)
         by_group: dict[tuple[int, float], list[Segment]] = defaultdict(list)
@@ -164,7 +172,7 @@ class Pipeline:
                             seg.sumsq, seg.maxabs = noted_norms(part)
                             seg.scale = 1.0
                     factor = 1.0
-                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale / factor, temp, views)
+                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale / factor, temp, views, groups)
                 if shard.wrapped and shard.grad_home is Tier.HOST and grad_scale / factor != 1.0:
                     _unscaled_in_place(segs, grad_scale / factor, grad_scale)
         finally:
@@ -172,10 +180,10 @@ class Pipeline:
                 shard.store.staging.release(temp)
             if tracer is not None:
                 tracer.span(f"update shard {shard.index}", "optimizer", began, tracer.now(), "optimizer",
-                            {"elements": shard.numel})
+                            {"elements": shard.numel, "during": where})
 
     def _update_group(self, shard: Shard, gi: int, segs: list[Segment], rows, grads, grad_scale: float,
-                      temp: Any, views: dict | None) -> Any:
+                      temp: Any, views: dict | None, groups: list[dict] | None) -> Any:
         """One call of the update rule for the segments of torch param group ``gi``."""
         params, gs, state_rows, steps = [], [], [[] for _ in range(self.row_count(gi))], []
         first = 1 if shard.master else 0
@@ -201,7 +209,7 @@ class Pipeline:
             for r in range(len(state_rows)):
                 state_rows[r].append(rows[first + r, a:b])
             steps.append(seg.step)
-        self.update(gi, params, gs, state_rows, steps, grad_scale)
+        self.update(gi, params, gs, state_rows, steps, grad_scale, groups)
         return temp
 
 

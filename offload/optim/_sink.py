@@ -59,7 +59,8 @@ class _OpenBackward(NamedTuple):
 
 
 class GradientSink:
-    """``before()`` runs ahead of each gradient's add (the optimizer lays out parameters
+    """``before()`` runs ahead of each gradient's add (the optimizer finishes a step's
+    update owed to the next forward, which reads these accumulators, lays out parameters
     added since and refreshes written masters)."""
 
     def __init__(self, book: ShardBook, phase: Phase, stats: dict, before: Callable[[], None]):

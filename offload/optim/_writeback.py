@@ -98,16 +98,31 @@ class WriteBack:
             views[id(seg)] = entry.data[begin: end].view(torch.float32)
         return views
 
+    def wait_copies(self, shard: Shard, pending: dict) -> None:
+        """Wait for the host copies of the groups ``shard`` updates in place."""
+        for entry in self._in_place(shard, pending):
+            if entry.data is None:
+                entry.data = entry.manager.store.wait(entry.group.key, Tier.HOST)
+
+    def unfetch(self, shard: Shard, pending: dict) -> None:
+        """A read for ``shard`` failed: its groups' host copies that are not in memory are
+        asked for again next time (``fetch``)."""
+        for entry in self._in_place(shard, pending):
+            if entry.data is None and entry.manager.home is not Tier.HOST and \
+                    entry.manager.store.state(entry.group.key, Tier.HOST) is Residency.ABSENT:
+                entry.fetched = False
+
+    def _in_place(self, shard: Shard, pending: dict) -> list[GroupWrite]:
+        if not shard.wrapped or shard.master:
+            return []
+        found = {id(seg.owner.group): pending.get(id(seg.owner.group)) for seg in shard.segments}
+        return [e for e in found.values() if e is not None and e.in_place]
+
     def copies_ready(self, shard: Shard, pending: dict) -> bool:
         """Whether the host copies of the groups ``shard`` updates in place are in memory."""
-        if not shard.wrapped or shard.master:
-            return True
-        for seg in shard.segments:
-            entry = pending.get(id(seg.owner.group))
-            if entry is not None and entry.in_place and entry.data is None and \
-                    entry.manager.store.state(entry.group.key, Tier.HOST) is not Residency.RESIDENT:
-                return False
-        return True
+        return all(entry.data is not None or
+                   entry.manager.store.state(entry.group.key, Tier.HOST) is Residency.RESIDENT
+                   for entry in self._in_place(shard, pending))
 
     def after_update(self, shard: Shard, rows: torch.Tensor | None, pending: dict, busy: list | None = None) -> None:
         """``shard`` is updated: put its masters into the groups it covers, and write those

@@ -33,6 +33,7 @@ from ..store import TensorStore, Tier
 from ._autograd import in_backward
 from ._groups import ParamGroup, Placeholders, point, versions
 from ._materializer import Materializer
+from ._pending import PendingWrites
 from ._schedule import Schedule, choose_cached
 from ._sizing import no_room_error
 from ._state import Counts, GroupRecord, GroupState, check_transition
@@ -74,6 +75,9 @@ class Coordinator:
         self.on_park: Any = None  # called when a group is parked (the hooks queue the end of backward)
         self.on_change: Any = None  # called with a group whose bytes the optimizer or a load replaces
         self.on_written: Any = None  # called with a group written in place while it was materialized
+        # optimizers whose step owes groups new bytes (update during the next forward): a
+        # group is written before it is materialized, and never read ahead while owed
+        self.pending = PendingWrites()
         materializer.bind(self)
 
     @property
@@ -128,6 +132,8 @@ class Coordinator:
         ``phase``: "forward", "backward" (released by ``release_backward`` at the latest) or
         "demand" (a use outside the group's module). ``record``: note the use in the
         pass's order (uses between passes are not)."""
+        if self.pending:
+            self.pending.ready(group)
         if group.resident:
             return
         HEAP_PEAK.sample()  # torch's tensors peak somewhere in the passes: look at each group
@@ -371,6 +377,8 @@ class Coordinator:
         for group in self.schedule.upcoming():
             if group in window or self.records[group].state.on_device:
                 continue
+            if self.pending and self.pending.stale(group):
+                continue  # its new bytes are written at its use: read then
             if total + group.nbytes > self.prefetch_limit:
                 break
             window.append(group)

@@ -119,7 +119,10 @@ class DetachedCopy(torch.Tensor):
 
 
 def _version(owner: Any) -> int:
-    return owner.access.coordinator.written_version(owner.group)
+    coordinator = owner.access.coordinator
+    if coordinator.pending:  # a step's update owed to the group changes it: it lands first
+        coordinator.pending.ready(owner.group)
+    return coordinator.written_version(owner.group)
 
 
 def read_only(out: Any) -> Any:

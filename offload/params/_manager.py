@@ -79,8 +79,15 @@ class ParamManager:
         largest = max((g.nbytes for g in self.groups if not g.resident), default=0)
         return param_staging(self.config, self.coordinator.prefetch_limit, largest)
 
+    @property
+    def pending(self) -> Any:
+        """The optimizers' writes owed to this model's groups (``_pending.PendingWrites``)."""
+        return self.coordinator.pending
+
     def group_bytes(self, group: ParamGroup) -> torch.Tensor:
         """A host copy of ``group``'s current bytes (uint8)."""
+        if self.pending:
+            self.pending.ready(group)
         if group.resident:
             out = torch.empty(group.nbytes, dtype=torch.uint8)
             for slot in group.slots:
@@ -249,6 +256,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     manager = manager_of(model)
     try:
+        manager.pending.settle()  # (a step's update still owed to the weights)
+    except BaseException:
+        _abandon_owed(manager)
+        _release(model, manager)
+        raise
+    try:
         manager.access.detach()
         manager.hooks.remove()
         manager.coordinator.release_all()
@@ -286,6 +299,11 @@ def close(model: nn.Module) -> None:
     if manager is None:
         return
     try:
+        try:  # a step's update still owed: the optimizer's states and weights finish it
+            manager.pending.settle()
+        except Exception:  # noqa: BLE001 - closing goes on
+            log.warning("offload.close: the last step's update could not finish", exc_info=True)
+            _abandon_owed(manager)
         manager.access.detach()
         manager.hooks.remove()
         for group in manager.groups:
@@ -294,6 +312,15 @@ def close(model: nn.Module) -> None:
                 point(slot.param, torch.empty(0, dtype=slot.dtype, device=slot.param.device))
     finally:
         _release(model, manager)
+
+
+def _abandon_owed(manager: ParamManager) -> None:
+    """The update a step owes this model could not be written: the optimizers that owe it
+    drop it (poisoned where it had begun) and stop asking this model's store."""
+    try:
+        manager.pending.abandon()
+    except Exception:  # noqa: BLE001 - releasing the model goes on
+        log.warning("offload: dropping the update a step owed this model failed", exc_info=True)
 
 
 def _release(model: nn.Module, manager: ParamManager) -> None:

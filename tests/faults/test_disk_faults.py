@@ -84,6 +84,7 @@ def test_disk_full_while_writing_back_states(tmp_path, faulty, inject, save_afte
     # partial step) rather than computing with bytes that never reached the disk
     with pytest.raises((StoreError, OffloadIOError, RuntimeError), match="ENOSPC|lost|stopped after updating"):
         step(model, opt, batches(4)[3])
+        opt.synchronize()  # (the step's update runs in the next forward, or here)
     close_all(model, opt)
     assert_released(tmp_path / "nvme")
     resume_matches(tmp_path, path, done=2, total=4)

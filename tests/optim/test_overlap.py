@@ -255,6 +255,7 @@ def test_grad_tier(tmp_path, grad_tier, tiny_gpt2, lm_batches, train, make_opt, 
         grads = sum(s.grad_bytes for s in opt._book.shards)
         groups = offload.params.manager_of(model).groups
         params = sum(g.nbytes for g in groups if not g.resident)  # fp32 groups updated in place
+        opt.synchronize()  # (the last step's update runs in the next forward: finish it before counting)
         per_step_writes = opt.stats["write_bytes"] / 3
         # states and parameters each step; gradients once per micro-batch (2) only when
         # they rest on NVMe

@@ -1,0 +1,75 @@
+"""The optimizer's state as others read and write it: ``state_dict`` / ``load_state_dict`` in
+torch's format (``_statedict``) and the view ``offload.save_checkpoint`` and
+``load_checkpoint`` stream through (``_checkpoint``); a load is one checked phase.
+
+A mixin of :class:`~offload.optim._optimizer.OffloadOptimizer`: it uses the facade's parts
+(the shard book, state rows, gradient sink, phase, scaler) and its ``_settle`` (a step's
+update owed to the next forward lands before anything is read or replaced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ._checkpoint import CheckpointView
+from ._layout import Shard
+from ._phase import OptimizerPhase
+from ._statedict import check_groups, gather_state, scatter_state
+
+__all__ = ["StateDicts"]
+
+
+class StateDicts:
+    def state_dict(self) -> dict:
+        """torch's format: per parameter ``step``, the moment buffers (full tensors in the
+        parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``."""
+        self._settle()
+        self._sink.sync()
+        self._ensure_layout()
+        packed = super().state_dict()  # (torch.optim.Optimizer's: param_groups with indices; our self.state is empty)
+        index: dict[int, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+        packed["state"] = gather_state(self._book.shards, self._states, index)
+        return packed
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's format (from this class or from the torch optimizer of the same
+        name); moments are kept in fp32 whatever the parameters' dtype."""
+        self._settle()
+        self._sink.sync()
+        by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)
+        with self._loading("load_state_dict()"):
+            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            loaded = {id(by_index[int(k)]): v for k, v in state_dict["state"].items()}
+            self._ensure_layout()
+            scatter_state(self._book.shards, self._states, loaded)
+
+    @contextlib.contextmanager
+    def _loading(self, what: str):
+        """A load replaces every state: an update during backward pending is dropped; a load
+        that raises half way poisons the optimizer, one that completes clears a poisoning."""
+        self._drop_early()  # (its host copies dropped: the load replaces what it updated)
+        self._phase.enter(OptimizerPhase.LOADING)
+        try:
+            yield
+        except BaseException:
+            self._phase.poison(f"{what} stopped half way")
+            raise
+        self._phase.enter(OptimizerPhase.IDLE)
+
+    def checkpoint_view(self) -> CheckpointView:
+        """What ``offload.save_checkpoint`` / ``load_checkpoint`` read and write."""
+        def prepare() -> list[Shard]:
+            self.synchronize()
+            self._ensure_layout()
+            return self._book.shards
+
+        own = self._book.own_store
+        return CheckpointView(prepare=prepare, states=self._states, scaler=self._scaler, loading=self._loading,
+                              reset_gradients=self.reset_gradients,
+                              holds_gradients=lambda: any(s.grad_valid for s in self._book.shards),
+                              staging=own.staging if own is not None else None)
+
