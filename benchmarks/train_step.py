@@ -14,8 +14,14 @@ run is a fresh process (so peak RSS is its own):
           skipped when model + grads + states (16 B/parameter) do not fit in 80% of RAM;
   ours    the model built on the meta device and streamed from the safetensors into
           offload's NVMe tier (device budget below the model's size: a third of it, at least
-          twice the embedding + 64 MiB), offload.AdamW with states
-          on NVMe; step = forward + backward + step + synchronize (write-backs included).
+          twice the embedding + 64 MiB), offload.AdamW with states on NVMe;
+          ``backward(); [clip]; step()`` with the update in the next forward (the default;
+          ``--update-in-step``: inside ``step()``). A step is timed from its forward to the
+          next step's forward (so it holds the previous step's update, run in its forward),
+          the last one to the end of ``synchronize()`` (its own update and write-backs).
+
+``--clip NORM`` clips both runs with ``torch.nn.utils.clip_grad_norm_`` over the model's
+parameters before ``step()`` (Trainer's default is 1.0); none by default.
 
 Batch ``--batch`` x ``--seq`` tokens, fp32, 2 warm-up steps not timed, then the median of
 ``--steps``. Bytes read and written per step come from offload's own counters (the
@@ -74,11 +80,14 @@ def worker_memory(path: str, args) -> dict:
     ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     fb, st, total, losses = [], [], [], []
     rss = PeakRss().start()
+    torch.manual_seed(0)  # the same dropout masks in both runs (same ops, same order)
     for i in range(args.steps + 2):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         t1 = time.perf_counter()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad()
         t2 = time.perf_counter()
@@ -105,30 +114,36 @@ def worker_ours(path: str, args) -> dict:
     try:
         model = offload.wrap(model, cfg, checkpoint=path)
         model.train()
-        opt = offload.AdamW(model.parameters(), lr=args.lr)
+        opt = offload.AdamW(model.parameters(), lr=args.lr, update_in_next_forward=not args.update_in_step)
         ids = torch.randint(0, 50257, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         rows, losses = [], []
         rss = PeakRss().start()
+        last = args.steps + 1
+        before, ob = offload.stats(model), dict(opt.stats)
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
         for i in range(args.steps + 2):
-            before, ob = offload.stats(model), dict(opt.stats)
-            t0 = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             t1 = time.perf_counter()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad()
-            opt.synchronize()
+            if i == last:
+                opt.synchronize()  # (the update of the last step, and its write-backs)
             t2 = time.perf_counter()
-            now = offload.stats(model)
+            now, on = offload.stats(model), dict(opt.stats)
             losses.append(float(loss))
             log.info("ours step %d: %.2f s (fwd+bwd %.2f), loss %.4f", i + 1, t2 - t0, t1 - t0, float(loss))
             if i >= 2:
                 rows.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0,
                              "read_bytes": now["read_bytes"] - before["read_bytes"],
                              "write_bytes": now["write_bytes"] - before["write_bytes"],
-                             "opt_read_bytes": opt.stats["read_bytes"] - ob["read_bytes"],
-                             "opt_write_bytes": opt.stats["write_bytes"] - ob["write_bytes"],
+                             "opt_read_bytes": on["read_bytes"] - ob["read_bytes"],
+                             "opt_write_bytes": on["write_bytes"] - ob["write_bytes"],
                              "stall_s": now["stall_seconds"] - before["stall_seconds"]})
+            before, ob, t0 = now, on, t2
         out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         out.update(peak_rss_bytes=rss.stop(), losses=losses, params=params,
                    device_peak_bytes=offload.stats(model)["device_peak_bytes"])
@@ -148,7 +163,8 @@ def device_budget(config, params: int) -> int:
 def run_worker(mode: str, path: str, args) -> dict | None:
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--steps", str(args.steps),
            "--batch", str(args.batch), "--seq", str(args.seq), "--host-budget", args.host_budget, "--path", args.path,
-           "--lr", str(args.lr)]
+           "--lr", str(args.lr)] + (["--clip", str(args.clip)] if args.clip else []) + \
+        (["--update-in-step"] if args.update_in_step else [])
     return run_json_worker(cmd, mode)
 
 
@@ -163,6 +179,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, both runs (default 1e-4)")
     parser.add_argument("--path", default=None, help="directory on the disk to use for models and swap files "
                         f"(default: {SCRATCH_HELP.format(name='train-step')}); models are kept there for re-runs")
+    parser.add_argument("--clip", type=float, default=None, help="clip the gradients' total norm to this value in "
+                        "both runs (torch.nn.utils.clip_grad_norm_); default: no clipping")
+    parser.add_argument("--update-in-step", action="store_true", help="ours: update inside step() "
+                        "(update_in_next_forward=False) instead of during the next forward (the default)")
     parser.add_argument("--no-memory", action="store_true", help="skip the in-memory torch runs")
     parser.add_argument("--json", default=None, help="write the report as JSON to this path")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -174,7 +194,8 @@ def main() -> None:
         print(json.dumps(fn(args.model_path, args)))
         return
     ram = psutil.virtual_memory().total
-    report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "ladder": []}
+    report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "clip": args.clip,
+              "update": "in step()" if args.update_in_step else "in the next forward", "ladder": []}
     scale = None  # (fwd_bwd, opt) seconds per parameter from the largest in-memory run
     for size in args.sizes.split(","):
         path = prepare(size, args.path)
@@ -207,16 +228,23 @@ def main() -> None:
                      tokens_per_s=args.batch * args.seq / ours["step_s"], losses=ours["losses"],
                      memory_peak_rss_bytes=mem["peak_rss_bytes"] if mem else None,
                      ours_vs_bound=bound / ours["step_s"] if bound else None,
+                     ours_vs_memory=ours["step_s"] / mem["step_s"] if mem else None,
+                     max_loss_diff_vs_memory=max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], mem["losses"]))
+                     if mem else None,
                      device_peak_bytes=ours["device_peak_bytes"])
         report["ladder"].append(entry)
         log.info("%s (%.0fM): ours %.2f s/step (%.0f tok/s), in memory %s, bound %s, read %.1f GB, written %.1f GB, "
                  "stall %.2f s, peak RSS %.2f GiB", size, params / 1e6, ours["step_s"], entry["tokens_per_s"],
                  f"{mem['step_s']:.2f} s" if mem else "n/a", f"{bound:.2f} s ({bound / ours['step_s']:.2f})" if bound else "n/a",
                  ours["read_bytes"] / 1e9, ours["write_bytes"] / 1e9, ours["stall_s"], ours["peak_rss_bytes"] / 2**30)
-    print("\nsize   params  ours s/step  tok/s  in-memory s  bound s  bound/ours  read GB  written GB  stall s  peak RSS GiB")
+    print("\nsize   params  ours s/step  tok/s  in-memory s  ours/memory  loss diff  bound s  bound/ours  read GB  "
+          "written GB  stall s  peak RSS GiB")
+    nan = float("nan")
     for e in report["ladder"]:
         print(f"{e['size']:6s} {e['params'] / 1e6:6.0f}M {e['step_s']:10.2f} {e['tokens_per_s']:6.0f} "
-              f"{e['memory_step_s'] or float('nan'):11.2f} {e['lower_bound_s'] or float('nan'):8.2f} "
+              f"{e['memory_step_s'] or nan:11.2f} {e['ours_vs_memory'] or nan:12.2f} "
+              f"{e['max_loss_diff_vs_memory'] if e['max_loss_diff_vs_memory'] is not None else nan:10.1e} "
+              f"{e['lower_bound_s'] or float('nan'):8.2f} "
               f"{e['ours_vs_bound'] or float('nan'):10.2f} {e['read_bytes'] / 1e9:8.1f} {e['write_bytes'] / 1e9:11.1f} "
               f"{e['stall_s']:8.2f} {e['peak_rss_bytes'] / 2**30:13.2f}")
     if args.json:

@@ -13,16 +13,23 @@ that its peak RSS is its own:
              (``--ds-variant``, see DS_VARIANTS; the configuration is written into the JSON),
              DeepSpeedCPUAdam in AdamW mode with the same hyper-parameters;
   ours       ``offload.wrap`` with parameters and optimizer states on NVMe (O_DIRECT swap
-             files), ``offload.AdamW`` updating each shard during backward
-             (``update_during_backward``), weights streamed from the safetensors;
-  ours_plain (only with ``--systems ...,ours_plain``) the same with ``backward(); step()``;
+             files), weights streamed from the safetensors, ``offload.AdamW``: without
+             ``--clip`` updating each shard during backward (``update_during_backward``);
+             with ``--clip``, ``backward(); clip_grad_norm_(); step()`` with the update in the
+             next forward (the default: each group updated just before its next use);
+  ours_next  (only with ``--systems ...,ours_next``) ``backward(); [clip]; step()`` with the
+             default update in the next forward, with or without ``--clip``;
+  ours_plain (only with ``--systems ...,ours_plain``) ``backward(); [clip]; step()`` with the
+             update inside ``step()`` (``update_in_next_forward=False``);
 
 and then the forward pass alone (no gradients, ``model.eval()``): torch in memory,
 ZeRO-Inference (stage 3, parameters on NVMe, no optimizer) and ours (parameters on NVMe).
 
 Training: batch ``--batch`` x ``--seq`` tokens, a new batch per step from a seeded generator
 (the same for all three), fp32, AdamW lr ``--lr``, betas (0.9, 0.999), eps 1e-8, weight
-decay ``--weight-decay`` on every parameter, no gradient clipping, GPT-2's dropout with the
+decay ``--weight-decay`` on every parameter, gradient clipping at ``--clip`` (torch's
+``clip_grad_norm_`` over the model's parameters for torch and ours, DeepSpeed's
+``gradient_clipping``; none by default), GPT-2's dropout with the
 torch RNG seeded just before the first step (the same masks everywhere); ``--warmup`` untimed steps
 then ``--steps`` timed; the step time is the median of the timed steps (forward + backward +
 optimizer step; ours returns from ``step()`` with write-backs in flight, which overlap the
@@ -172,6 +179,8 @@ def worker_torch(path: str, args) -> dict:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
@@ -210,7 +219,7 @@ def deepspeed_config(args, config, swap: str, variant: str, infer: bool) -> dict
     if not infer:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                         "weight_decay": args.weight_decay}}
-        cfg["gradient_clipping"] = 0.0
+        cfg["gradient_clipping"] = float(args.clip or 0.0)
     return cfg
 
 
@@ -272,8 +281,9 @@ def worker_ours(path: str, args) -> dict:
         else:
             model.train()
             opt = offload.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=args.weight_decay)
-            overlap = args.worker == "ours"
+                                weight_decay=args.weight_decay,
+                                update_in_next_forward=args.worker != "ours_plain")
+            overlap = args.worker == "ours" and not args.clip  # (update_during_backward refuses clipping)
 
             phases = []
 
@@ -287,6 +297,8 @@ def worker_ours(path: str, args) -> dict:
                 else:
                     loss.backward()
                 t2 = time.perf_counter()
+                if args.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 opt.step()
                 opt.zero_grad()
                 phases.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
@@ -308,7 +320,8 @@ def worker_ours(path: str, args) -> dict:
         shutil.rmtree(swap, ignore_errors=True)
 
 
-WORKERS = {"torch": worker_torch, "deepspeed": worker_deepspeed, "ours": worker_ours, "ours_plain": worker_ours}
+WORKERS = {"torch": worker_torch, "deepspeed": worker_deepspeed, "ours": worker_ours, "ours_next": worker_ours,
+           "ours_plain": worker_ours}
 
 
 def run_worker(system: str, job: str, path: str, args, name: str) -> dict | None:
@@ -318,7 +331,8 @@ def run_worker(system: str, job: str, path: str, args, name: str) -> dict | None
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
            "--seq", str(args.seq), "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
            "--path", args.path, "--device-budget", device_budget, "--host-budget", host_budget,
-           "--ds-variant", args.ds_variant, "--infer-reps", str(args.infer_reps)]
+           "--ds-variant", args.ds_variant, "--infer-reps", str(args.infer_reps)] + \
+        (["--clip", str(args.clip)] if args.clip else [])
     log.info("%s %s %s ...", os.path.basename(path), system, job)
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -354,6 +368,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, all systems (default 1e-4)")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    parser.add_argument("--clip", type=float, default=None, help="clip the gradients' total norm to this value in "
+                        "every system (torch's clip_grad_norm_; DeepSpeed's gradient_clipping); default: no clipping")
     parser.add_argument("--infer-reps", type=int, default=3, help="timed forwards for inference (default 3)")
     parser.add_argument("--device-budget", default=None, help="ours: device_budget, the most parameter "
                         "bytes in use at once on the compute device (default per model, BUDGETS)")
@@ -362,7 +378,7 @@ def main() -> None:
     parser.add_argument("--ds-variant", default="fast", choices=sorted(DS_VARIANTS),
                         help="ZeRO-Infinity configuration (default fast: sub_group_size 1e9)")
     parser.add_argument("--systems", default="torch,deepspeed,ours", help="which to run, of torch, deepspeed, "
-                        "ours, ours_plain (default torch,deepspeed,ours)")
+                        "ours, ours_next, ours_plain (default torch,deepspeed,ours)")
     parser.add_argument("--jobs", default="train,infer", help="train, infer or both (default both)")
     parser.add_argument("--path", default=None, help="directory on the disk under test for models and swap "
                         f"files (default: {SCRATCH_HELP.format(name='vs-deepspeed')}); models are kept there "
@@ -381,7 +397,7 @@ def main() -> None:
     systems = args.systems.split(",")
     jobs = args.jobs.split(",")
     report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "lr": args.lr,
-              "weight_decay": args.weight_decay, "ds_variant": args.ds_variant,
+              "weight_decay": args.weight_decay, "ds_variant": args.ds_variant, "clip": args.clip,
               "models": {}}
     for name in args.models.split(","):
         path = prepare(name, args.path)
@@ -389,7 +405,7 @@ def main() -> None:
         for r in range(args.rounds):
             for job in jobs:
                 for system in systems:
-                    if job == "infer" and system == "ours_plain":
+                    if job == "infer" and system in ("ours_next", "ours_plain"):
                         continue  # the same forward as ours
                     runs[(system, job)].append(run_worker(system, job, path, args, name))
         entry: dict = {"params": sum(p.numel() for p in build_in_memory(path).parameters()),

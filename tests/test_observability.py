@@ -122,7 +122,8 @@ def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, tiny_gpt2, offload_
     assert sum(r["read_bytes"] for r in lines) <= totals["read_bytes"]
     assert 0 < sum(r["write_bytes"] for r in lines) <= totals["write_bytes"] - loading  # steps only
     assert sum(r["read_bytes"] for r in lines) > 0 and all(r["optimizer_seconds"] > 0 for r in lines)
-    assert totals["optimizer_seconds"] == pytest.approx(sum(r["optimizer_seconds"] for r in lines), abs=1e-5)
+    # (the last step's update runs in synchronize(), after the last line: its time only in the totals)
+    assert sum(r["optimizer_seconds"] for r in lines) <= totals["optimizer_seconds"] + 1e-5
     assert totals["io_busy_seconds"] > 0
 
 

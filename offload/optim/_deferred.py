@@ -41,7 +41,7 @@ class NextForward:
     docstring); a ``params._pending.Writer`` of each model it updates."""
 
     def __init__(self, work: list[Shard], pipeline: Pipeline, writeback: WriteBack, phase: Phase, *,
-                 groups: list[dict], grad_scale: Callable[[], float], partitioned: bool, stats: dict,
+                 groups: list[dict], grad_scale: Callable[[], float], stats: dict,
                  done: Callable[["NextForward"], None]):
         # grad_scale(): the loss scale now (a held sum's factors follow its changes, so the
         # ratio the update divides by is the one of the step)
@@ -53,15 +53,13 @@ class NextForward:
         self.issued: set[int] = set()
         self.busy: list = []  # group writes waiting for a pass to release the group
         self.last: dict[int, int] = {}  # id(whole group) -> index of the last shard covering it
+        managers = {}
         for i, shard in enumerate(work):
             for seg in shard.segments:
                 group = seg.owner.group
                 self.last[id(group.whole or group)] = i
-        # several ranks: what is owed decides the all-gathers read ahead, which every rank
-        # issues alike, so it must not depend on how fast reads land: a group is owed until
-        # its first use asks, and nothing is updated ahead of its use
-        self.partitioned = partitioned
-        self.asked: set[int] = set()
+                managers[id(seg.owner.manager)] = seg.owner.manager
+        self.managers = list(managers.values())
         self.hidden: dict[int, torch.Tensor] = {}  # p.grad = None while owed: dropped when done
         self.hide_all = False  # zero_grad() while owed
         self.seconds = 0.0
@@ -71,14 +69,9 @@ class NextForward:
     # -- params._pending.Writer -------------------------------------------------------------
     def stale(self, group) -> bool:
         i = self.last.get(id(group))
-        if i is None or self._running:
-            return False
-        if self.partitioned:
-            return id(group) not in self.asked
-        return self.position <= i
+        return i is not None and not self._running and self.position <= i
 
     def before_use(self, group) -> None:
-        self.asked.add(id(group))
         self._advance(self.last[id(group)])
 
     def settle(self) -> None:
@@ -120,7 +113,7 @@ class NextForward:
                 # room to read the next: the disk stays busy); one with nothing to read waits
                 # for its use, so the forward's compute is not held up by updates it will not
                 # need yet
-                if not block and (self.partitioned or head.home is Tier.HOST or id(head) not in self.issued
+                if not block and (head.home is Tier.HOST or id(head) not in self.issued
                                   or not self.pipeline.in_memory(head, self.pending)):
                     break
                 self._reads_landed(head)
@@ -131,8 +124,7 @@ class NextForward:
                 updating = False
             updating = True
             self._write_released(force=settling)
-            done = self.position == len(work) and not self.busy and \
-                (settling or not self.partitioned or len(self.asked) == len(self.last))
+            done = self.position == len(work) and not self.busy
         except BaseException:
             self._running = False
             if updating:
@@ -142,7 +134,10 @@ class NextForward:
             raise
         finally:
             self._running = False
-            self.seconds += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            self.seconds += spent
+            for manager in self.managers:  # (the step log's optimizer time)
+                manager.optimizer_time(spent)
         if done:
             self._finish()
 
@@ -214,20 +209,25 @@ class Deferral:
     update owed now, and the gradients dropped while it is owed."""
 
     def __init__(self, pipeline: Pipeline, writeback: WriteBack, phase: Phase, stats: dict, *, enabled: bool,
-                 partitioned: Callable[[], bool], managers: Callable[[list[Shard]], list],
-                 sink_open: Callable[[], bool], grads: Callable[[], object], drop: Callable[[], None]):
-        # managers(shards): the wrapped models they update; grads(): the GradientBook;
-        # drop(): drop every gradient held (a zero_grad() made while owed, once done)
+                 partitioned: Callable[[], bool], sink_open: Callable[[], bool], grads: Callable[[], object],
+                 drop: Callable[[], None]):
+        # partitioned(): several ranks, where the update stays inside step() (an all-gather
+        # ahead is decided alike on every rank, which updates landing at their own pace in
+        # each rank's forward would break)
+        # grads(): the GradientBook; drop(): drop every gradient held (a zero_grad() made
+        # while owed, once done)
         self.pipeline, self.writeback, self.phase, self.stats = pipeline, writeback, phase, stats
         self.enabled = bool(enabled)
-        self._partitioned, self._managers, self._sink_open = partitioned, managers, sink_open
+        self._partitioned, self._sink_open = partitioned, sink_open
         self._grads, self._drop = grads, drop
         self.owed: NextForward | None = None
 
     def split(self, work: list[Shard]) -> tuple[list[Shard], list[Shard]]:
         """(update now, update in the next forward): a wrapped model's shards wait, unless a
-        backward is still adding (a step from one of its hooks) or a pass holds a group."""
-        later = [s for s in work if s.wrapped] if self.enabled and not self._sink_open() else []
+        backward is still adding (a step from one of its hooks), a pass holds a group, or the
+        model is partitioned over several ranks."""
+        deferring = self.enabled and not self._sink_open() and not self._partitioned()
+        later = [s for s in work if s.wrapped] if deferring else []
         for shard in later:
             for seg in shard.segments:
                 manager, group = seg.owner.manager, seg.owner.group
@@ -242,13 +242,13 @@ class Deferral:
         settings = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()}
                     for g in param_groups]  # (a scheduler may change them in place next)
         return NextForward(later, self.pipeline, self.writeback, self.phase, groups=settings, grad_scale=grad_scale,
-                           partitioned=self._partitioned(), stats=self.stats, done=self._done)
+                           stats=self.stats, done=self._done)
 
     def owe(self, nf: NextForward) -> None:
         """From now on the models ask ``nf`` before reading its groups; its first reads start."""
         self.owed = nf
         self.phase.enter(OptimizerPhase.UPDATING_IN_FORWARD)
-        for manager in self._managers(nf.work):
+        for manager in nf.managers:
             manager.pending.add(nf)
         nf.start()
 
@@ -283,7 +283,7 @@ class Deferral:
         """``nf`` is written (or abandoned): the models stop asking it; the gradients dropped
         meanwhile go now."""
         try:
-            for manager in self._managers(nf.work):
+            for manager in nf.managers:
                 manager.pending.remove(nf)
         finally:
             self.owed = None

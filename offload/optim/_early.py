@@ -84,7 +84,7 @@ class EarlyUpdate:
                         break  # (the backward goes on; a later call reads it, or step() does)
                 self.pipeline.issue(shard, self.issued, self.pending)
             head = queue[0]
-            if not block and not self.pipeline.in_memory(head, self.pending):
+            if not block and not self._in_memory(head):
                 break
             queue.pop(0)
             try:
@@ -100,6 +100,9 @@ class EarlyUpdate:
                 self.writeback.finish(entry)
             else:
                 self.busy.append(entry)
+
+    def _in_memory(self, shard: Shard) -> bool:
+        return self.pipeline.in_memory(shard, self.pending)
 
     def finish(self, rest_of: Callable[[set[int]], list[Shard]]) -> list[Shard]:
         """``step()``: update the shards still queued, then ``rest_of(done ids)`` (shards with

@@ -98,7 +98,7 @@ class OffloadOptimizer(StateDicts, Optimizer):
                                    settle=self._settle)
         self._later = Deferral(self._pipeline, self._writeback, self._phase, self.stats,
                                enabled=update_in_next_forward, partitioned=lambda: self._book.partition() is not None,
-                               managers=self._book.managers, sink_open=lambda: self._sink.open,
+                               sink_open=lambda: self._sink.open,
                                grads=lambda: self._grads, drop=self._drop_gradients)
         self._clipped = False  # clip_grad_norm_() since the last step
         try:

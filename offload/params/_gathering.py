@@ -141,8 +141,6 @@ class GatheredSlices(StoreCopies):
         nxt = coordinator.schedule.next_in_pass()
         if nxt is None or nxt in self.pending:
             return
-        if coordinator.pending and coordinator.pending.stale(nxt):
-            return  # an optimizer step owes it new bytes: gathered at its use, after they are written
         record = coordinator.records[nxt]
         if record.state.viewed:
             return

@@ -65,6 +65,11 @@ class ParamManager:
         """An offloaded optimizer's step over these parameters took ``seconds``: the step's record."""
         self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped)
 
+    def optimizer_time(self, seconds: float) -> None:
+        """An optimizer worked ``seconds`` outside its ``step()`` (the update a step left to
+        the next forward): counted in the step log's ``optimizer_seconds``."""
+        self.steplog.optimizer_seconds += seconds
+
     @property
     def home(self) -> Tier:
         """The tier where parameter groups rest between uses."""
