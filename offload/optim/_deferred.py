@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from .._signals import DEFER
 from ..store import Tier
 from ._layout import Shard
 from ._phase import OptimizerPhase, Phase
@@ -177,12 +178,13 @@ class NextForward:
                 self.busy.append(entry)
 
     def _finish(self) -> None:
-        self.closed = True
-        try:
-            self.stats["forward_update_seconds"] += self.seconds
-            self.phase.enter(OptimizerPhase.IDLE)
-        finally:
-            self._done(self)
+        with DEFER:  # (closed, and handed back, together)
+            self.closed = True
+            try:
+                self.stats["forward_update_seconds"] += self.seconds
+                self.phase.enter(OptimizerPhase.IDLE)
+            finally:
+                self._done(self)
 
     def abandon(self) -> None:
         """The update failed (or the optimizer or model is closing before it ran): nothing
@@ -222,20 +224,22 @@ class Deferral:
         self._grads, self._drop = grads, drop
         self.owed: NextForward | None = None
 
-    def split(self, work: list[Shard]) -> tuple[list[Shard], list[Shard]]:
-        """(update now, update in the next forward): a wrapped model's shards wait, unless a
-        backward is still adding (a step from one of its hooks), a pass holds a group, or the
-        model is partitioned over several ranks."""
-        deferring = self.enabled and not self._sink_open() and not self._partitioned()
-        later = [s for s in work if s.wrapped] if deferring else []
-        for shard in later:
+    def deferrable(self, work: list[Shard]) -> bool:
+        """Whether the update of ``work`` may wait for the next forward: all of it is a
+        wrapped model's (plain parameters have nobody to ask before they are read, and a step
+        half done now and half owed could not be told apart from a whole one after an
+        interrupt), no backward is still adding (a step from one of its hooks), no pass holds
+        one of its groups, and the model is not partitioned over several ranks."""
+        if not work or not self.enabled or self._sink_open() or self._partitioned():
+            return False
+        for shard in work:
+            if not shard.wrapped:
+                return False
             for seg in shard.segments:
                 manager, group = seg.owner.manager, seg.owner.group
                 if manager.coordinator.in_use(group.whole or group):
-                    return work, []
-        if not later:
-            return work, []
-        return [s for s in work if not s.wrapped], later
+                    return False
+        return True
 
     def prepare(self, later: list[Shard], param_groups: list[dict], grad_scale: Callable[[], float]) -> NextForward:
         """The update of ``later``, planned (nothing updated, nothing registered yet)."""
@@ -246,10 +250,11 @@ class Deferral:
 
     def owe(self, nf: NextForward) -> None:
         """From now on the models ask ``nf`` before reading its groups; its first reads start."""
-        self.owed = nf
-        self.phase.enter(OptimizerPhase.UPDATING_IN_FORWARD)
-        for manager in nf.managers:
-            manager.pending.add(nf)
+        with DEFER:  # (all of it or, before it, nothing: a forward must never miss an owed group)
+            for manager in nf.managers:
+                manager.pending.add(nf)
+            self.owed = nf
+            self.phase.enter(OptimizerPhase.UPDATING_IN_FORWARD)
         nf.start()
 
     def settle(self) -> None:
@@ -282,13 +287,14 @@ class Deferral:
     def _done(self, nf: NextForward) -> None:
         """``nf`` is written (or abandoned): the models stop asking it; the gradients dropped
         meanwhile go now."""
-        try:
-            for manager in nf.managers:
-                manager.pending.remove(nf)
-        finally:
-            self.owed = None
-            if nf.hide_all:
-                self._drop()
-            else:
-                for p in nf.hidden.values():
-                    self._grads().assign(p, None)
+        with DEFER:  # (the gradients hidden meanwhile are dropped with it, not revived by an interrupt)
+            try:
+                for manager in nf.managers:
+                    manager.pending.remove(nf)
+            finally:
+                self.owed = None
+                if nf.hide_all:
+                    self._drop()
+                else:
+                    for p in nf.hidden.values():
+                        self._grads().assign(p, None)

@@ -152,23 +152,25 @@ class OffloadOptimizer(StateDicts, Optimizer):
         early = self._early
         self._sink.listener = None
         self._phase.enter(OptimizerPhase.STEPPING)
+        owed = None  # the update left to the next forward (all of it, or none: _deferred.Deferral.split)
         try:
             if early is not None:
                 rest = early.finish(lambda done: [s for s in shards if id(s) not in done and s.takes_step])
                 work = [s for s in shards if id(s) in early.done] + rest
             else:
                 work = [s for s in shards if s.takes_step]
-                now, later = self._later.split(work)
-                owed = self._later.prepare(later, self.param_groups, lambda: self._scaler.factor) if later else None
-                self._pipeline.run(now, self._scaler.factor)
-                if owed is not None:
-                    self._later.owe(owed)
+                if self._later.deferrable(work):
+                    owed = self._later.prepare(work, self.param_groups, lambda: self._scaler.factor)
+                else:
+                    self._pipeline.run(work, self._scaler.factor)
         finally:
             # (back to ACCUMULATING: a step from a hook of a backward still adding)
-            if not self._phase.poisoned and self._later.owed is None:
+            if not self._phase.poisoned:
                 self._phase.enter(OptimizerPhase.ACCUMULATING if self._sink.open else OptimizerPhase.IDLE)
         self._scaler.stepped()
         self.stats["steps"] += 1
+        if owed is not None:  # (last: an interrupt held back by it lands with the step decided)
+            self._later.owe(owed)
         self.stats["step_seconds"] += time.perf_counter() - started
         for manager in self._book.managers(work):
             manager.coordinator.resume_prefetch()
