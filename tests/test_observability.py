@@ -66,8 +66,8 @@ def test_trace_of_a_three_step_run_shows_fetches_overlapping_compute(tmp_path, t
     assert len(overlapping) >= 3, f"{len(overlapping)} of {len(fetches)} fetches overlap compute"
     assert overlap_seconds(events, "fetch", "compute") > 0
     assert busy_seconds(events, "optimizer") > 0
-    # where each shard's update ran: in the next forward (the default), the last step's in
-    # synchronize(); each "update shard" span inside a forward's compute span range or after
+    # where each shard's update ran: the update owed to the next forward (the default; the
+    # last step's, run by synchronize(), is labelled the same)
     updates = [e for e in spans if e["cat"] == "optimizer" and e["name"].startswith("update shard")]
     assert updates and {e["args"]["during"] for e in updates} == {"next forward"}
 

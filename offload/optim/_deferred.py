@@ -124,7 +124,10 @@ class NextForward:
                 self.position += 1
                 updating = False
             updating = True
-            self._write_released(force=settling)
+            # (step() defers only when no pass holds a group; one held since is refused when
+            # settling: everything is owed now)
+            busy, self.busy = self.busy, []
+            self.busy = self.writeback.finish_released(busy, force=settling)
             done = self.position == len(work) and not self.busy
         except BaseException:
             self._running = False
@@ -165,17 +168,6 @@ class NextForward:
         self.pipeline.abandon(rest, self.issued)
         for shard in rest:
             self.writeback.unfetch(shard, self.pending)
-
-    def _write_released(self, *, force: bool) -> None:
-        """Write the groups whose shards are done and that no pass holds (``step()`` defers
-        only when none does; a group held since is refused by the coordinator, naming it,
-        when ``force``: everything is owed now)."""
-        busy, self.busy = self.busy, []
-        for entry in busy:
-            if force or not entry.in_use:
-                self.writeback.finish(entry)
-            else:
-                self.busy.append(entry)
 
     def _finish(self) -> None:
         with DEFER:  # (closed, and handed back, together)

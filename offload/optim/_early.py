@@ -95,11 +95,7 @@ class EarlyUpdate:
                 raise
             self.done.add(id(head))
         busy, self.busy = self.busy, []
-        for entry in busy:
-            if block or not entry.in_use:
-                self.writeback.finish(entry)
-            else:
-                self.busy.append(entry)
+        self.busy = self.writeback.finish_released(busy, force=block)
 
     def _in_memory(self, shard: Shard) -> bool:
         return self.pipeline.in_memory(shard, self.pending)

@@ -179,6 +179,17 @@ class WriteBack:
             data = current
         manager.write_group(group, data)
 
+    def finish_released(self, busy: list[GroupWrite], *, force: bool) -> list[GroupWrite]:
+        """Write the groups of ``busy`` no pass holds any more (all of them when ``force``:
+        the coordinator refuses one still held, naming it); returns those left waiting."""
+        waiting = []
+        for entry in busy:
+            if force or not entry.in_use:
+                self.finish(entry)
+            else:
+                waiting.append(entry)
+        return waiting
+
     def finish_rest(self, pending: dict) -> None:
         """After an update during backward: write the groups some of whose shards got no
         gradient (merging what was not updated from their current bytes)."""

@@ -103,6 +103,7 @@ def test_each_group_is_updated_before_its_use(tmp_path, tiny_gpt2, lm_batches, o
         events = log
         pos = {e: i for i, e in enumerate(events)}
         shards = opt._book.shards
+        assert sum(("ready", seg.owner.group.key, "forward") in pos for s in shards for seg in s.segments) > 0
         assert opt.phase is OptimizerPhase.IDLE
         for shard in shards:
             keys = {seg.owner.group.key for seg in shard.segments}
