@@ -3,8 +3,8 @@
 Note: why mmap. ``torch.empty`` on the CPU is only 64-byte aligned and CPU-only torch
 cannot pin, while O_DIRECT needs addresses aligned to the logical block size. An
 anonymous ``mmap`` is page aligned, and ``torch.frombuffer`` views it without a copy.
-On CUDA the same pages are registered with ``cudaHostRegister`` so that one buffer
-serves both the disk (O_DIRECT) and an asynchronous host-to-device copy.
+With a device the same pages are registered (``cudaHostRegister`` on CUDA) so that one
+buffer serves both the disk (O_DIRECT) and an asynchronous host-to-device copy.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from .._signals import DEFER, wait as _wait
+from ..accel import Accelerator
 from ._errors import BudgetError
 
 __all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE", "pool_bytes"]
@@ -33,27 +34,14 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _register_pinned(address: int, nbytes: int) -> bool:
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(address, nbytes, 0)
-    if int(err) != 0:
-        log.warning("cudaHostRegister of %d bytes failed (error %s); using pageable memory", nbytes, err)
-        return False
-    return True
-
-
-def _unregister_pinned(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
-
-
 class HostBuffer:
     """``nbytes`` of page-aligned host memory (rounded up to whole pages).
 
-    ``pin=True`` page-locks the memory for CUDA when CUDA is available; ``pinned`` says
-    whether that happened.
+    ``pin``: the accelerator to page-lock the memory for (its asynchronous copies need
+    it); ``pinned`` says whether that happened.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool = False):
+    def __init__(self, nbytes: int, *, pin: Accelerator | None = None):
         if nbytes < 0:
             raise ValueError(f"HostBuffer size must be >= 0, got {nbytes}")
         self.nbytes = round_up(max(nbytes, 1), PAGE_SIZE)
@@ -77,13 +65,13 @@ class HostBuffer:
             torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()  # fault in
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
-        self.pinned = bool(pin and torch.cuda.is_available() and _register_pinned(self.address, self.nbytes))
-        self._finalizer = weakref.finalize(self, HostBuffer._release, self.address if self.pinned else None)
+        self.pinned = bool(pin is not None and pin.pin(self.address, self.nbytes))
+        self._finalizer = weakref.finalize(self, HostBuffer._release, pin if self.pinned else None, self.address)
 
     @staticmethod
-    def _release(pinned_address: int | None) -> None:
-        if pinned_address is not None:
-            _unregister_pinned(pinned_address)
+    def _release(pinned_for: Accelerator | None, address: int) -> None:
+        if pinned_for is not None:
+            pinned_for.unpin(address)
 
     @property
     def bytes(self) -> torch.Tensor:
@@ -136,7 +124,7 @@ class BufferPool:
     and dropped when a request of another size needs their room.
     """
 
-    def __init__(self, budget: int, *, pin: bool = False, name: str = "host"):
+    def __init__(self, budget: int, *, pin: Accelerator | None = None, name: str = "host"):
         if budget <= 0:
             raise ValueError(f"{name} buffer pool budget must be > 0 bytes, got {budget}")
         self.budget, self.pin, self.name = budget, pin, name

@@ -84,7 +84,7 @@ class NextForward:
         read refused now (an I/O error) is made again at the use that needs it."""
         try:
             for shard in self.work[: 1 + READ_AHEAD]:
-                if self.pipeline.writes_backlogged():
+                if self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(shard):
                     break
                 self.pipeline.issue(shard, self.issued, self.pending)
         except Exception:  # noqa: BLE001 - (an interrupt goes through: nothing was updated)
@@ -106,8 +106,8 @@ class NextForward:
                     if id(nxt) not in self.issued:
                         if block and nxt is work[self.position]:
                             self.pipeline.bound_writes()
-                        elif self.pipeline.writes_backlogged():
-                            break  # (read later, once a write has landed)
+                        elif self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(nxt):
+                            break  # (read later, once a write has landed or at its use)
                     self.pipeline.issue(nxt, self.issued, self.pending)
                 head = work[self.position]
                 # ahead of its use, a shard is updated once its reads have landed (that frees

@@ -191,6 +191,7 @@ class Placement:
     param_staging: int = 0  # host bytes the wrapped model's parameter reads stage through
     param_home: Tier | None = None  # where the wrapped model's parameter groups rest
     resting: int = 0  # host bytes earlier layouts of this store keep resting there
+    device_staging: int = 0  # host bytes of gradient copies and parameter staging on a device
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class OffloadOptimizer(StateDicts, Optimizer):
         self._sink = GradientSink(self._book, self._phase, self.stats, self._before_gradient)
         self._writeback = WriteBack(self.stats)
         self._pipeline = Pipeline(self._update_rows, lambda gi: len(self._rows_for(self.param_groups[gi])),
-                                  self._writeback, self._phase, self.stats, self._log)
+                                  self._writeback, self._phase, self.stats, self._log, reserve=self._book.device_staging)
         self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
                                    in_backward_update=lambda: self._early is not None, closed=lambda: self._closed,
                                    settle=self._settle)

@@ -37,8 +37,9 @@ Update = Callable[[int, list, list, list, list, float, "list[dict] | None"], Non
 
 class Pipeline:
     def __init__(self, update: Update, row_count: Callable[[int], int], writeback: WriteBack, phase: Phase,
-                 stats: dict, log: Callable[[str, Shard], None]):
+                 stats: dict, log: Callable[[str, Shard], None], reserve: Callable[[Any], int] = lambda store: 0):
         self.update, self.row_count, self.writeback = update, row_count, writeback
+        self.reserve = reserve  # host bytes of a store's pool that compute on a device needs (device_staging)
         self.phase, self.stats, self.log = phase, stats, log
         self.writing: deque = deque()  # (store, key) of state rows being written home, oldest first
 
@@ -53,6 +54,7 @@ class Pipeline:
                     if id(nxt) in issued:
                         continue
                     if nxt is not shard and self.writes_backlogged():
+                        self.log("read_later", nxt)
                         break  # read it later, once a write has landed: the update goes on meanwhile
                     self.bound_writes()  # (the shard to update now, not read yet: wait for the room)
                     self.issue(nxt, issued, pending)
@@ -77,6 +79,17 @@ class Pipeline:
         for key in shard.host_reads:
             shard.store.fetch(key, Tier.HOST)
         self.stats["read_bytes"] += shard.bytes_in_flight
+
+    def room_beside_compute(self, shard: Shard) -> bool:
+        """Whether reading ``shard`` while compute runs on a device leaves the host room that
+        compute's transfers need (a parameter group's staging, gradient copies). A read
+        ahead of its need waits for that room: holding it, a forward or backward waiting for
+        a staging buffer would find nothing in flight that frees one."""
+        reserve = self.reserve(shard.store)
+        if not reserve or shard.home is Tier.HOST:
+            return True
+        pool = shard.store.staging
+        return pool.budget - pool.in_use_bytes >= shard.bytes_in_flight + reserve
 
     def in_memory(self, shard: Shard, pending: dict) -> bool:
         """Whether everything updating ``shard`` reads is in host memory now."""

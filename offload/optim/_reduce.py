@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..accel import accelerator_for
 from ._layout import ParamEntry
 
 __all__ = ["Reducer"]
@@ -30,7 +31,7 @@ class _Bucket:
 
 
 class Reducer:
-    """``sink``: the gradient sink that adds a rank's reduced slice (``drain``/``drain_cuda``)."""
+    """``sink``: the gradient sink that adds a rank's reduced slice (``drain``/``drain_device``)."""
 
     def __init__(self, sink: Any, stats: dict):
         self.sink, self.stats = sink, stats
@@ -71,8 +72,9 @@ class Reducer:
         bucket.data = None
         items = [(s.param, s.offset // bucket.itemsize) for s in bucket.group.slots
                  if s.count and id(s.param) in bucket.got]
-        if mine.is_cuda:
-            self.sink.drain_cuda(items, mine)
+        acc = accelerator_for(mine.device)
+        if acc is not None:
+            self.sink.drain_device(items, mine, acc)
         else:
             for p, base in items:
                 self.sink.drain(p, mine, base)

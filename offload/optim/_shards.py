@@ -9,13 +9,14 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from ..accel import host_compute
 from .._resolve import choose_io_backend, resolve_engine
 from ..config import OffloadConfig
 from ..params import owner_of
 from ..store import Residency, Tier, TensorStore, create_store
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, ParamEntry, Placement, Segment, Shard, cut,
                       master_mode)
-from ._sizing import check_host_budget, check_machine, grad_room, wrapped_mode, write_back_bytes
+from ._sizing import check_host_budget, check_machine, device_staging_bytes, grad_room, wrapped_mode, write_back_bytes
 
 __all__ = ["ShardBook", "NewLayout"]
 
@@ -136,17 +137,22 @@ class ShardBook:
                 if shard.store is not None and not shard.store.closed and key in shard.store:
                     shard.store.delete(key)
 
+    def device_staging(self, store: Any) -> int:
+        """Host bytes of ``store``'s pool that compute on a device needs (``Placement``)."""
+        placement = self.placements.get(id(store))
+        return placement.device_staging if placement is not None else 0
+
     def _item(self, entry: ParamEntry, placements: dict[int, Placement]) -> Item:
         p, rows = entry.param, len(self.rows_for(entry.group_index))
         if entry.owner is not None:
             manager, slot = entry.owner.manager, entry.owner.slot
             placement = placements.get(id(manager)) or placements.setdefault(id(manager), self._placement(manager))
-            master = wrapped_mode(entry.owner, manager.home, manager.config.torch_device.type == "cpu")
+            master = wrapped_mode(entry.owner, manager.home, host_compute(manager.config.torch_device))
             start, stop = slot.first, slot.first + slot.count  # (several ranks: this rank's elements)
         else:
             placement = self._own_placement()
             master = master_mode(p.dtype, resident=False, group_fp32=False, param_home=None,
-                                 cpu=p.device.type == "cpu")
+                                 cpu=host_compute(p.device))
             start, stop = 0, p.numel()
         return Item(p, entry.group_index, entry.owner, rows, master is MasterMode.ROW, placement, start, stop)
 
@@ -155,7 +161,10 @@ class ShardBook:
         resting = sum(s.host_resting_bytes for s in self.shards if s.store is store)
         placement = Placement(store, id(store), Tier.parse(manager.config.optimizer_tier),
                               store.tiers[Tier.HOST].budget, write_back_bytes(manager.groups, manager.home),
-                              manager.host_staging_bytes(), resting=resting, param_home=manager.home)
+                              manager.host_staging_bytes(), resting=resting, param_home=manager.home,
+                              device_staging=device_staging_bytes(manager.groups, manager.config.torch_device,
+                                                                  manager.home,
+                                                                  partitioned=manager.partition is not None))
         self.placements[id(store)] = placement
         return placement
 

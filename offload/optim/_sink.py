@@ -7,7 +7,7 @@ afterwards). A shard's accumulator is written to its tier once all of its parame
 reported in a backward pass (or at the end of the pass); its norms and finiteness are noted
 then, and a listener (``update_during_backward``) is told the shard is final. On CUDA the
 device-to-host copy runs on a side stream into pinned staging buffers and the add on one
-worker thread. With several ranks gradients go through the buckets of ``_reduce`` first.
+worker thread (any accelerator: ``offload.accel``). With several ranks gradients go through the buckets of ``_reduce`` first.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 
 from .._memory import HEAP_PEAK
+from ..accel import Accelerator, accelerator_for
 from ..params import graph_task
 from ..store import Tier
 from ._grads import noted_norms
@@ -28,12 +29,14 @@ from ._layout import ParamEntry, Shard
 from ._phase import OptimizerPhase, Phase
 from ._reduce import Reducer
 from ._shards import ShardBook
+from ._sizing import largest_grad_copy
+from ._staging import GradientCopies
 
 __all__ = ["GradientSink", "Listener", "on_drain_thread"]
 
 log = logging.getLogger(__name__)
 
-_DRAIN_THREAD = "offload-grad"  # the worker that adds CUDA gradients into host accumulators
+_DRAIN_THREAD = "offload-grad"  # the worker that adds device gradients into host accumulators
 
 
 def on_drain_thread() -> bool:
@@ -50,7 +53,7 @@ class Listener(Protocol):
         """Every parameter of ``shard`` has reported in this backward."""
 
     def device_gradient(self) -> None:
-        """A CUDA gradient's copy was queued, on the backward's thread."""
+        """A device gradient's copy was queued, on the backward's thread."""
 
 
 class _OpenBackward(NamedTuple):
@@ -71,6 +74,7 @@ class GradientSink:
         self._pool: ThreadPoolExecutor | None = None
         self._drains: list[Future] = []
         self._streams: dict[torch.device, Any] = {}
+        self._copies: dict[int, GradientCopies] = {}  # per store: buffers for device gradients' copies
         self._backward: _OpenBackward | None = None
 
     def hook(self, entry: ParamEntry) -> None:
@@ -86,7 +90,7 @@ class GradientSink:
 
     @property
     def pending(self) -> bool:
-        """CUDA: adds of this backward still queued on the drain thread."""
+        """With a device: adds of this backward still queued on the drain thread."""
         return bool(self._drains)
 
     # -- a gradient arrives ---------------------------------------------------------------------
@@ -108,13 +112,14 @@ class GradientSink:
                 self.phase.enter(OptimizerPhase.ACCUMULATING)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         entry = self.book.entries[id(p)]
+        acc = accelerator_for(grad.device)
         if entry.owner.manager.partition is not None:
             self.reducer.add(entry, grad)
-        elif grad.is_cuda:
-            self.drain_cuda([(p, 0)], grad)
+        elif acc is not None:
+            self.drain_device([(p, 0)], grad, acc)
         else:
             self.drain(p, grad)
-        if grad.is_cuda and self.listener is not None:
+        if acc is not None and self.listener is not None:
             self.listener.device_gradient()
 
     def drain(self, p: torch.Tensor, grad: torch.Tensor, base: int = 0) -> None:
@@ -134,26 +139,26 @@ class GradientSink:
             if len(shard.drained) >= shard.expected:
                 self._flush(shard)
 
-    def drain_cuda(self, items: list[tuple[torch.Tensor, int]], grad: torch.Tensor) -> None:
-        """Copy ``grad`` to pinned host memory on a side stream; add it on the worker thread
-        into the accumulators of each ``(parameter, base)`` of ``items`` (see ``drain``)."""
-        device = grad.device
-        stream = self._streams.get(device)
+    def drain_device(self, items: list[tuple[torch.Tensor, int]], grad: torch.Tensor, acc: Accelerator) -> None:
+        """Copy ``grad`` (in ``acc``'s memory) to pinned host memory on a side stream; add it on
+        the worker thread into the accumulators of each ``(parameter, base)`` of ``items``
+        (see ``drain``)."""
+        stream = self._streams.get(acc.device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream = self._streams[acc.device] = acc.stream()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=_DRAIN_THREAD)
         segs = next((self.book.segments(p) for p, _ in items if self.book.segments(p)), None)
         if segs is None:
             return  # (several ranks) none of these elements is held here
-        staging = segs[0].shard.store.staging
-        buffer = staging.acquire(grad.numel() * grad.element_size())
+        copies = self._copies_for(segs[0].shard.store)
+        buffer = copies.take(grad.numel() * grad.element_size())
         host = buffer.view(grad.dtype, (grad.numel(),))
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            host.copy_(grad.reshape(-1), non_blocking=True)
-            grad.record_stream(stream)
-            event = torch.cuda.Event()
+        stream.wait_stream(acc.current_stream())
+        with acc.using(stream):
+            acc.copy(host, grad.reshape(-1))
+            acc.record_stream(grad, stream)
+            event = acc.event()
             event.record(stream)
 
         def add() -> None:
@@ -162,9 +167,20 @@ class GradientSink:
                 for p, base in items:
                     self.drain(p, host, base)
             finally:
-                staging.release(buffer)
+                copies.give(buffer)
 
         self._drains.append(self._pool.submit(add))
+
+    def _copies_for(self, store: Any) -> GradientCopies:
+        copies = self._copies.get(id(store))
+        if copies is None:
+            groups = [g for e in self.book.entries.values() if e.owner is not None
+                      and e.owner.manager.store is store for g in [e.owner.group]]
+            partitioned = any(e.owner.manager.partition is not None for e in self.book.entries.values()
+                              if e.owner is not None and e.owner.manager.store is store)
+            copies = self._copies[id(store)] = GradientCopies(
+                store.staging, largest_grad_copy(groups, partitioned=partitioned))
+        return copies
 
     # -- the end of a backward --------------------------------------------------------------
     def sync(self) -> None:
@@ -271,6 +287,9 @@ class GradientSink:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        for copies in self._copies.values():
+            copies.close()
+        self._copies.clear()
         self._backward, self.listener = None, None
         for shard in self.book.shards:
             if shard.acc_buffer is not None and not shard.store.closed:

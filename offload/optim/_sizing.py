@@ -15,9 +15,11 @@ import torch
 
 from .._plan import PlanRow, check_disk, check_ram
 from .._units import format_size
-from ..io import BudgetError
+from ..accel import host_compute
+from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, Placement, Shard, cut, master_mode)
+from ._staging import GRAD_COPIES
 
 __all__ = ["grad_room", "check_host_budget", "check_machine", "write_back_bytes",
            "wrapped_mode", "plan_rows"]
@@ -41,6 +43,29 @@ def write_back_bytes(groups: Iterable[Any], param_home: Tier) -> int:
     sizes = sorted((g.nbytes for g in groups if not g.resident
                     and not all(s.dtype == torch.float32 for s in g.slots)), reverse=True)
     return sum(sizes[:2])
+
+
+def device_staging_bytes(groups: Iterable[Any], device: Any, param_home: Tier, *, partitioned: bool) -> int:
+    """Host bytes a run on a device needs beside the optimizer's shards (none where compute
+    runs in host memory): ``GRAD_COPIES`` buffers of the largest gradient copied out at once
+    (``_staging``: a parameter's; with several ranks a group's reduced fp32 slice), and, with
+    parameters on NVMe, a staging buffer for the largest group on its way to the device."""
+    if host_compute(device):
+        return 0
+    groups = list(groups)
+    copies = GRAD_COPIES * round_up(largest_grad_copy(groups, partitioned=partitioned), PAGE_SIZE)
+    stage = max((g.nbytes for g in groups if not g.resident), default=0) if param_home is Tier.NVME else 0
+    return copies + round_up(stage, PAGE_SIZE)
+
+
+def largest_grad_copy(groups: Iterable[Any], *, partitioned: bool) -> int:
+    largest = 0
+    for g in groups:
+        for s in g.slots:
+            largest = max(largest, s.nbytes)
+        if partitioned and g.slots:
+            largest = max(largest, g.nbytes // min(s.dtype.itemsize for s in g.slots) * 4)
+    return largest
 
 
 def grad_room(items: list[Item], grad_tier: str) -> dict[int, int]:
@@ -78,13 +103,16 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
         resting = sum(s.host_resting_bytes for s in group)
         # one shard in flight: its rows and gradient, and the groups it updates in host copies
         largest = max((s.bytes_in_flight + s.group_copy_bytes(p.param_home) for s in group), default=0)
-        staging = p.write_back if any(s.wrapped for s in group) else 0
-        need = resting + largest + staging
+        wrapped = any(s.wrapped for s in group)
+        staging = p.write_back if wrapped else 0
+        device = p.device_staging if wrapped else 0
+        need = resting + largest + staging + device
         if need <= p.host_budget:
             continue
         parts = [(resting, "resting in host memory"),
                  (largest, "for one shard in flight (with the parameter groups it updates in place)"),
-                 (staging, "to write back a parameter group")]
+                 (staging, "to write back a parameter group"),
+                 (device, "to copy gradients and a parameter group between host and device")]
         fixes = ["raise host_budget"]
         if any(s.home is Tier.HOST for s in group):
             fixes.append("set optimizer_tier='nvme'")
@@ -130,8 +158,10 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
-                          param_staging if param_home is Tier.NVME else 0, param_home=param_home)
-    cpu = config.torch_device.type == "cpu"
+                          param_staging if param_home is Tier.NVME else 0, param_home=param_home,
+                          device_staging=device_staging_bytes(groups, config.torch_device, param_home,
+                                                              partitioned=False))
+    cpu = host_compute(config.torch_device)
     items = []
     for group in groups:
         for slot in group.slots:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..accel import host_compute
 from ..store import Residency, Tier
 from ._layout import MasterMode, Owner, Shard
 from ._sizing import wrapped_mode
@@ -85,7 +86,7 @@ class WriteBack:
         in (a slice of its group's host copy, or of a resident parameter)."""
         if not shard.wrapped or shard.master:
             return None
-        views = {}
+        views, unread = {}, set()
         for seg in shard.segments:
             manager, group, slot = seg.owner
             entry = pending.get(id(group))
@@ -94,6 +95,9 @@ class WriteBack:
                 continue
             if entry.data is None:
                 entry.data = manager.store.wait(group.key, Tier.HOST)
+            if id(group) not in unread:  # (no transfer may read the host copy the update writes)
+                manager.store.wait_unread(group.key, Tier.HOST)
+                unread.add(id(group))
             begin, end = slot.elements(seg.start, seg.length)
             views[id(seg)] = entry.data[begin: end].view(torch.float32)
         return views
@@ -236,7 +240,7 @@ def _new(owner: Owner) -> GroupWrite | None:
     """The record that writes ``owner``'s group back after the step, or None when nothing
     needs writing (resident parameters updated where they are)."""
     manager = owner.manager
-    mode = wrapped_mode(owner, manager.home, manager.config.torch_device.type == "cpu")
+    mode = wrapped_mode(owner, manager.home, host_compute(manager.config.torch_device))
     if mode is MasterMode.PARAM:
         return None
     return GroupWrite(manager, owner.group, in_place=mode is MasterMode.GROUP)

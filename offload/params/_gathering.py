@@ -100,6 +100,7 @@ class GatheredSlices(StoreCopies):
         device = self.device_tier
         slot = device.allocate(size)
         if slot is not None:
+            device.consume(slot)  # (used by this stream: freed, it is not reused before its kernels finish)
             return slot, device.tensor(slot)[:size]
         counts = self.coordinator.counts
         counts.gather_over_budget_bytes = max(counts.gather_over_budget_bytes, size)
@@ -112,11 +113,8 @@ class GatheredSlices(StoreCopies):
         return None, torch.empty(size, dtype=torch.uint8, device=self.coordinator.device)
 
     def give_back(self, group: ParamGroup, record: GroupRecord) -> bool:
-        if record.lease is not None:
-            device = self.device_tier
-            if hasattr(device, "fence"):
-                device.fence(record.lease)  # kernels queued on it finish before reuse
-            device.free(record.lease)
+        if record.lease is not None:  # (its kernels are recorded on it: _buffer)
+            self.device_tier.free(record.lease)
         return True  # the slice's device copy stays until evicted
 
     def keep_write(self, group: ParamGroup, record: GroupRecord, certain: bool) -> bool:

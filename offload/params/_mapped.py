@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..accel import host_compute
 from ..store import MmapTier, TensorStore, Tier
 from ._from_store import StoreCopies
 from ._groups import ParamGroup
@@ -29,7 +30,7 @@ class MappedViews(StoreCopies):
     def serves(store: TensorStore, device: torch.device, param_tier: str, streamed_bytes: int) -> bool:
         """Whether parameters resting in ``store`` are best computed on as mapped views."""
         nvme = store.tiers.get(Tier.NVME)
-        return device.type == "cpu" and param_tier == "nvme" and isinstance(nvme, MmapTier) \
+        return host_compute(device) and param_tier == "nvme" and isinstance(nvme, MmapTier) \
             and streamed_bytes <= nvme.cache_limit
 
     def prefetch(self, candidates: list[ParamGroup], room: int) -> list[ParamGroup]:

@@ -24,7 +24,7 @@ from torch import nn
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
-from ..store import device_slot_size
+from ..store import Tier, device_slot_size
 from ._groups import ParamGroup, build_groups
 
 __all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned", "no_room_error"]
@@ -228,6 +228,11 @@ def no_room_error(group: ParamGroup, err: BudgetError, *, device: Any, device_bu
     """What the static nest could not see, met at run time: the device tier has no room for
     ``group`` while this point of the pass holds ``held`` (``parked`` among them). Says
     what, and the budget that holds it and the group."""
+    if getattr(err, "short_of", None) is Tier.HOST:  # the device had room; the way there did not
+        return BudgetError(
+            f"host_budget has no room to stage parameter group {group.key!r} ({format_size(group.nbytes)}) "
+            f"on its way to the device: its buffers are held by the optimizer, gradients and other groups in "
+            f"flight. Raise host_budget ({err})")
     need = device.used_bytes + device.slot_size(group.nbytes)
     kept = (f"; {len(parked)} of them ({format_size(sum(g.nbytes for g in parked))}) are kept "
             "from their recomputation (activation checkpointing) until backward has gone through "

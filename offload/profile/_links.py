@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..accel import accelerator_for
 from ..io import FileEngine, HostBuffer
 
 __all__ = ["host_copy", "adam_throughput", "cuda_links", "pcie_theoretical_gbps"]
@@ -96,7 +97,7 @@ def cuda_links(device: torch.device, nbytes: int = 256 * _MiB, repeats: int = 5,
     both at once)."""
     torch.cuda.set_device(device)
     gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    pinned = HostBuffer(nbytes, pin=True)
+    pinned = HostBuffer(nbytes, pin=accelerator_for(device))
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     pageable.fill_(3)
     out: dict[str, Any] = {"cuda_device": torch.cuda.get_device_name(device), "bytes": nbytes,
@@ -137,7 +138,7 @@ def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> fl
 def _overlap(device: torch.device, gpu: torch.Tensor, host: torch.Tensor, disk_file: str,
              disk_bytes: int, settings: dict) -> dict[str, Any]:
     """Disk read alone, H2D alone, then both at once for the length of the disk read."""
-    read_buf = HostBuffer(min(disk_bytes, 256 * _MiB), pin=True)
+    read_buf = HostBuffer(min(disk_bytes, 256 * _MiB), pin=accelerator_for(device))
     try:
         def disk_read() -> float:
             with FileEngine(name="offload-profile", **settings) as engine:

@@ -11,16 +11,17 @@ from __future__ import annotations
 import torch
 
 from .._units import parse_size
+from ..accel import accelerator_for, host_compute
 from ..io import BudgetError, BufferPool, FileBackend, FileEngine
 from ._mmap import MmapTier
 from ._nvme import DirectoryLockedError, Extent, SwapFiles
 from ._state import Residency, StoreError, Tier, TransferInterrupted
 from ._store import StoredTensor, TensorStore
-from ._tiers import Completion, CudaTier, Done, HostMemoryTier, NvmeTier, Pending, TierBackend
+from ._tiers import Completion, DeviceTier, Done, HostMemoryTier, NvmeTier, Pending, TierBackend
 
 __all__ = [
     "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted",
-    "BudgetError", "TierBackend", "HostMemoryTier", "CudaTier", "NvmeTier", "Completion", "Done", "Pending",
+    "BudgetError", "TierBackend", "HostMemoryTier", "DeviceTier", "NvmeTier", "Completion", "Done", "Pending",
     "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size",
 ]
 
@@ -28,7 +29,7 @@ __all__ = [
 def device_slot_size(device: str | torch.device, nbytes: int) -> int:
     """Bytes of device budget a tensor of ``nbytes`` takes on ``device``'s DEVICE tier (its
     slots are rounded), for sizing before a store exists."""
-    align = CudaTier.SLOT_ALIGN if torch.device(device).type == "cuda" else HostMemoryTier.SLOT_ALIGN
+    align = HostMemoryTier.SLOT_ALIGN if host_compute(device) else DeviceTier.SLOT_ALIGN
     return -(-max(nbytes, 1) // align) * align
 
 
@@ -42,7 +43,8 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
 
     ``device`` is the compute device ("cpu", "cuda", "cuda:N"). On a CPU device the DEVICE
     tier is page-aligned host memory, so NVMe reads land directly in the buffers compute
-    uses. Host buffers are pinned when CUDA is in use. The I/O settings (``block_size``,
+    uses. With an accelerator (``offload.accel``: CUDA) the DEVICE tier is its memory and
+    host buffers are pinned for it. The I/O settings (``block_size``,
     ``threads``, ``queue_depth``, ``direct``) configure the file engine of the NVME tier;
     ``file_backend`` replaces its system calls (fault-injection tests pass a faulty one).
     ``io_backend``: ``"direct"`` moves NVMe bytes with the file engine (O_DIRECT where the
@@ -59,11 +61,11 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
     device_bytes = parse_size(device_budget, name="device_budget")
-    host_pool = BufferPool(parse_size(host_budget, name="host_budget"), pin=device.type == "cuda",
-                           name="host")
+    accelerator = accelerator_for(device)
+    host_pool = BufferPool(parse_size(host_budget, name="host_budget"), pin=accelerator, name="host")
     tiers: dict[Tier, TierBackend] = {Tier.HOST: HostMemoryTier(Tier.HOST, host_pool)}
-    if device.type == "cuda":
-        tiers[Tier.DEVICE] = CudaTier(device, device_bytes)
+    if accelerator is not None:
+        tiers[Tier.DEVICE] = DeviceTier(accelerator, device_bytes)
     else:
         tiers[Tier.DEVICE] = HostMemoryTier(Tier.DEVICE, BufferPool(device_bytes, name="device"))
     if io_backend not in ("direct", "mmap"):

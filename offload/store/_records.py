@@ -30,6 +30,7 @@ class TierCopy:
     error: BaseException | None = None
     priority: int = 1
     version: int = 0  # the record's version when the load into this copy started
+    short_of_staging: bool = False  # queued: its tier had room, the host staging buffers not
 
 
 @dataclass(eq=False)

@@ -168,7 +168,7 @@ class TensorStore(Lending, Transfers):
                 if copy.state is Residency.QUEUED and self._in_flight == 0:
                     self._pump(tier)
                     if copy.state is Residency.QUEUED:
-                        raise self._stuck_error(record, tier)
+                        raise self._stuck_error(record, tier, staging=copy.short_of_staging)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"tensor {key!r} not resident in {tier.value} after {timeout}s")

@@ -18,11 +18,12 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..accel import Accelerator, Event
 from ..io import BufferPool, FileEngine, HostBuffer, round_up
 from ._nvme import Extent, SwapFiles
 from ._state import Tier
 
-__all__ = ["Completion", "Done", "Pending", "TierBackend", "HostMemoryTier", "CudaTier", "SwapFileSlots", "NvmeTier"]
+__all__ = ["Completion", "Done", "Pending", "TierBackend", "HostMemoryTier", "DeviceTier", "SwapFileSlots", "NvmeTier"]
 
 
 class Completion(Protocol):
@@ -163,7 +164,7 @@ class TierBackend(abc.ABC):
 class HostMemoryTier(TierBackend):
     """Slots are page-aligned host buffers from a pool (pinned on CUDA).
 
-    Serves the HOST tier, and the DEVICE tier when the compute device is the CPU.
+    Serves the HOST tier, and the DEVICE tier when compute runs in host memory (the CPU).
     """
 
     addressable = True
@@ -214,14 +215,14 @@ class HostMemoryTier(TierBackend):
 
 # ---------------------------------------------------------------------------------------
 class _EventWatcher:
-    """One thread that turns CUDA events into completion callbacks."""
+    """One thread that turns device events into completion callbacks."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="offload-cuda-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="offload-device-events", daemon=True)
         self._thread.start()
 
-    def watch(self, event: "torch.cuda.Event", fn: Callable[[], None]) -> None:
+    def watch(self, event: Event, fn: Callable[[], None]) -> None:
         self._queue.put((event, fn))
 
     def close(self) -> None:
@@ -236,85 +237,89 @@ class _EventWatcher:
 
 
 class _EventCompletion(Pending):
-    """Completion of an asynchronous CUDA copy, finished by the event watcher thread."""
+    """Completion of an asynchronous device copy, finished by the event watcher thread."""
 
-    def __init__(self, event: "torch.cuda.Event", watcher: _EventWatcher):
+    def __init__(self, event: Event, watcher: _EventWatcher):
         super().__init__()
         self.event = event
         watcher.watch(event, self._finish)
 
 
 @dataclass(eq=False)
-class _CudaSlot:
-    data: torch.Tensor  # uint8 on the device
-    ready: "torch.cuda.Event | None" = None  # the last copy into it
-    fenced: "torch.cuda.Event | None" = None  # the caller's last use of it
+class _DeviceSlot:
+    data: torch.Tensor  # uint8 in the device's memory
+    ready: Event | None = None  # the last copy into it
+    fenced: Event | None = None  # the caller's last use of it
 
 
-class CudaTier(TierBackend):
-    """Slots are uint8 tensors on a CUDA device.
+class DeviceTier(TierBackend):
+    """Slots are uint8 tensors in an accelerator's memory (``offload.accel``: CUDA).
 
     Note: streams. Host-to-device copies run on ``h2d_stream`` and device-to-host copies
     on ``d2h_stream``; each records an event. A consumer makes its own stream wait on
     the slot's ``ready`` event (``consume``) instead of synchronizing the device, and a
     device-to-host copy waits on the ``fenced`` event of the caller's last use. Slots are
     allocated while ``h2d_stream`` is current and ``record_stream`` is called for each
-    consumer stream, so the caching allocator does not hand a freed slot to the next
-    copy while compute kernels may still read it.
+    consumer stream, so the allocator does not hand a freed slot to the next copy while
+    compute kernels or a device-to-host copy may still read it.
     """
 
     SLOT_ALIGN = 512
 
-    def __init__(self, device: torch.device, budget: int):
+    def __init__(self, accelerator: Accelerator, budget: int):
         super().__init__(Tier.DEVICE, budget)
-        self.device = device
-        self.h2d_stream = torch.cuda.Stream(device)
-        self.d2h_stream = torch.cuda.Stream(device)
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.h2d_stream = accelerator.stream()
+        self.d2h_stream = accelerator.stream()
         self._watcher = _EventWatcher()
 
     def slot_size(self, nbytes: int) -> int:
         return round_up(max(nbytes, 1), self.SLOT_ALIGN)
 
-    def allocate(self, nbytes: int) -> _CudaSlot | None:
+    def allocate(self, nbytes: int) -> _DeviceSlot | None:
         size = self.slot_size(nbytes)
         if not self._claim(size):
             return None
-        with torch.cuda.stream(self.h2d_stream):
-            return _CudaSlot(torch.empty(size, dtype=torch.uint8, device=self.device))
+        with self.accelerator.using(self.h2d_stream):
+            return _DeviceSlot(self.accelerator.empty(size))
 
-    def free(self, slot: _CudaSlot) -> None:
+    def free(self, slot: _DeviceSlot) -> None:
         self._unclaim(slot.data.numel())
+        self.accelerator.release(slot.data)
 
-    def tensor(self, slot: _CudaSlot) -> torch.Tensor:
+    def tensor(self, slot: _DeviceSlot) -> torch.Tensor:
         return slot.data
 
-    def fence(self, slot: _CudaSlot) -> None:
-        slot.fenced = torch.cuda.Event()
-        slot.fenced.record(torch.cuda.current_stream(self.device))
+    def fence(self, slot: _DeviceSlot) -> None:
+        slot.fenced = self.accelerator.event()
+        slot.fenced.record(self.accelerator.current_stream())
 
-    def consume(self, slot: _CudaSlot) -> None:
-        stream = torch.cuda.current_stream(self.device)
+    def consume(self, slot: _DeviceSlot) -> None:
+        stream = self.accelerator.current_stream()
         if slot.ready is not None:
             stream.wait_event(slot.ready)
-        slot.data.record_stream(stream)
+        self.accelerator.record_stream(slot.data, stream)
 
-    def read_into(self, slot: _CudaSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
-        with torch.cuda.stream(self.d2h_stream):
+    def read_into(self, slot: _DeviceSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        acc = self.accelerator
+        with acc.using(self.d2h_stream):
             if slot.fenced is not None:
                 self.d2h_stream.wait_event(slot.fenced)
-            dest[:nbytes].copy_(slot.data[:nbytes], non_blocking=True)
-            event = torch.cuda.Event()
+            acc.copy(dest[:nbytes], slot.data[:nbytes])
+            event = acc.event()
             event.record(self.d2h_stream)
-        slot.data.record_stream(self.d2h_stream)
+        acc.record_stream(slot.data, self.d2h_stream)
         self._count(read=nbytes)
         return _EventCompletion(event, self._watcher)
 
-    def write_from(self, slot: _CudaSlot, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
-        with torch.cuda.stream(self.h2d_stream):
+    def write_from(self, slot: _DeviceSlot, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Completion:
+        acc = self.accelerator
+        with acc.using(self.h2d_stream):
             if slot.fenced is not None:  # the previous contents may still be in use
                 self.h2d_stream.wait_event(slot.fenced)
-            slot.data[:nbytes].copy_(src[:nbytes], non_blocking=True)
-            event = torch.cuda.Event()
+            acc.copy(slot.data[:nbytes], src[:nbytes])
+            event = acc.event()
             event.record(self.h2d_stream)
         slot.ready = event
         self._count(write=nbytes)

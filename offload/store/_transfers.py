@@ -38,6 +38,21 @@ class Transfers:
             if copy is not None:
                 self._raise_error(record, copy)
 
+    def wait_unread(self, key: str, tier: Tier | str) -> None:
+        """Block while a transfer reads ``key``'s copy in ``tier`` (a fetch into another tier,
+        a write home), for a caller about to change that copy in place. Changed under a
+        transfer, the copy made would be dropped by its version after the transfer was
+        paid for; and on a device a copy engine would be reading memory the host writes.
+        (A caller's borrow also counts as a reader: with no transfer in flight, none is
+        waited for.)"""
+        tier = Tier.parse(tier)
+        with DEFER, self._cond:
+            self._check_open()
+            copy = self._record(key).copies.get(tier)
+            while copy is not None and copy.readers and self._in_flight:
+                _wait(self._cond, None)  # (a transfer in flight always completes)
+                self._check_open()
+
     # -- issuing (lock held) --------------------------------------------------------------
     def _fetch(self, record: StoredTensor, tier: Tier, priority: int) -> None:
         self._check_open()
@@ -84,10 +99,12 @@ class Transfers:
         slot = backend.allocate(record.nbytes)
         if slot is None:
             return False
+        copy.short_of_staging = False
         if needs_stage:
             copy.stage = self.staging.try_acquire(record.nbytes)
             if copy.stage is None:
                 backend.free(slot)
+                copy.short_of_staging = True
                 return False
         copy.slot = slot
         return True
@@ -261,15 +278,27 @@ class Transfers:
                 f"budget is {backend.budget} bytes: raise the {tier.value} budget or split the tensor")
 
     def _stuck_error(self, record: StoredTensor, tier: Tier, *, staging: bool = False) -> BudgetError:
-        what = "host staging buffers" if staging else f"the {tier.value} tier"
+        """``staging``: the room missing is the host staging buffers' (a transfer between two
+        tiers that are not host memory bounces through them); the error's ``short_of`` says
+        which budget is short."""
+        if staging:
+            error = BudgetError(
+                f"tensor {record.key!r} ({record.nbytes} bytes) waits for a host staging buffer (a transfer "
+                f"between tiers outside host memory passes through one; {self.staging.in_use_bytes} of "
+                f"{self.staging.budget} bytes of the host pool in use) and nothing in flight will free any: "
+                "raise the host budget")
+            error.short_of = Tier.HOST
+            return error
         holders = sorted(((c.state.value, r.key) for r in self._tensors.values()
                           for c in r.copies.values() if c.tier is tier and c.slot is not None))[:8]
         backend = self.tiers.get(tier)
         used = f"{backend.used_bytes} of {backend.budget} bytes held" if backend else ""
-        return BudgetError(
-            f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in {what} ({used}, by "
+        error = BudgetError(
+            f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in the {tier.value} tier ({used}, by "
             f"{holders}) and nothing in flight will free any: evict() tensors first or raise "
             f"the {tier.value} budget")
+        error.short_of = tier
+        return error
 
 
 class _Chained(Pending):

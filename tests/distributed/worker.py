@@ -7,7 +7,8 @@ SPEC: {"out": path, "nvme": dir template, "steps": n, "tier": "nvme"|"host", "mo
        "param_tier": tier (default: "tier"), "save": dir|None, "save_after": k, "load": dir|None,
        "fault": None|"config"|"model"|"shared_path"|"plain"|"save"|"load",
        "world_size": None|n, "checkpointing": bool, "clip": float|None, "torch": bool,
-       "early": bool (update_during_backward), "accum": bool (two backward passes per step)}
+       "early": bool (update_during_backward), "accum": bool (two backward passes per step),
+       "simdevice": bool (run on the simulated device of tests/simdevice)}
 Writes JSON to SPEC["out"] (rank 0; each rank adds its own file with .rankN) with losses,
 per-rank NVMe bytes and the final weights' file.
 """
@@ -176,4 +177,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if json.load(open(sys.argv[1])).get("simdevice"):  # the device code paths on tests/simdevice's simulator
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from simdevice.sim import simulated
+
+        with simulated(seed=int(os.environ.get("RANK", 0)), max_delay=0.001):
+            main()
+    else:
+        main()

@@ -209,8 +209,9 @@ def test_state_dict_round_trip_continues_trajectory(tmp_path, tiny_gpt2, lm_batc
 
 
 def test_pipeline_event_log(tmp_path, tiny_gpt2, offload_config, train, lm_batches, no_leaks):
-    """With states on NVMe: shard i+1 is read before shard i's update ends, and shard i-1's
-    write is issued (not waited for) before shard i's update starts."""
+    """With states on NVMe: shard i+1 is read before shard i's update ends (unless the writes
+    in flight were backlogged then: the disk decides, and the pipeline says so), and shard
+    i-1's write is issued (not waited for) before shard i's update starts."""
     model = tiny_gpt2()
     offload.wrap(model, offload_config(tmp_path))
     try:
@@ -223,9 +224,13 @@ def test_pipeline_event_log(tmp_path, tiny_gpt2, offload_config, train, lm_batch
         pos = {e: i for i, e in enumerate(step)}
         shards = sorted({s for _, s in step})
         assert len(shards) > 4
+        ahead = 0
         for a, b in zip(shards, shards[1:]):
-            assert pos[("read", b)] < pos[("update_end", a)]
+            if ("read_later", b) not in pos:
+                assert pos[("read", b)] < pos[("update_end", a)]
+                ahead += 1
             assert pos[("write", a)] < pos[("update_start", b)]
+        assert ahead > 0
         assert opt.stats["read_bytes"] > 0 and opt.stats["write_bytes"] > 0
         opt.close()
     finally:
