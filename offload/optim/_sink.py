@@ -153,13 +153,17 @@ class GradientSink:
             return  # (several ranks) none of these elements is held here
         copies = self._copies_for(segs[0].shard.store)
         buffer = copies.take(grad.numel() * grad.element_size())
-        host = buffer.view(grad.dtype, (grad.numel(),))
-        stream.wait_stream(acc.current_stream())
-        with acc.using(stream):
-            acc.copy(host, grad.reshape(-1))
-            acc.record_stream(grad, stream)
-            event = acc.event()
-            event.record(stream)
+        try:
+            host = buffer.view(grad.dtype, (grad.numel(),))
+            stream.wait_stream(acc.current_stream())
+            with acc.using(stream):
+                acc.copy(host, grad.reshape(-1))
+                acc.record_stream(grad, stream)
+                event = acc.event()
+                event.record(stream)
+        except BaseException:
+            copies.give(buffer)  # (nothing was queued that reads it)
+            raise
 
         def add() -> None:
             try:
@@ -173,13 +177,11 @@ class GradientSink:
 
     def _copies_for(self, store: Any) -> GradientCopies:
         copies = self._copies.get(id(store))
-        if copies is None:
-            groups = [g for e in self.book.entries.values() if e.owner is not None
-                      and e.owner.manager.store is store for g in [e.owner.group]]
-            partitioned = any(e.owner.manager.partition is not None for e in self.book.entries.values()
-                              if e.owner is not None and e.owner.manager.store is store)
-            copies = self._copies[id(store)] = GradientCopies(
-                store.staging, largest_grad_copy(groups, partitioned=partitioned))
+        if copies is None:  # (sized from every group of the models on this store, as the budget counts them)
+            managers = {id(e.owner.manager): e.owner.manager for e in self.book.entries.values()
+                        if e.owner is not None and e.owner.manager.store is store}.values()
+            copies = self._copies[id(store)] = GradientCopies(store.staging, max(
+                (largest_grad_copy(m.groups, partitioned=m.partition is not None) for m in managers), default=0))
         return copies
 
     # -- the end of a backward --------------------------------------------------------------

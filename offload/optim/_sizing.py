@@ -79,7 +79,7 @@ def grad_room(items: list[Item], grad_tier: str) -> dict[int, int]:
         if p.home is Tier.HOST or grad_tier == "nvme":
             continue
         need = 4 * sum(it.stop - it.start for it in wrapped if it.placement.key == p.key)
-        free = p.host_budget - p.resting - p.write_back - p.param_staging
+        free = p.host_budget - p.resting - p.write_back - p.param_staging - p.device_staging
         if grad_tier == "host":
             if need > free // 2:
                 raise BudgetError(

@@ -37,18 +37,21 @@ class GradientCopies:
         if nbytes > self.nbytes:
             raise RuntimeError(f"a gradient of {nbytes} bytes is larger than the {self.nbytes} bytes "
                                "planned for the largest; this is a bug in offload, please report it")
-        with DEFER, self._cond:
-            while not self._free and self._made >= GRAD_COPIES:
-                wait(self._cond)
-            if self._free:
-                return self._free.pop()
-            self._made += 1
+        made = False
         try:
+            with DEFER, self._cond:
+                while not self._free and self._made >= GRAD_COPIES:
+                    wait(self._cond)
+                if self._free:
+                    return self._free.pop()
+                self._made += 1
+                made = True
             return self.pool.acquire(self.nbytes)  # (outside the lock: the pool may wait for room)
         except BaseException:
-            with self._cond:
-                self._made -= 1
-                self._cond.notify_all()
+            if made:
+                with self._cond:
+                    self._made -= 1
+                    self._cond.notify_all()
             raise
 
     def give(self, buffer: HostBuffer) -> None:

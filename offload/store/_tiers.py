@@ -282,7 +282,12 @@ class DeviceTier(TierBackend):
         if not self._claim(size):
             return None
         with self.accelerator.using(self.h2d_stream):
-            return _DeviceSlot(self.accelerator.empty(size))
+            slot = _DeviceSlot(self.accelerator.empty(size))
+        # (its memory may be a freed slot's whose copy in still runs on h2d_stream: a stream
+        # other than h2d_stream that uses it first, a gather into it, waits for that work)
+        slot.ready = self.accelerator.event()
+        slot.ready.record(self.h2d_stream)
+        return slot
 
     def free(self, slot: _DeviceSlot) -> None:
         self._unclaim(slot.data.numel())

@@ -96,10 +96,10 @@ class Transfers:
     def _reserve(self, record: StoredTensor, copy: TierCopy, source: TierCopy) -> bool:
         backend = self.tiers[copy.tier]
         needs_stage = not backend.addressable and not self.tiers[source.tier].addressable
+        copy.short_of_staging = False
         slot = backend.allocate(record.nbytes)
         if slot is None:
             return False
-        copy.short_of_staging = False
         if needs_stage:
             copy.stage = self.staging.try_acquire(record.nbytes)
             if copy.stage is None:

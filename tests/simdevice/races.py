@@ -6,8 +6,9 @@ all it waited for) had reached when recorded; ``wait_event`` merges them into th
 stream; a host-side ``synchronize`` into the ``floor``, what every later piece of work is
 ordered after. Each access to memory is checked where it is queued, against the last
 write and the reads since: an access is a race unless its stream (or the floor) has
-passed them. Checked where queued, not where run, so a missing wait shows on every run,
-not only when the delays happen to expose it.
+passed them. Checked where queued, not where run: a missing wait shows whether or not the
+delays happen to expose it, unless the host had synchronized that work already on another
+thread (which on CUDA orders all later work too).
 
 Operators on the thread that runs the model (``ComputeAccesses``) are sorted by the
 simulator as CUDA would run them (``SimAccelerator._operator``).

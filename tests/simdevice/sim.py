@@ -9,7 +9,8 @@ like a kernel that has finished by the time the next host line runs.
 "Device" tensors are separate CPU tensors under their own byte capacity. They start filled
 with 0xFF bytes (NaN in fp32, fp16 and bf16) and are filled so again when released, in the
 order of the stream that allocated them and after the streams recorded on them, as the
-next user of the memory would overwrite it. A read before a copy lands, or after the slot
+next user of the memory would overwrite it; then the memory is handed out again to the next
+allocation of its size on that stream (CUDA's caching allocator reuses it the same way). A read before a copy lands, or after the slot
 was given back, so shows as a wrong value instead of passing by luck.
 
 A copy between device memory and unpinned host memory runs synchronously (CUDA's own
@@ -43,10 +44,11 @@ class SimEvent:
         self._done.set()  # never recorded: complete, as CUDA's
 
     def record(self, stream: "SimStream") -> None:
-        self.clocks.tick(stream.sid)
-        self.vc = self.clocks.snapshot(stream.sid)
-        self._done.clear()
-        stream.submit(self._done.set, "record")
+        with stream.order:  # (the count and the queue agree: another thread may queue on it too)
+            self.clocks.tick(stream.sid)
+            self.vc = self.clocks.snapshot(stream.sid)
+            self._done.clear()
+            stream.submit(self._done.set, "record")
 
     def synchronize(self) -> None:
         self._done.wait()
@@ -63,6 +65,7 @@ class SimStream:
     def __init__(self, sim: "SimAccelerator", name: str, *, synchronous: bool = False):
         self.sim, self.name, self.synchronous = sim, name, synchronous
         self.sid = id(self)
+        self.order = threading.RLock()  # held while an access is counted and its work queued
         sim.clocks.add_stream(self.sid, name)
         self.log: list[str] = []  # what was queued, in order (the order tests)
         if not synchronous:
@@ -79,9 +82,10 @@ class SimStream:
             self._queue.put(fn)
 
     def wait_event(self, event: SimEvent) -> None:
-        if event.vc is not None:
-            self.sim.clocks.merge(self.sid, event.vc)
-        self.submit(event._done.wait, "wait_event")
+        with self.order:
+            if event.vc is not None:
+                self.sim.clocks.merge(self.sid, event.vc)
+            self.submit(event._done.wait, "wait_event")
 
     def wait_stream(self, stream: "SimStream") -> None:
         event = SimEvent(self.sim.clocks)
@@ -125,9 +129,10 @@ class SimAccelerator(Accelerator):
         self.compute = SimStream(self, "compute", synchronous=True)
         self.streams: list[SimStream] = []
         self._blocks: dict[int, _Block] = {}
-        self._freed: list[torch.Tensor] = []  # kept: their memory is not reused while the simulation runs
+        self._cache: dict[tuple[int, int], list[torch.Tensor]] = {}  # freed blocks by (size, stream)
         self._pinned: dict[int, int] = {}
         self._unrecorded: dict[tuple[int, int], str] = {}  # (memory, stream): read there, not recorded
+        self._made_on: dict[int, int] = {}  # memory -> the stream whose kernel made it (last)
         self.allocated = self.peak = 0
         self.pageable_copies = 0
         self.errors: list[BaseException] = []
@@ -169,11 +174,15 @@ class SimAccelerator(Accelerator):
                                              f"{self.capacity} capacity ({self.allocated} in use)")
             self.allocated += nbytes
             self.peak = max(self.peak, self.allocated)
-        with self._quiet():
-            t = torch.full((nbytes,), POISON, dtype=torch.uint8)
         stream = self.current_stream()
-        self.clocks.forget(t.data_ptr())
-        self.clocks.allocated(t.data_ptr(), stream.sid)
+        with self._lock:  # a block freed on this stream is handed out again, as CUDA's allocator does
+            cached = self._cache.get((nbytes, stream.sid))
+            t = cached.pop() if cached else None
+        if t is None:
+            with self._quiet():
+                t = torch.full((nbytes,), POISON, dtype=torch.uint8)
+            self.clocks.forget(t.data_ptr())
+            self.clocks.allocated(t.data_ptr(), stream.sid)
         with self._lock:
             self._blocks[t.data_ptr()] = _Block(t, stream)
         return t
@@ -182,17 +191,22 @@ class SimAccelerator(Accelerator):
         with self._lock:
             block = self._blocks.pop(tensor.data_ptr())
             self.allocated -= tensor.numel()
-            self._freed.append(block.tensor)
         stream = block.stream
-        for other in block.recorded - {stream}:
+        with self._lock:
+            recorded = set(block.recorded) - {stream}
+        for other in recorded:
             stream.wait_stream(other)
-        self.clocks.access(stream.sid, tensor.data_ptr(), write=True, what="the next use of freed memory")
-        stream.submit(self._quietly(lambda t=block.tensor: t.fill_(POISON)), "poison")
+        with stream.order:
+            self.clocks.access(stream.sid, tensor.data_ptr(), write=True, what="the next use of freed memory")
+            stream.submit(self._quietly(lambda t=block.tensor: t.fill_(POISON)), "poison")
+        with self._lock:  # (its next user on this stream is ordered after the fill; others must wait for it)
+            self._cache.setdefault((tensor.numel(), stream.sid), []).append(block.tensor)
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         block = self._blocks.get(storage_ptr(tensor))
         if block is not None:
-            block.recorded.add(stream)
+            with self._lock:
+                block.recorded.add(stream)
         else:
             self.clocks.protect(storage_ptr(tensor), stream.sid)
             self._unrecorded.pop((storage_ptr(tensor), stream.sid), None)
@@ -205,17 +219,19 @@ class SimAccelerator(Accelerator):
             done = self.event()
             done.record(stream)
             done.synchronize()
-        if not stream.synchronous and storage_ptr(src) not in self._blocks and not self.is_pinned(src):
+        if not stream.synchronous and storage_ptr(src) not in self._blocks and not self.is_pinned(src) \
+                and self._made_on.get(storage_ptr(src)) != stream.sid:  # (made on this stream: ordered)
             # device memory of torch's allocator (a gradient) read on a side stream: without
             # record_stream the allocator may give it to the next tensor while the copy reads
             self._unrecorded[(storage_ptr(src), stream.sid)] = stream.name
-        self.clocks.access(stream.sid, storage_ptr(src), write=False, what="a copy's read")
-        self.clocks.access(stream.sid, storage_ptr(dst), write=True, what="a copy's write")
-        if stream.synchronous or not pinned:
-            with self._quiet():
-                dst.copy_(src)
-        else:
-            stream.submit(self._quietly(lambda: dst.copy_(src)), "copy")
+        with stream.order:
+            self.clocks.access(stream.sid, storage_ptr(src), write=False, what="a copy's read")
+            self.clocks.access(stream.sid, storage_ptr(dst), write=True, what="a copy's write")
+            if stream.synchronous or not pinned:
+                with self._quiet():
+                    dst.copy_(src)
+            else:
+                stream.submit(self._quietly(lambda: dst.copy_(src)), "copy")
 
     def pin(self, address: int, nbytes: int) -> bool:
         with self._lock:
@@ -253,11 +269,12 @@ class SimAccelerator(Accelerator):
         pinned = [self.is_pinned_ptr(p) for p in touched]
         blocks = sum(p in self._blocks for p in touched)
         host = any(pinned) or (func is torch.ops.aten.copy_.default and blocks == 1 and len(touched) == 2)
-        if not host:
-            sid = self.compute.sid
+        if not host:  # a kernel, on the thread's current stream (the compute stream unless using() one)
+            sid = self.current_stream().sid
             for ptr in fresh:  # (new memory: what was at that address before is not its history)
                 self.clocks.allocated(ptr, sid)
                 self.clocks.forget(ptr)
+                self._made_on[ptr] = sid
                 self.clocks.access(sid, ptr, write=True, what=f"{func}'s result")
             for ptr in reads:
                 self.clocks.access(sid, ptr, write=False, what=f"{func} reading")
@@ -300,7 +317,7 @@ class SimAccelerator(Accelerator):
         self.drain()
         for s in self.streams:
             s.close()
-        self._freed.clear()
+        self._cache.clear()
         for (ptr, _), name in self._unrecorded.items():
             self.errors.append(RaceError(
                 f"memory at {ptr:#x} that the simulator did not allocate (a gradient) was read by a copy on "

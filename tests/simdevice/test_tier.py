@@ -187,3 +187,23 @@ def test_wait_unread_waits_for_the_copies_reading_a_tensor(slow_sim, tmp_path):
         store.wait("t", Tier.HOST).fill_(2)
         store.mark_dirty("t", Tier.HOST)
         assert bool((store.wait("t", Tier.DEVICE) == 2).all())
+
+
+def test_a_fresh_slot_waits_for_the_copies_its_memory_was_freed_under(slow_sim):
+    """A slot freed while a copy into it ran is handed out again (in the copy stream's order);
+    a use on another stream first (a gather on the compute stream) waits for that copy."""
+    tier, pool, src = _tier_and_pinned(slow_sim, 4096)
+    src.bytes.fill_(9)
+    old = tier.allocate(4096)
+    tier.write_from(old, src.bytes, 4096)
+    tier.free(old)
+    new = tier.allocate(4096)
+    tier.consume(new)
+    tier.tensor(new)[:4096].fill_(1)  # a kernel writing it first
+    tier.fence(new)
+    out = pool.acquire(4096)
+    tier.read_into(new, out.bytes, 4096).wait()
+    assert bool((out.bytes[:4096] == 1).all())
+    tier.free(new)
+    pool.release(out)
+    _close(tier, pool, src)
