@@ -207,3 +207,20 @@ def test_a_fresh_slot_waits_for_the_copies_its_memory_was_freed_under(slow_sim):
     tier.free(new)
     pool.release(out)
     _close(tier, pool, src)
+
+
+def test_a_put_from_device_memory_is_read_after_its_copy(slow_sim, tmp_path):
+    """``put`` of a tensor already on the device into the device tier is a copy on the
+    compute stream; the store fences it, so a copy out waits for it."""
+    from offload.io import BufferPool
+
+    pool = BufferPool(1 << 20, pin=slow_sim, name="test")
+    dest = pool.acquire(MiB // 4)
+    with _store(tmp_path) as store:
+        store.put("a", torch.full((MiB // 16,), 6.0), Tier.NVME)
+        store.put("b", store.wait("a", Tier.DEVICE), Tier.DEVICE)  # device to device
+        store.read_into("b", dest.bytes).wait()
+        assert bool((dest.view(torch.float32, (MiB // 16,)) == 6).all())
+        store.delete("b")
+    pool.release(dest)
+    pool.close()
