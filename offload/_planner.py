@@ -47,7 +47,8 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
         groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
-    rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging))
+    rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging,
+                                                                           partitioned=world > 1))
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,

@@ -151,16 +151,18 @@ def check_machine(shards: list[Shard]) -> None:
                         tier.files.path, format_size(total), format_size(limit))
 
 
-def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_staging: int) -> list[PlanRow]:
+def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_staging: int,
+              partitioned: bool = False) -> list[PlanRow]:
     """The optimizer's rows of ``offload.plan``: an offload optimizer keeping state ``rows``
-    (``_rules.state_rows``) over every parameter of ``groups`` (this rank's slices), laid out
-    as the optimizer lays them out. Raises the optimizer's BudgetError where it would refuse."""
+    (``_rules.state_rows``) over every parameter of ``groups`` (this rank's slices, with
+    ``partitioned``), laid out as the optimizer lays them out. Raises the optimizer's
+    BudgetError where it would refuse."""
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
                           param_staging if param_home is Tier.NVME else 0, param_home=param_home,
                           device_staging=device_staging_bytes(groups, config.torch_device, param_home,
-                                                              partitioned=False))
+                                                              partitioned=partitioned))
     cpu = host_compute(config.torch_device)
     items = []
     for group in groups:
