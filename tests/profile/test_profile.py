@@ -484,7 +484,12 @@ def test_interrupt_removes_the_test_files(tmp_path, sig):
     deadline = time.monotonic() + 60
     while not leftover_files(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
-    assert leftover_files(tmp_path), "the profiler never created its test file"
+    if not leftover_files(tmp_path):  # (say why: it ended early, or took over a minute to start)
+        ended = proc.poll() is not None
+        if not ended:
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+        pytest.fail(f"the profiler never created its test file ({'it exited ' + str(proc.returncode) if ended else 'not within 60 s'}):\n{err[-3000:]}")
     time.sleep(0.5)  # well inside the sweep
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
