@@ -43,10 +43,6 @@ class Accelerator(abc.ABC):
 
     device: torch.device  # torch's device of the tensors it allocates and computes on
 
-    @abc.abstractmethod
-    def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in this device's memory (a gradient autograd made there)."""
-
     # -- streams and events ----------------------------------------------------------------
     @abc.abstractmethod
     def stream(self) -> Stream:

@@ -19,9 +19,6 @@ class CudaAccelerator(Accelerator):
     def __init__(self, device: torch.device):
         self.device = device
 
-    def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda
-
     def stream(self) -> Stream:
         return torch.cuda.Stream(self.device)
 

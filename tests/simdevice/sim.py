@@ -48,7 +48,7 @@ class SimEvent:
             self.clocks.tick(stream.sid)
             self.vc = self.clocks.snapshot(stream.sid)
             self._done.clear()
-            stream.submit(self._done.set, "record")
+            stream.submit(self._done.set)
 
     def synchronize(self) -> None:
         self._done.wait()
@@ -67,15 +67,13 @@ class SimStream:
         self.sid = id(self)
         self.order = threading.RLock()  # held while an access is counted and its work queued
         sim.clocks.add_stream(self.sid, name)
-        self.log: list[str] = []  # what was queued, in order (the order tests)
         if not synchronous:
             self._queue: queue.SimpleQueue = queue.SimpleQueue()
             self._rng = random.Random(sim.next_seed())
             self._thread = threading.Thread(target=self._run, name=f"simdevice-{name}", daemon=True)
             self._thread.start()
 
-    def submit(self, fn: Callable[[], None], what: str) -> None:
-        self.log.append(what)
+    def submit(self, fn: Callable[[], None]) -> None:
         if self.synchronous:
             fn()
         else:
@@ -85,7 +83,7 @@ class SimStream:
         with self.order:
             if event.vc is not None:
                 self.sim.clocks.merge(self.sid, event.vc)
-            self.submit(event._done.wait, "wait_event")
+            self.submit(event._done.wait)
 
     def wait_stream(self, stream: "SimStream") -> None:
         event = SimEvent(self.sim.clocks)
@@ -142,9 +140,6 @@ class SimAccelerator(Accelerator):
         return self._seeds.randrange(1 << 30)
 
     # -- streams and events -----------------------------------------------------------------
-    def owns(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu"
-
     def stream(self) -> SimStream:
         with self._lock:
             s = SimStream(self, f"side{len(self.streams)}")
@@ -198,7 +193,7 @@ class SimAccelerator(Accelerator):
             stream.wait_stream(other)
         with stream.order:
             self.clocks.access(stream.sid, tensor.data_ptr(), write=True, what="the next use of freed memory")
-            stream.submit(self._quietly(lambda t=block.tensor: t.fill_(POISON)), "poison")
+            stream.submit(self._quietly(lambda t=block.tensor: t.fill_(POISON)))
         with self._lock:  # (its next user on this stream is ordered after the fill; others must wait for it)
             self._cache.setdefault((tensor.numel(), stream.sid), []).append(block.tensor)
 
@@ -231,7 +226,7 @@ class SimAccelerator(Accelerator):
                 with self._quiet():
                     dst.copy_(src)
             else:
-                stream.submit(self._quietly(lambda: dst.copy_(src)), "copy")
+                stream.submit(self._quietly(lambda: dst.copy_(src)))
 
     def pin(self, address: int, nbytes: int) -> bool:
         with self._lock:
