@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..optim import CheckpointView, OffloadOptimizer, ShardRows
+from ..optim import BLOCK, CheckpointView, OffloadOptimizer, ShardRows, decode_piece
 from ._blobs import manifest_entry, packed
 from ._catalog import Catalog
 from ._format import ALIGN, CheckpointError, dtype_name, dtype_of, jsonable, tensor_of
@@ -53,16 +53,19 @@ def _offload_blobs(opt: OffloadOptimizer, names: dict[int, str], info: dict) -> 
     info["scaler"] = view.scaler_state()
     state: dict[str, dict] = {}
     blobs: list[Blob] = []
+    info["moments"] = view.moments
     for shard in shards:
         pieces = []
+        packing = shard.packing
         for seg in shard.segments:
             name = names[id(seg.param)]
             state.setdefault(name, {})["step"] = float(seg.step)
             for r, row in enumerate(shard.names):
-                at = (r * shard.numel + seg.offset) * 4
-                entry = manifest_entry(name, None, row=row, dtype="F32", shape=list(seg.param.shape),
-                                       start=seg.start, numel=seg.length)
-                pieces.append(Piece(entry, at, seg.length * 4))
+                for f in packing.fields(r, seg.offset, seg.length):
+                    extra = {"block": BLOCK} if f.suffix else {}
+                    entry = manifest_entry(name, None, row=row + f.suffix, dtype=f.dtype, shape=list(seg.param.shape),
+                                           start=seg.start, numel=seg.length, **extra)
+                    pieces.append(Piece(entry, f.at, f.length))
         if shard.nbytes:  # (SGD without momentum keeps step counts only)
             blobs.append(Blob("optimizer.bin", shard.nbytes, shard.read_into, pieces, borrow=shard.borrow))
     info["state"] = state
@@ -160,6 +163,10 @@ def offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: d
     _restore_groups(opt, info)
     cat_names = {id(p): n for group, names in zip(opt.param_groups, plan["names"])
                  for p, n in zip(group["params"], names)}
+    saved = info.get("moments", "fp32")
+    if saved != view.moments:
+        log.info("load_checkpoint: the checkpoint's optimizer moments were kept as %s, this optimizer keeps them "
+                 "as %s: converted", saved, view.moments)
     items = []
     for shard in view.shards():
         for seg in shard.segments:
@@ -171,9 +178,22 @@ def offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: d
 
 
 def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dict) -> ReadItem:
+    """Reads a shard's rows from the checkpoint's pieces into their fp32 layout (F32 pieces
+    in place; bf16 and 8-bit pieces into scratch, decoded), then hands them to the optimizer,
+    which codes them as it keeps them. A piece coded with the same blocks codes back to the
+    same bytes (``offload.optim._formats``): a same-layout resume is bit for bit."""
     row_bytes = shard.numel * 4
-    runs, checks, copies, zeros, masters = [], [], [], [], []
-    extra = -(-shard.nbytes // ALIGN) * ALIGN
+    runs, checks, copies, zeros, masters, decodes = [], [], [], [], [], []
+    extra = -(-shard.decoded_nbytes // ALIGN) * ALIGN
+
+    def scratch(e: dict) -> int:
+        nonlocal extra
+        at = extra + e["offset"] % ALIGN
+        runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
+        checks.append((e, at))
+        extra = -(-(at + e["length"]) // ALIGN) * ALIGN
+        return at
+
     for seg in shard.segments:
         name = names[id(seg.param)]
         lo, hi = seg.start, seg.start + seg.length
@@ -183,32 +203,43 @@ def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dic
             if not saved:
                 (masters if row == "master_param" else zeros).append((seg, dest))
                 continue
+            scales = {e["start"]: e for e in pieces.get((name, row + ".scales"), [])}
             for e in saved:
                 s, n = e["start"], e["numel"]
                 if s + n <= lo or s >= hi:
                     continue
-                if s >= lo and s + n <= hi:  # the piece lies inside this segment: read in place
+                a, b = max(s, lo), min(s + n, hi)
+                if e["dtype"] != "F32":  # coded: decoded in full, the overlap copied
+                    if "U8" == e["dtype"] or "I8" == e["dtype"]:
+                        if s not in scales:
+                            raise CheckpointError(f"corrupt manifest: optimizer state {row} of {name} has no block "
+                                                  f"scales for its elements from {s}")
+                        scale_at = scratch(scales[s])
+                    else:
+                        scale_at = None
+                    decodes.append((e, scratch(e), scale_at, a - s, dest + (a - lo) * 4, b - a))
+                elif s >= lo and s + n <= hi:  # the piece lies inside this segment: read in place
                     at = dest + (s - lo) * 4
                     runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
                     checks.append((e, at))
                 else:  # it spans a segment boundary (shards cut differently): scratch, then copy
-                    at = extra + e["offset"] % ALIGN
-                    runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
-                    checks.append((e, at))
-                    extra = -(-(at + e["length"]) // ALIGN) * ALIGN
-                    a, b = max(s, lo), min(s + n, hi)
+                    at = scratch(e)
                     copies.append((at + (a - s) * 4, dest + (a - lo) * 4, (b - a) * 4))
 
     def consume(data: torch.Tensor) -> None:
         for src, dst, n in copies:
             data[dst: dst + n].copy_(data[src: src + n])
+        for e, at, scale_at, skip, dst, n in decodes:
+            scale_bytes = None if scale_at is None else data[scale_at: scale_at + -(-e["numel"] // BLOCK) * 4]
+            values = decode_piece(e["dtype"], data[at: at + e["length"]], scale_bytes, e["numel"])
+            data[dst: dst + n * 4].view(torch.float32).copy_(values[skip: skip + n])
         for seg, dst in zeros:
             data[dst: dst + seg.length * 4].zero_()
         for seg, dst in masters:
             data[dst: dst + seg.length * 4].view(torch.float32).copy_(view.current_values(seg))
-        view.write(shard, data[: shard.nbytes].view(torch.float32).view(len(shard.names), shard.numel))
+        view.write(shard, data[: shard.decoded_nbytes].view(torch.float32).view(len(shard.names), shard.numel))
 
-    simple = not (copies or zeros or masters)
+    simple = not (copies or zeros or masters or decodes) and shard.packing.plain
     return ReadItem(extra, merge_runs(runs), checks, consume, in_place=shard.overwrite_in_place if simple else None)
 
 

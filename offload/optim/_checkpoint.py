@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ._formats import Packing, RowCode
 from ._layout import Segment, Shard
 from ._scaler import LossScaler
 from ._states import StateRows
@@ -31,7 +32,18 @@ class ShardRows:
 
     @property
     def nbytes(self) -> int:
+        """The rows' bytes as they rest (coded rows: smaller than ``decoded_nbytes``)."""
         return self.shard.state_bytes
+
+    @property
+    def decoded_nbytes(self) -> int:
+        """The rows' bytes as fp32, ``len(names) x numel``, what ``CheckpointView.write`` takes."""
+        return len(self.names) * self.shard.numel * 4
+
+    @property
+    def packing(self) -> Packing:
+        """Where each row's bytes rest (``_formats``)."""
+        return self.shard.packing if self.shard.packed else Packing((RowCode.FP32,) * len(self.names), self.numel)
 
     @property
     def segments(self) -> list[Segment]:
@@ -54,10 +66,11 @@ class ShardRows:
 class CheckpointView:
     def __init__(self, *, prepare: Callable[[], list[Shard]], states: StateRows, scaler: LossScaler,
                  loading: Callable[[str], Any], reset_gradients: Callable[[], None],
-                 holds_gradients: Callable[[], bool], staging: Any):
+                 holds_gradients: Callable[[], bool], staging: Any, moments: str = "fp32"):
         self._prepare, self._states, self._scaler = prepare, states, scaler
         self._loading, self._reset_gradients = loading, reset_gradients
         self._holds_gradients = holds_gradients
+        self._moments = moments
         self.staging = staging  # the optimizer's own host pool (parameters of no wrapped model), or None
 
     def shards(self) -> list[ShardRows]:
@@ -70,6 +83,11 @@ class CheckpointView:
         not save them)."""
         return self._holds_gradients()
 
+    @property
+    def moments(self) -> str:
+        """How the optimizer keeps its moment rows (``_formats.StateFormat``'s value)."""
+        return self._moments
+
     def scaler_state(self) -> dict:
         return self._scaler.state_dict()
 
@@ -78,7 +96,7 @@ class CheckpointView:
         return self._states.current_values(seg)
 
     def write(self, rows: ShardRows, values: torch.Tensor) -> None:
-        """Replace a shard's rows (``rows x numel`` fp32)."""
+        """Replace a shard's rows (``rows x numel`` fp32; coded as the optimizer keeps them)."""
         self._states.write(rows.shard, values)
 
     @contextlib.contextmanager

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..store import Tier
+from ._formats import BLOCK, Packing, StateFormat, packing_for
 
 __all__ = ["Owner", "MasterMode", "master_mode", "Segment", "Shard", "ParamEntry", "Placement", "Item",
            "cut", "staggered", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
@@ -90,6 +91,8 @@ class Shard:
     master: bool
     wrapped: bool
     segments: list[Segment] = field(default_factory=list)
+    fmt: StateFormat = StateFormat.FP32  # how the moment rows are stored (``_formats``)
+    names: tuple[str, ...] = ()  # the moment rows' names (the master row, where kept, comes first)
     grad_home: Tier | None = None  # where the fp32 gradient rests (wrapped only): host when the budget allows
     expected: int = 0  # distinct parameters that report a gradient per backward
     # the gradient sink's books (``_sink``)
@@ -110,8 +113,22 @@ class Shard:
         return f"optim/{id(self):x}/grad"
 
     @property
+    def packing(self) -> Packing:
+        return packing_for((["master_param"] if self.master else []) + list(self.names), self.fmt, self.numel)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the rows rest coded (``_formats``): the update decodes them into a scratch buffer."""
+        return self.fmt is not StateFormat.FP32 and bool(self.rows)
+
+    @property
     def state_bytes(self) -> int:
-        return self.rows * self.numel * 4
+        return self.packing.nbytes if self.packed else self.rows * self.numel * 4
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Host bytes of the fp32 rows a packed shard's update decodes into (from the store's pool)."""
+        return self.rows * self.numel * 4 if self.packed else 0
 
     @property
     def grad_bytes(self) -> int:
@@ -205,6 +222,8 @@ class Item:
     placement: Placement
     start: int
     stop: int
+    fmt: StateFormat = StateFormat.FP32  # the optimizer's moments= setting
+    names: tuple[str, ...] = ()  # its param group's state rows (``rows`` of them)
 
 
 def cut(items: list[Item], *, first_index: int, shard_size: int | None,
@@ -220,14 +239,23 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         p = item.placement
         wrapped = item.owner is not None
         rows = int(item.master) + item.rows
-        size = shard_elements(p, rows, wrapped, item.master, copies_group(item), shard_size, grad_room.get(p.key, 0))
+        coded = item.fmt is not StateFormat.FP32 and rows > 0
+        size = shard_elements(p, rows, wrapped, item.master, copies_group(item), shard_size, grad_room.get(p.key, 0),
+                              item_bytes(item))
+        if coded:  # whole blocks, each segment starting one (``_formats``)
+            size = max(BLOCK, size // BLOCK * BLOCK)
         start, first = item.start, None
         while start < item.stop:
+            at = round_up(current.numel, BLOCK) if coded and current is not None else None
             if current is None or current.store is not p.store or current.master != item.master \
-                    or current.rows != rows or current.numel >= size or current.wrapped != wrapped:
-                current = Shard(first_index + len(shards), p.store, p.home, 0, rows, item.master, wrapped)
+                    or current.rows != rows or current.wrapped != wrapped or current.fmt is not item.fmt \
+                    or current.names != item.names or (at if at is not None else current.numel) >= size:
+                current = Shard(first_index + len(shards), p.store, p.home, 0, rows, item.master, wrapped,
+                                fmt=item.fmt, names=item.names)
                 shards.append(current)
                 keys[id(current)] = p.key
+            elif at is not None:
+                current.numel = at
             take = min(item.stop - start, size - current.numel)
             step = torch.zeros((), dtype=torch.float32) if first is None else first.step.clone()
             seg = Segment(item.param, start, take, current.numel, item.group_index, step,
@@ -238,14 +266,18 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
             start += take
     room = dict(grad_room)
     for shard in shards:
+        if shard.packed:
+            shard.numel = round_up(shard.numel, BLOCK)  # (staggered keeps whole blocks)
         shard.numel = staggered(shard.numel)  # unused elements at the end of each row
         shard.expected = len({id(s.param) for s in shard.segments if s.param.requires_grad})
         if shard.wrapped:
             key = keys[id(shard)]
             shard.grad_home = shard.home
-            if shard.home is not Tier.HOST and room.get(key, 0) >= shard.grad_bytes:
+            # (the room was counted over the parameters' elements: a row's padding is not in it)
+            used = 4 * sum(seg.length for seg in shard.segments)
+            if shard.home is not Tier.HOST and room.get(key, 0) >= used:
                 shard.grad_home = Tier.HOST
-                room[key] -= shard.grad_bytes
+                room[key] -= used
     return shards
 
 
@@ -256,20 +288,37 @@ def copies_group(item: Item) -> bool:
         and item.placement.param_home is Tier.NVME
 
 
+def item_bytes(item: Item) -> tuple[float, int]:
+    """Bytes per element of ``item``'s stored rows, and of the fp32 rows its update decodes
+    them into (0 where the rows rest as fp32)."""
+    rows = int(item.master) + item.rows
+    if item.fmt is StateFormat.FP32 or not rows:
+        return 4.0 * rows, 0
+    packing = packing_for((["master_param"] if item.master else []) + list(item.names), item.fmt, BLOCK)
+    return packing.nbytes / BLOCK, 4 * rows
+
+
 def shard_elements(p: Placement, rows: int, wrapped: bool, master: bool, copies: bool, shard_size: int | None,
-                   grad_room: int) -> int:
-    """Elements per shard: as given, or by the host bytes a shard holds while in flight."""
+                   grad_room: int, row_bytes: tuple[float, int] | None = None) -> int:
+    """Elements per shard: as given, or by the host bytes a shard holds while in flight
+    (``row_bytes``: ``item_bytes``; default fp32 rows)."""
+    stored, scratch = row_bytes if row_bytes is not None else (4.0 * rows, 0)
     if shard_size is not None:
         return shard_size
-    if p.home is Tier.HOST and not copies:
+    if p.home is Tier.HOST and not copies and not scratch:
         # plain fp32 parameters are updated where they are, with no staging: fewer calls
         return HOST_PLAIN_SHARD if not wrapped and not master else DEFAULT_SHARD
     # the shards in flight within the host budget, next to the staging that writes a
     # parameter group's new values back and the gradients kept in host memory: each holds
-    # its rows and gradient read from NVMe, and the host copies of groups updated in place
-    per_element = 4 * ((rows + (1 if wrapped else 0) if p.home is Tier.NVME else 0) + (1 if copies else 0))
+    # its rows and gradient read from NVMe, and the host copies of groups updated in place;
+    # coded rows are decoded, one shard at a time, into fp32 scratch
+    per_element = (stored + (4 if wrapped else 0) if p.home is Tier.NVME else 0) + (4 if copies else 0)
     budget = p.host_budget - (p.write_back if wrapped else 0) - grad_room
-    return max(MIN_SHARD, min(DEFAULT_SHARD, budget // (SHARDS_IN_FLIGHT * per_element)))
+    return max(MIN_SHARD, min(DEFAULT_SHARD, int(budget // (SHARDS_IN_FLIGHT * per_element + scratch))))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def staggered(numel: int) -> int:

@@ -28,6 +28,8 @@ from ..config import OffloadConfig
 from ..params import hold_gradients, release_gradients
 from ._deferred import Deferral
 from ._early import EarlyUpdate, refuse_to_start
+from ._formats import StateFormat
+from ._moved import counters, per_parameter
 from ._grads import GradientBook
 from ._layout import Shard
 from ._norms import found_inf, scale_all, total_norm
@@ -60,6 +62,14 @@ class OffloadOptimizer(StateDicts, Optimizer):
             ``"host"`` requires all of them in host memory (BudgetError if the budget cannot
             hold them); ``"nvme"`` writes them all to NVMe (least host memory).
         loss_scale: ``"dynamic"`` (default when a parameter is fp16), a fixed float, or None.
+        moments: how the moment rows (``exp_avg``, ``exp_avg_sq``, SGD's momentum) are stored
+            between steps: ``"fp32"`` (default: torch's, the trajectory equals torch's),
+            ``"bf16"`` (2 bytes per element, rounded to nearest even), ``"int8"`` (8-bit
+            block-wise codes with a scale per 256 elements, about 1 byte per element; the
+            scheme is in ``offload.optim._formats``). Each shard is decoded to fp32 for its
+            update and coded again: the update itself is torch's. Fewer bytes read and
+            written per step where the states rest on NVMe, and less memory where they rest
+            in host memory; master weights stay fp32.
         update_in_next_forward: ``True`` (default): ``step()`` decides the step at once (clip
             factor, fp16 overflow) and returns; a wrapped model's shards are updated during
             the next forward, each parameter group just before its first use, so the
@@ -73,7 +83,7 @@ class OffloadOptimizer(StateDicts, Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
                  shard_size: int | None = None, loss_scale: str | float | None = "auto", grad_tier: str = "auto",
-                 update_in_next_forward: bool = True):
+                 update_in_next_forward: bool = True, moments: str = "fp32"):
         if type(self)._update is OffloadOptimizer._update:
             raise TypeError("OffloadOptimizer is the base of the offload optimizers: use offload.AdamW, "
                             "offload.Adam or offload.SGD")
@@ -83,11 +93,15 @@ class OffloadOptimizer(StateDicts, Optimizer):
         # still being written back is served from memory; the store's stats count the disk's)
         # reduce_seconds: several ranks, time in the reduce-scatters of gradients
         # forward_update_seconds: time spent updating shards during the next forward
+        # <kind>_read_bytes / <kind>_write_bytes: the same, by kind (``_moved.KINDS``)
         self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
-                      "read_bytes": 0, "write_bytes": 0, "reduce_seconds": 0.0, "forward_update_seconds": 0.0}
+                      "read_bytes": 0, "write_bytes": 0, "reduce_seconds": 0.0, "forward_update_seconds": 0.0,
+                      **counters()}
+        self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
+        fmt = StateFormat.parse(moments)
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
-                               shard_size=shard_size, grad_tier=grad_tier)
+                               shard_size=shard_size, grad_tier=grad_tier, fmt=fmt)
         self._states = StateRows(self._book)
         self._sink = GradientSink(self._book, self._phase, self.stats, self._before_gradient)
         self._writeback = WriteBack(self.stats)
@@ -187,11 +201,16 @@ class OffloadOptimizer(StateDicts, Optimizer):
         self._ensure_layout()
 
     def _end_step(self, started: float, *, skipped: bool) -> None:
-        """Tell the wrapped models this optimizer serves: their optimizer time, and the line
-        of their step log (OffloadConfig.log_path)."""
+        """Tell the wrapped models this optimizer serves: their optimizer time, the bytes it
+        moved per parameter since the last step, by kind (with the update in the next
+        forward: the previous step's update), and the line of their step log
+        (OffloadConfig.log_path)."""
         seconds = time.perf_counter() - started
+        params = sum(seg.length for shard in self._book.shards for seg in shard.segments)
+        moved = per_parameter(self.stats, self._moved_before, params)
+        self._moved_before = dict(self.stats)
         for manager in self._book.managers():
-            manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped)
+            manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped, moved=moved)
 
     @contextlib.contextmanager
     def update_during_backward(self):
@@ -323,6 +342,11 @@ class OffloadOptimizer(StateDicts, Optimizer):
     def loss_scale(self, value: float) -> None:
         self._settle()  # (an owed update divides by the scale its sums were made in)
         self._scaler.scale = float(value)
+
+    @property
+    def moments(self) -> str:
+        """How the moment rows are stored: ``"fp32"``, ``"bf16"`` or ``"int8"``."""
+        return self._book.fmt.value
 
     @property
     def phase(self) -> OptimizerPhase:

@@ -10,6 +10,7 @@ update owed to the next forward lands before anything is read or replaced).
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from ._checkpoint import CheckpointView
 from ._layout import Shard
@@ -18,11 +19,15 @@ from ._statedict import check_groups, gather_state, scatter_state
 
 __all__ = ["StateDicts"]
 
+log = logging.getLogger(__name__)
+
 
 class StateDicts:
     def state_dict(self) -> dict:
         """torch's format: per parameter ``step``, the moment buffers (full tensors in the
-        parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``."""
+        parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``; and
+        ``moments``, how they were kept. Coded moments are decoded exactly, and coded again
+        to the same bytes by an optimizer of the same format and layout (``_formats``)."""
         self._settle()
         self._sink.sync()
         self._ensure_layout()
@@ -32,6 +37,7 @@ class StateDicts:
             for p in group["params"]:
                 index.setdefault(id(p), len(index))
         packed["state"] = gather_state(self._book.shards, self._states, index)
+        packed["moments"] = self.moments  # (decoded to fp32 here: torch's optimizers load it)
         return packed
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -40,6 +46,10 @@ class StateDicts:
         self._settle()
         self._sink.sync()
         by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)
+        saved = state_dict.get("moments", "fp32")
+        if saved != self.moments:
+            log.info("%s.load_state_dict: the state dict's moments were kept as %s, this optimizer keeps them as "
+                     "%s: converted", type(self).__name__, saved, self.moments)
         with self._loading("load_state_dict()"):
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
@@ -71,5 +81,5 @@ class StateDicts:
         return CheckpointView(prepare=prepare, states=self._states, scaler=self._scaler, loading=self._loading,
                               reset_gradients=self.reset_gradients,
                               holds_gradients=lambda: any(s.grad_valid for s in self._book.shards),
-                              staging=own.staging if own is not None else None)
+                              staging=own.staging if own is not None else None, moments=self.moments)
 

@@ -16,6 +16,7 @@ from .._memory import HEAP_PEAK
 from ..store import Residency, Tier
 from ._grads import noted_norms, renote
 from ._layout import SHARDS_IN_FLIGHT, Segment, Shard
+from ._moved import count, count_states
 from ._phase import Phase
 from ._writeback import WriteBack, settled
 
@@ -79,6 +80,10 @@ class Pipeline:
         for key in shard.host_reads:
             shard.store.fetch(key, Tier.HOST)
         self.stats["read_bytes"] += shard.bytes_in_flight
+        if shard.rows:
+            count_states(self.stats, shard, read=True)
+        if shard.reads_grad:
+            count(self.stats, "gradients", read=shard.grad_bytes)
 
     def room_beside_compute(self, shard: Shard) -> bool:
         """Whether reading ``shard`` while compute runs on a device leaves the host room that
@@ -147,11 +152,23 @@ class Pipeline:
         grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
         views = self.writeback.views(shard, pending)
         self.stats["wait_seconds"] += time.perf_counter() - waited
-        self.log("update_start", shard)
-        HEAP_PEAK.sample()
-        self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
-        self.log("update_end", shard)
-        self.writeback.after_update(shard, rows, pending, busy)
+        scratch = shard.store.staging.acquire(shard.scratch_bytes) if shard.packed else None
+        try:
+            stored, packing = rows, shard.packing
+            if scratch is not None:  # coded rows: updated in fp32, coded again in place (``_formats``)
+                rows = scratch.view(torch.float32, (shard.rows, shard.numel))
+                packing.decode(stored, rows)
+            self.log("update_start", shard)
+            HEAP_PEAK.sample()
+            self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
+            self.log("update_end", shard)
+            self.writeback.after_update(shard, rows, pending, busy)
+            if scratch is not None:
+                shard.store.wait_unread(shard.state_key, Tier.HOST)  # (no transfer reads what is coded over)
+                packing.encode(rows, stored)
+        finally:
+            if scratch is not None:
+                shard.store.staging.release(scratch)
         if shard.home is not Tier.HOST:
             self.log("write", shard)
             if shard.rows:
@@ -160,6 +177,7 @@ class Pipeline:
                 self.writing.append((shard.store, shard.state_key))
                 self._forget_landed()
                 self.stats["write_bytes"] += shard.state_bytes
+                count_states(self.stats, shard, read=False)
             if shard.reads_grad:
                 shard.store.evict(shard.grad_key, Tier.HOST)
         elif shard.rows:

@@ -14,6 +14,7 @@ from .._resolve import choose_io_backend, resolve_engine
 from ..config import OffloadConfig
 from ..params import owner_of
 from ..store import Residency, Tier, TensorStore, create_store
+from ._formats import StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, ParamEntry, Placement, Segment, Shard, cut,
                       master_mode)
 from ._sizing import check_host_budget, check_machine, device_staging_bytes, grad_room, wrapped_mode, write_back_bytes
@@ -39,7 +40,7 @@ class ShardBook:
     """``rows_for(group_index)``: the state rows of a torch param group (its settings)."""
 
     def __init__(self, rows_for: Callable[[int], tuple[str, ...]], *, config: OffloadConfig | None,
-                 shard_size: int | None, grad_tier: str):
+                 shard_size: int | None, grad_tier: str, fmt: StateFormat = StateFormat.FP32):
         if grad_tier not in ("auto", "host", "nvme"):
             raise ValueError(f"grad_tier={grad_tier!r}: use 'auto', 'host' or 'nvme'")
         if shard_size is not None and int(shard_size) < 1:
@@ -48,6 +49,7 @@ class ShardBook:
         self.config = config
         self.shard_size = int(shard_size) if shard_size is not None else None
         self.grad_tier = grad_tier
+        self.fmt = fmt  # how the moment rows are stored (``_formats``)
         self.shards: list[Shard] = []
         self.entries: dict[int, ParamEntry] = {}  # id(param) -> its record
         self.placements: dict[int, Placement] = {}  # id(store) -> the latest placement there
@@ -143,7 +145,7 @@ class ShardBook:
         return placement.device_staging if placement is not None else 0
 
     def _item(self, entry: ParamEntry, placements: dict[int, Placement]) -> Item:
-        p, rows = entry.param, len(self.rows_for(entry.group_index))
+        p, names = entry.param, tuple(self.rows_for(entry.group_index))
         if entry.owner is not None:
             manager, slot = entry.owner.manager, entry.owner.slot
             placement = placements.get(id(manager)) or placements.setdefault(id(manager), self._placement(manager))
@@ -154,7 +156,8 @@ class ShardBook:
             master = master_mode(p.dtype, resident=False, group_fp32=False, param_home=None,
                                  cpu=host_compute(p.device))
             start, stop = 0, p.numel()
-        return Item(p, entry.group_index, entry.owner, rows, master is MasterMode.ROW, placement, start, stop)
+        return Item(p, entry.group_index, entry.owner, len(names), master is MasterMode.ROW, placement, start, stop,
+                    fmt=self.fmt, names=names)
 
     def _placement(self, manager: Any) -> Placement:
         store = manager.store
@@ -236,6 +239,7 @@ def _warm_pools(shards: list[Shard]) -> None:
         pool = group[0].store.staging
         largest = sorted(group, key=lambda s: s.bytes_in_flight, reverse=True)[: SHARDS_IN_FLIGHT + 1]
         sizes = [n for s in largest for n in (s.state_bytes if s.rows else 0, s.grad_bytes if s.reads_grad else 0) if n]
+        sizes += [s.scratch_bytes for s in largest[:1] if s.scratch_bytes]  # (one update at a time)
         held = []
         try:
             for size in sizes:

@@ -31,6 +31,7 @@ from ._reduce import Reducer
 from ._shards import ShardBook
 from ._sizing import largest_grad_copy
 from ._staging import GradientCopies
+from ._moved import count
 
 __all__ = ["GradientSink", "Listener", "on_drain_thread"]
 
@@ -240,6 +241,7 @@ class GradientSink:
                 acc.copy_(store.wait(shard.grad_key, Tier.HOST))
                 store.evict(shard.grad_key, Tier.HOST)
                 self.stats["read_bytes"] += shard.numel * 4
+                count(self.stats, "gradients", read=shard.numel * 4)
                 _settle(shard, acc)
             else:
                 acc.zero_()
@@ -260,6 +262,7 @@ class GradientSink:
             shard.store.staging.release(shard.acc_buffer)
             shard.acc_buffer = None
             self.stats["write_bytes"] += shard.numel * 4
+            count(self.stats, "gradients", written=shard.numel * 4)
         shard.acc = None
         shard.grad_valid = True
         shard.drained.clear()

@@ -18,6 +18,7 @@ from .._units import format_size
 from ..accel import host_compute
 from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
+from ._formats import StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
@@ -102,7 +103,9 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
         p = placements[key]
         resting = sum(s.host_resting_bytes for s in group)
         # one shard in flight: its rows and gradient, and the groups it updates in host copies
-        largest = max((s.bytes_in_flight + s.group_copy_bytes(p.param_home) for s in group), default=0)
+        # (coded rows: and the fp32 scratch its update decodes them into)
+        largest = max((s.bytes_in_flight + s.group_copy_bytes(p.param_home) + s.scratch_bytes for s in group),
+                      default=0)
         wrapped = any(s.wrapped for s in group)
         staging = p.write_back if wrapped else 0
         device = p.device_staging if wrapped else 0
@@ -152,11 +155,12 @@ def check_machine(shards: list[Shard]) -> None:
 
 
 def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_staging: int,
-              partitioned: bool = False) -> list[PlanRow]:
+              partitioned: bool = False, moments: str | StateFormat = "fp32") -> list[PlanRow]:
     """The optimizer's rows of ``offload.plan``: an offload optimizer keeping state ``rows``
-    (``_rules.state_rows``) over every parameter of ``groups`` (this rank's slices, with
-    ``partitioned``), laid out as the optimizer lays them out. Raises the optimizer's
-    BudgetError where it would refuse."""
+    (``_rules.state_rows``, stored as ``moments`` says) over every parameter of ``groups``
+    (this rank's slices, with ``partitioned``), laid out as the optimizer lays them out.
+    Raises the optimizer's BudgetError where it would refuse."""
+    fmt = StateFormat.parse(moments)
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
@@ -170,27 +174,40 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
             owner = Owner(None, group, slot)
             master = wrapped_mode(owner, param_home, cpu) is MasterMode.ROW
             items.append(Item(slot.param, 0, owner, len(rows), master, placement, slot.first,
-                              slot.first + slot.count))
+                              slot.first + slot.count, fmt=fmt, names=tuple(rows)))
     if not items:
         return []
     shards = cut(items, first_index=0, shard_size=None, grad_room=grad_room(items, "auto"))
     check_host_budget(shards, {placement.key: placement})  # (the optimizer would refuse: so does the plan)
-    out = [PlanRow(f"optimizer: {', '.join(rows) or 'no states'}", home.value,
-                   sum(4 * s.numel * (s.rows - s.master) for s in shards), "fp32, 4 bytes per parameter each")]
     masters = sum(4 * s.numel for s in shards if s.master)
+    params = sum(seg.length for s in shards for seg in s.segments)
+    moment_bytes = sum(s.state_bytes for s in shards) - masters
+    out = [PlanRow(f"optimizer: {', '.join(rows) or 'no states'}", home.value, moment_bytes,
+                   _moments_note(fmt, moment_bytes / max(params, 1), home))]
     if masters:
         out.append(PlanRow("optimizer: master weights", home.value, masters,
-                           "fp32 copy of the parameters that are not fp32 where they rest"))
+                           "fp32 copy of the parameters that are not fp32 where they rest"
+                           + ("; 8 bytes per parameter moved per step" if home is Tier.NVME else "")))
     for tier in (Tier.HOST, Tier.NVME):
         grads = sum(s.grad_bytes for s in shards if s.grad_home is tier)
         if grads:
             kept = tier is Tier.HOST and home is not Tier.HOST
             out.append(PlanRow("optimizer: gradient accumulators", tier.value, grads,
                                "fp32, summed over backward passes"
-                               + ("; kept in host memory (grad_tier='auto')" if kept else "")))
+                               + ("; kept in host memory (grad_tier='auto')" if kept else "")
+                               + ("; 8 bytes per parameter moved per step" if tier is Tier.NVME else "")))
     if home is Tier.NVME or any(s.group_copy_bytes(param_home) for s in shards):
         in_flight = sorted((s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards),
                            reverse=True)[:SHARDS_IN_FLIGHT]
         out.append(PlanRow("optimizer: shards in flight", "host", min(config.host_budget, sum(in_flight)),
                            "read ahead, update, write back; within host_budget"))
     return out
+
+
+def _moments_note(fmt: StateFormat, per_param: float, home: Tier) -> str:
+    what = {StateFormat.FP32: "fp32", StateFormat.BF16: "bf16",
+            StateFormat.INT8: "8-bit codes with a scale per 256"}[fmt]
+    note = f"{what}: {per_param:.2f} bytes per parameter"
+    if home is Tier.NVME:
+        note += f", {2 * per_param:.2f} moved per step (read and written)"
+    return note

@@ -24,14 +24,26 @@ class StateRows:
         return (["master_param"] if shard.master else []) + rows
 
     def write(self, shard: Shard, rows: torch.Tensor) -> None:
-        if shard.rows:
-            shard.store.put(shard.state_key, rows, shard.home)
+        """Store ``rows`` (``rows x numel``, fp32; coded rows overwrite it) as the shard's states."""
+        if not shard.rows:
+            return
+        if shard.packed:
+            packing = shard.packing
+            packed = torch.empty(packing.nbytes, dtype=torch.uint8)
+            packing.encode(rows, packed)
+            rows = packed
+        shard.store.put(shard.state_key, rows, shard.home)
 
     def read(self, shard: Shard) -> torch.Tensor:
-        """A copy of the shard's rows (``rows x numel``, fp32)."""
+        """A copy of the shard's rows (``rows x numel``, fp32; coded rows decoded)."""
         if not shard.rows:
             return torch.empty(0, shard.numel)
-        return shard.store.read_copy(shard.state_key)
+        stored = shard.store.read_copy(shard.state_key)
+        if not shard.packed:
+            return stored
+        rows = torch.empty(shard.rows, shard.numel, dtype=torch.float32)
+        shard.packing.decode(stored, rows)
+        return rows
 
     def current_values(self, seg: Segment) -> torch.Tensor:
         """The parameter's values as a master starts from: the model's own, before a

@@ -19,6 +19,7 @@ import torch
 from ..accel import host_compute
 from ..store import Residency, Tier
 from ._layout import MasterMode, Owner, Shard
+from ._moved import count
 from ._sizing import wrapped_mode
 
 __all__ = ["GroupWrite", "WriteBack", "settled"]
@@ -80,6 +81,7 @@ class WriteBack:
                 if entry.manager.home is not Tier.HOST:  # else the host copy is its home
                     entry.manager.store.fetch(entry.group.key, Tier.HOST)
                     self.stats["read_bytes"] += entry.group.nbytes
+                    count(self.stats, "parameters", read=entry.group.nbytes)
 
     def views(self, shard: Shard, pending: dict) -> dict | None:
         """For a wrapped shard without master rows: the fp32 tensor each segment is updated
@@ -175,6 +177,7 @@ class WriteBack:
             if manager.home is not Tier.HOST:  # written home; the host copy dropped
                 manager.store.evict(group.key, Tier.HOST)
                 self.stats["write_bytes"] += group.nbytes
+                count(self.stats, "parameters", written=group.nbytes)
             return
         data = entry.data
         if current is not None:
@@ -182,6 +185,8 @@ class WriteBack:
                 current[offset: offset + n] = data[offset: offset + n]
             data = current
         manager.write_group(group, data)
+        if manager.home is Tier.NVME:
+            count(self.stats, "parameters", written=group.nbytes)
 
     def finish_released(self, busy: list[GroupWrite], *, force: bool) -> list[GroupWrite]:
         """Write the groups of ``busy`` no pass holds any more (all of them when ``force``:

@@ -61,9 +61,11 @@ class ParamManager:
         if self.steplog.tracer is not None:
             store.tracer = coordinator.tracer = self.steplog.tracer
 
-    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool) -> None:
-        """An offloaded optimizer's step over these parameters took ``seconds``: the step's record."""
-        self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped)
+    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None) -> None:
+        """An offloaded optimizer's step over these parameters took ``seconds`` (``moved``:
+        the bytes it read and wrote per parameter since its last step, by kind): the step's
+        record."""
+        self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped, moved=moved)
 
     def optimizer_time(self, seconds: float) -> None:
         """An optimizer worked ``seconds`` outside its ``step()`` (the update a step left to

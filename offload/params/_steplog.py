@@ -61,9 +61,11 @@ class StepLog:
     def note(self, **fields: Any) -> None:
         self._noted.update(fields)
 
-    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool) -> None:
+    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None) -> None:
         self.optimizer_seconds += seconds
         self.note(lr=lr, skipped_step=skipped)
+        if moved is not None:
+            self.note(optimizer_bytes_per_param=moved)
         self.record()
 
     def record(self, **fields: Any) -> dict[str, Any]:
