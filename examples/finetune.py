@@ -172,6 +172,10 @@ def main(argv=None) -> int:
                    "backward as soon as its gradients are final (opt.update_during_backward()) instead of during "
                    "the next forward (the default, which clips exactly); the same result as step() after "
                    "backward; needs --clip 0 and fp32 or bf16")
+    t.add_argument("--moments", default="fp32", choices=["fp32", "bf16", "int8"], help="how AdamW keeps its "
+                   "moments between steps: fp32 (default, torch's trajectory), bf16 (half the bytes) or int8 "
+                   "(8-bit block-wise codes, about a quarter): fewer bytes read and written per step with states "
+                   "on NVMe; see docs/benchmarks.md for the loss curves")
     t.add_argument("--corpus", default=None, help="UTF-8 text file to train on (default: generated arithmetic)")
     t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     c = parser.add_argument_group("checkpoints and output")
@@ -196,7 +200,7 @@ def main(argv=None) -> int:
     model, weights = build_model(args)
     # the process's peak RSS this run should reach (what the OOM killer reads), from a batch's shape
     shape = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
-    predicted = offload.plan(model, offload_config(args), optimizer="adamw",
+    predicted = offload.plan(model, offload_config(args), optimizer="adamw", moments=args.moments,
                              batch={"input_ids": shape, "labels": shape}).predicted_rss
     model = offload.wrap(model, offload_config(args), checkpoint=weights)
     model.train()
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = offload.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                        lr=args.lr, betas=(0.9, 0.95))
+                        lr=args.lr, betas=(0.9, 0.95), moments=args.moments)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup))
         * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
