@@ -21,6 +21,11 @@ that its peak RSS is its own:
              default update in the next forward, with or without ``--clip``;
   ours_plain (only with ``--systems ...,ours_plain``) ``backward(); [clip]; step()`` with the
              update inside ``step()`` (``update_in_next_forward=False``);
+  ours_FMT   (``--formats fp32,bf16,int8`` puts one per format in place of ``ours``) as ``ours``,
+             with ``offload.AdamW(moments=FMT)``: the moments kept in fp32, bf16 or 8-bit codes.
+             The JSON then has ``ours_FMT_step_s``, ``ours_FMT_bytes_per_param`` (bytes read
+             plus written per step, per parameter) and ``ours_FMT_peak_rss_bytes``; the plain
+             ``ours_*`` keys are fp32's;
 
 and then the forward pass alone (no gradients, ``model.eval()``): torch in memory,
 ZeRO-Inference (stage 3, parameters on NVMe, no optimizer) and ours (parameters on NVMe).
@@ -281,9 +286,10 @@ def worker_ours(path: str, args) -> dict:
         else:
             model.train()
             opt = offload.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=args.weight_decay,
+                                weight_decay=args.weight_decay, moments=moments_of(args.worker),
                                 update_in_next_forward=args.worker != "ours_plain")
-            overlap = args.worker == "ours" and not args.clip  # (update_during_backward refuses clipping)
+            # (update_during_backward refuses clipping)
+            overlap = args.worker not in ("ours_next", "ours_plain") and not args.clip
 
             phases = []
 
@@ -320,8 +326,15 @@ def worker_ours(path: str, args) -> dict:
         shutil.rmtree(swap, ignore_errors=True)
 
 
+FORMATS = ("fp32", "bf16", "int8")
 WORKERS = {"torch": worker_torch, "deepspeed": worker_deepspeed, "ours": worker_ours, "ours_next": worker_ours,
-           "ours_plain": worker_ours}
+           "ours_plain": worker_ours, **{f"ours_{fmt}": worker_ours for fmt in FORMATS}}
+
+
+def moments_of(worker: str) -> str:
+    """The moments format a worker of ours runs with (``ours_FMT``; fp32 otherwise)."""
+    fmt = worker.rsplit("_", 1)[-1]
+    return fmt if fmt in FORMATS else "fp32"
 
 
 def run_worker(system: str, job: str, path: str, args, name: str) -> dict | None:
@@ -379,6 +392,8 @@ def main() -> None:
                         help="ZeRO-Infinity configuration (default fast: sub_group_size 1e9)")
     parser.add_argument("--systems", default="torch,deepspeed,ours", help="which to run, of torch, deepspeed, "
                         "ours, ours_next, ours_plain (default torch,deepspeed,ours)")
+    parser.add_argument("--formats", default=None, help="run ours once per moments format of this comma list "
+                        "(fp32, bf16, int8) in place of the single fp32 run (default: fp32 only, as 'ours')")
     parser.add_argument("--jobs", default="train,infer", help="train, infer or both (default both)")
     parser.add_argument("--path", default=None, help="directory on the disk under test for models and swap "
                         f"files (default: {SCRATCH_HELP.format(name='vs-deepspeed')}); models are kept there "
@@ -395,6 +410,9 @@ def main() -> None:
         print(json.dumps(out))
         return
     systems = args.systems.split(",")
+    if args.formats:
+        at = systems.index("ours") if "ours" in systems else len(systems)
+        systems[at: at + 1] = [f"ours_{fmt}" for fmt in args.formats.split(",")]
     jobs = args.jobs.split(",")
     report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "lr": args.lr,
               "weight_decay": args.weight_decay, "ds_variant": args.ds_variant, "clip": args.clip,
@@ -405,7 +423,7 @@ def main() -> None:
         for r in range(args.rounds):
             for job in jobs:
                 for system in systems:
-                    if job == "infer" and system in ("ours_next", "ours_plain"):
+                    if job == "infer" and system.startswith("ours_"):
                         continue  # the same forward as ours
                     runs[(system, job)].append(run_worker(system, job, path, args, name))
         entry: dict = {"params": sum(p.numel() for p in build_in_memory(path).parameters()),
@@ -422,6 +440,12 @@ def main() -> None:
             entry[f"{system}_infer_peak_rss_bytes"] = median_of(infer, "peak_rss_bytes")
             entry[f"{system}_losses"] = next((r["losses"] for r in train if r), None)
             entry[f"{system}_runs"] = {"train": train, "infer": infer}
+            if system in {f"ours_{fmt}" for fmt in FORMATS}:
+                moved = [(r["read_bytes_per_step"] + r["write_bytes_per_step"]) / entry["params"] for r in train if r]
+                entry[f"{system}_bytes_per_param"] = statistics.median(moved) if moved else None
+        if "ours_fp32" in systems:  # (the keys a run without --formats writes)
+            for key in [k for k in entry if k.startswith("ours_fp32_")]:
+                entry.setdefault("ours_" + key[len("ours_fp32_"):], entry[key])
         ref = entry.get("torch_losses")
         for system in systems:
             if system != "torch":
@@ -430,6 +454,9 @@ def main() -> None:
             entry["ours_speedup_vs_deepspeed"] = entry["deepspeed_step_s"] / entry["ours_step_s"]
         if entry.get("torch_step_s") and entry.get("ours_step_s"):
             entry["ours_vs_torch_step"] = entry["ours_step_s"] / entry["torch_step_s"]
+        for system in systems:
+            if system.startswith("ours_") and entry.get("torch_step_s") and entry.get(f"{system}_step_s"):
+                entry[f"{system}_vs_torch_step"] = entry[f"{system}_step_s"] / entry["torch_step_s"]
         if entry.get("deepspeed_infer_s") and entry.get("ours_infer_s"):
             entry["ours_infer_speedup_vs_deepspeed"] = entry["deepspeed_infer_s"] / entry["ours_infer_s"]
         ds_run = next((r for r in runs.get(("deepspeed", "train"), []) if r), None)
@@ -455,6 +482,10 @@ def print_table(name: str, e: dict, systems: list[str]) -> None:
         print(f"{s:10s} {f(e[f'{s}_step_s']):>7s} {f(e[f'{s}_peak_rss_bytes'], 2**30):>13s} "
               f"{f(e[f'{s}_read_bytes_per_step'], 1e9):>13s} {f(e[f'{s}_write_bytes_per_step'], 1e9):>16s} "
               f"{f(e[f'{s}_infer_s']):>10s} {f(diff, fmt='{:.1e}') if s != 'torch' else '-':>23s}")
+    for s in systems:
+        if e.get(f"{s}_bytes_per_param") is not None:
+            print(f"{s}: {e[f'{s}_bytes_per_param']:.1f} bytes moved per parameter per step, step "
+                  f"{e[f'{s}_vs_torch_step']:.2f}x torch's" if e.get(f"{s}_vs_torch_step") else "")
     for key, label in (("ours_speedup_vs_deepspeed", "ours step vs ZeRO-Infinity"),
                        ("ours_vs_torch_step", "ours step / torch step"),
                        ("ours_infer_speedup_vs_deepspeed", "ours forward vs ZeRO-Inference")):
