@@ -20,11 +20,12 @@ __all__ = ["plan"]
 
 
 def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw",
-         batch: Mapping[str, Any] | None = None, moments: str = "fp32") -> MemoryPlan:
+         batch: Mapping[str, Any] | None = None, moments: str = "fp32", master: str = "fp32") -> MemoryPlan:
     """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
     of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``)
     with its default settings, its moments stored as ``moments`` says (``"fp32"``,
-    ``"bf16"``, ``"int8"``: the optimizers' ``moments=``). Allocates nothing; the model may
+    ``"bf16"``, ``"int8"``: the optimizers' ``moments=``) and its master rows as ``master``
+    says (``"fp32"``, ``"bf16"``). Allocates nothing; the model may
     be on the meta device.
 
     ``batch``: the keyword arguments of one training forward (``model(**batch)``), tensors
@@ -50,7 +51,8 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
     rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging,
-                                                                           partitioned=world > 1, moments=moments))
+                                                                           partitioned=world > 1, moments=moments,
+                                                                           master_format=master))
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,

@@ -53,7 +53,7 @@ def _offload_blobs(opt: OffloadOptimizer, names: dict[int, str], info: dict) -> 
     info["scaler"] = view.scaler_state()
     state: dict[str, dict] = {}
     blobs: list[Blob] = []
-    info["moments"] = view.moments
+    info["moments"], info["master"] = view.moments, view.master
     for shard in shards:
         pieces = []
         packing = shard.packing
@@ -163,10 +163,11 @@ def offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: d
     _restore_groups(opt, info)
     cat_names = {id(p): n for group, names in zip(opt.param_groups, plan["names"])
                  for p, n in zip(group["params"], names)}
-    saved = info.get("moments", "fp32")
-    if saved != view.moments:
-        log.info("load_checkpoint: the checkpoint's optimizer moments were kept as %s, this optimizer keeps them "
-                 "as %s: converted", saved, view.moments)
+    for what, mine in (("moments", view.moments), ("master", view.master)):
+        saved = info.get(what, "fp32")
+        if saved != mine:
+            log.info("load_checkpoint: the checkpoint's optimizer %s were kept as %s, this optimizer keeps them "
+                     "as %s: converted", what, saved, mine)
     items = []
     for shard in view.shards():
         for seg in shard.segments:

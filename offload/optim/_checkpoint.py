@@ -66,11 +66,11 @@ class ShardRows:
 class CheckpointView:
     def __init__(self, *, prepare: Callable[[], list[Shard]], states: StateRows, scaler: LossScaler,
                  loading: Callable[[str], Any], reset_gradients: Callable[[], None],
-                 holds_gradients: Callable[[], bool], staging: Any, moments: str = "fp32"):
+                 holds_gradients: Callable[[], bool], staging: Any, moments: str = "fp32", master: str = "fp32"):
         self._prepare, self._states, self._scaler = prepare, states, scaler
         self._loading, self._reset_gradients = loading, reset_gradients
         self._holds_gradients = holds_gradients
-        self._moments = moments
+        self._moments, self._master = moments, master
         self.staging = staging  # the optimizer's own host pool (parameters of no wrapped model), or None
 
     def shards(self) -> list[ShardRows]:
@@ -87,6 +87,11 @@ class CheckpointView:
     def moments(self) -> str:
         """How the optimizer keeps its moment rows (``_formats.StateFormat``'s value)."""
         return self._moments
+
+    @property
+    def master(self) -> str:
+        """How the optimizer keeps its master rows."""
+        return self._master
 
     def scaler_state(self) -> dict:
         return self._scaler.state_dict()

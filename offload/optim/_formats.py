@@ -10,6 +10,13 @@ moment (and SGD's momentum) signed, the second moment unsigned.
   (the zero-point problem: an update ``m / (sqrt(v) + eps)`` over a rounded-away ``v``
   would explode); a block of zeros keeps ``s = 0``.
 
+A bf16 master row (``master="bf16"``, for bf16 parameters) is rounded stochastically: the
+fp32 result plus a uniform dither below its last kept bit, truncated (``round_in_place``,
+before the new values go to the parameters), so that rounding is unbiased over steps (a step's change far below bf16's resolution still moves the weight
+in expectation; rounded to nearest it would be lost). The dither comes from a fixed table
+of 65536 values, read from an offset that each encode's seed (the shard's step count and
+index) picks: a resumed run draws the same dither, with no generator state to save.
+
 The block scale ``s`` is the block's absolute maximum over the top code, rounded up to a
 power of two (as the OCP microscaling formats' shared scales). Decoding is then exact in
 fp32, and coding decoded values again gives the same codes and scales: a state dict in
@@ -52,10 +59,11 @@ class StateFormat(enum.Enum):
 
 class RowCode(enum.Enum):
     """How one state row is stored; ``dtype``: the checkpoint's name for its elements."""
-    FP32 = ("F32", 4)
-    BF16 = ("BF16", 2)
-    SIGNED8 = ("I8", 1)
-    SQRT8 = ("U8", 1)
+    FP32 = ("F32", 4, "")
+    BF16 = ("BF16", 2, "")
+    BF16_SR = ("BF16", 2, "stochastic")  # a master row: rounded stochastically
+    SIGNED8 = ("I8", 1, "")
+    SQRT8 = ("U8", 1, "")
 
     @property
     def dtype(self) -> str:
@@ -73,8 +81,10 @@ class RowCode(enum.Enum):
 _UNSIGNED_ROWS = ("exp_avg_sq", "max_exp_avg_sq")  # never negative: the unsigned code
 
 
-def row_code(name: str, fmt: StateFormat) -> RowCode:
-    if name == "master_param" or fmt is StateFormat.FP32:
+def row_code(name: str, fmt: StateFormat, master: StateFormat = StateFormat.FP32) -> RowCode:
+    if name == "master_param":
+        return RowCode.BF16_SR if master is StateFormat.BF16 else RowCode.FP32
+    if fmt is StateFormat.FP32:
         return RowCode.FP32
     if fmt is StateFormat.BF16:
         return RowCode.BF16
@@ -146,9 +156,19 @@ class Packing:
             _decode_row(span.code, *self._views(packed, span), out[r])
 
     def encode(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
-        """``rows`` (fp32, ``rows x numel``; overwritten) into ``packed``."""
+        """``rows`` (fp32, ``rows x numel``; overwritten) into ``packed``. A master row is
+        rounded to nearest here (its initial values, a load: the parameters' own rounding);
+        an update rounds it stochastically first (``round_in_place``)."""
         for r, span in enumerate(self.spans()):
             _encode_row(span.code, rows[r], *self._views(packed, span))
+
+    def round_in_place(self, rows: torch.Tensor, seed: int) -> None:
+        """Round the stochastically rounded rows of ``rows`` (fp32) to the values they will
+        rest as (``encode`` then stores them as they are): what a master row writes back to
+        the parameters is then the master itself."""
+        for r, span in enumerate(self.spans()):
+            if span.code is RowCode.BF16_SR:
+                _dithered(rows[r], seed).bitwise_and_(-(1 << 16))
 
     def _views(self, packed: torch.Tensor, span: RowSpan) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = self.numel
@@ -159,13 +179,31 @@ class Packing:
         return values, scales
 
 
-_TORCH = {RowCode.FP32: torch.float32, RowCode.BF16: torch.bfloat16, RowCode.SIGNED8: torch.int8,
-          RowCode.SQRT8: torch.uint8}
+_TORCH = {RowCode.FP32: torch.float32, RowCode.BF16: torch.bfloat16, RowCode.BF16_SR: torch.bfloat16,
+          RowCode.SIGNED8: torch.int8, RowCode.SQRT8: torch.uint8}
+_PERIOD = 1 << 16
+_DITHER = torch.randint(0, 1 << 16, (_PERIOD,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+_DITHER = torch.cat([_DITHER, _DITHER])  # (a window may wrap around: read as one slice)
 _TOP = {RowCode.SIGNED8: 127.0, RowCode.SQRT8: 255.0}
 
 
-def packing_for(names: list[str], fmt: StateFormat, numel: int) -> Packing:
-    return Packing(tuple(row_code(n, fmt) for n in names), numel)
+def packing_for(names: list[str], fmt: StateFormat, numel: int, master: StateFormat = StateFormat.FP32) -> Packing:
+    return Packing(tuple(row_code(n, fmt, master) for n in names), numel)
+
+
+def _dithered(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x``'s bits (int32, in place) plus the dither below bf16's last kept bit: a carry
+    into the kept bits comes with the probability of the dropped fraction (on the
+    magnitude: sign and magnitude are separate in the bits). Values bf16 holds exactly
+    (dropped bits zero) never carry."""
+    bits = x.view(torch.int32)
+    at = (seed * 2654435761) % _PERIOD
+    whole = bits.numel() // _PERIOD * _PERIOD
+    if whole:
+        bits[:whole].view(-1, _PERIOD).add_(_DITHER[at: at + _PERIOD])
+    if bits.numel() > whole:
+        bits[whole:].add_(_DITHER[at: at + bits.numel() - whole])
+    return bits
 
 
 def block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:

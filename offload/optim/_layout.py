@@ -20,7 +20,7 @@ from ..store import Tier
 from ._formats import BLOCK, Packing, StateFormat, packing_for
 
 __all__ = ["Owner", "MasterMode", "master_mode", "Segment", "Shard", "ParamEntry", "Placement", "Item",
-           "cut", "staggered", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
+           "cut", "staggered", "check_master_format", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
 
 DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
 # fp32 CPU parameters of no wrapped model, states in host memory: nothing is read or written,
@@ -93,6 +93,7 @@ class Shard:
     segments: list[Segment] = field(default_factory=list)
     fmt: StateFormat = StateFormat.FP32  # how the moment rows are stored (``_formats``)
     names: tuple[str, ...] = ()  # the moment rows' names (the master row, where kept, comes first)
+    master_fmt: StateFormat = StateFormat.FP32  # how the master row is stored (fp32, or bf16 rounded stochastically)
     grad_home: Tier | None = None  # where the fp32 gradient rests (wrapped only): host when the budget allows
     expected: int = 0  # distinct parameters that report a gradient per backward
     # the gradient sink's books (``_sink``)
@@ -114,12 +115,21 @@ class Shard:
 
     @property
     def packing(self) -> Packing:
-        return packing_for((["master_param"] if self.master else []) + list(self.names), self.fmt, self.numel)
+        return packing_for((["master_param"] if self.master else []) + list(self.names), self.fmt, self.numel,
+                           self.master_fmt)
 
     @property
     def packed(self) -> bool:
         """Whether the rows rest coded (``_formats``): the update decodes them into a scratch buffer."""
-        return self.fmt is not StateFormat.FP32 and bool(self.rows)
+        return bool(self.rows) and (self.fmt is not StateFormat.FP32 or
+                                    (self.master and self.master_fmt is not StateFormat.FP32))
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of the master row as it rests (0 without one)."""
+        if not self.master:
+            return 0
+        return self.numel * (2 if self.master_fmt is StateFormat.BF16 else 4)
 
     @property
     def state_bytes(self) -> int:
@@ -224,6 +234,7 @@ class Item:
     stop: int
     fmt: StateFormat = StateFormat.FP32  # the optimizer's moments= setting
     names: tuple[str, ...] = ()  # its param group's state rows (``rows`` of them)
+    master_fmt: StateFormat = StateFormat.FP32  # the optimizer's master= setting
 
 
 def cut(items: list[Item], *, first_index: int, shard_size: int | None,
@@ -239,7 +250,8 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         p = item.placement
         wrapped = item.owner is not None
         rows = int(item.master) + item.rows
-        coded = item.fmt is not StateFormat.FP32 and rows > 0
+        coded = rows > 0 and (item.fmt is not StateFormat.FP32 or
+                              (item.master and item.master_fmt is not StateFormat.FP32))
         size = shard_elements(p, rows, wrapped, item.master, copies_group(item), shard_size, grad_room.get(p.key, 0),
                               item_bytes(item))
         if coded:  # whole blocks, each segment starting one (``_formats``)
@@ -249,9 +261,10 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
             at = round_up(current.numel, BLOCK) if coded and current is not None else None
             if current is None or current.store is not p.store or current.master != item.master \
                     or current.rows != rows or current.wrapped != wrapped or current.fmt is not item.fmt \
-                    or current.names != item.names or (at if at is not None else current.numel) >= size:
+                    or current.names != item.names or current.master_fmt is not item.master_fmt \
+                    or (at if at is not None else current.numel) >= size:
                 current = Shard(first_index + len(shards), p.store, p.home, 0, rows, item.master, wrapped,
-                                fmt=item.fmt, names=item.names)
+                                fmt=item.fmt, names=item.names, master_fmt=item.master_fmt)
                 shards.append(current)
                 keys[id(current)] = p.key
             elif at is not None:
@@ -288,13 +301,23 @@ def copies_group(item: Item) -> bool:
         and item.placement.param_home is Tier.NVME
 
 
+def check_master_format(fmt: StateFormat, dtype: torch.dtype, shape: tuple) -> None:
+    """Refuse a bf16 master row for a parameter that is not bf16 (it would be coarser than
+    the parameter itself)."""
+    if fmt is StateFormat.BF16 and dtype is not torch.bfloat16:
+        raise ValueError(f"master='bf16' keeps the master weights of bf16 parameters in bf16; a parameter of "
+                         f"shape {shape} is {dtype} (its master would be coarser than itself): use "
+                         "master='fp32', or run the model in bf16 (OffloadConfig(compute_dtype='bf16'))")
+
+
 def item_bytes(item: Item) -> tuple[float, int]:
     """Bytes per element of ``item``'s stored rows, and of the fp32 rows its update decodes
     them into (0 where the rows rest as fp32)."""
     rows = int(item.master) + item.rows
-    if item.fmt is StateFormat.FP32 or not rows:
+    if not rows or (item.fmt is StateFormat.FP32 and (not item.master or item.master_fmt is StateFormat.FP32)):
         return 4.0 * rows, 0
-    packing = packing_for((["master_param"] if item.master else []) + list(item.names), item.fmt, BLOCK)
+    packing = packing_for((["master_param"] if item.master else []) + list(item.names), item.fmt, BLOCK,
+                          item.master_fmt)
     return packing.nbytes / BLOCK, 4 * rows
 
 

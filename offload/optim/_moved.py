@@ -23,7 +23,7 @@ def count(stats: dict, kind: str, *, read: int = 0, written: int = 0) -> None:
 
 def count_states(stats: dict, shard: Shard, *, read: bool) -> None:
     """A shard's state rows read or written whole: its master row and its moment rows."""
-    master = 4 * shard.numel if shard.master else 0
+    master = shard.master_bytes
     way = "read" if read else "write"
     stats[f"master_{way}_bytes"] += master
     stats[f"moments_{way}_bytes"] += shard.state_bytes - master

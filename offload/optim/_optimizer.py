@@ -10,14 +10,15 @@ while a shard is updated by the rule (``_rules``) and the previous one written b
 weights written to the parameter tier a group at a time (``_writeback``). Within
 ``update_during_backward()`` the same work runs during backward (``_early``). fp16 loss
 scaling is ``_scaler``; torch's state-dict format ``_statedict``; what checkpoints see
-``_checkpoint``; what the optimizer is doing, ``_phase``.
+``_checkpoint``; zero_grad, clipping and ``p.grad`` ``_gradcalls``; how rows rest (fp32,
+bf16, 8-bit codes) ``_formats``; the bytes moved by kind ``_moved``; what the optimizer is
+doing, ``_phase``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from typing import Any, Callable, Iterable
 
@@ -30,9 +31,10 @@ from ._deferred import Deferral
 from ._early import EarlyUpdate, refuse_to_start
 from ._formats import StateFormat
 from ._moved import counters, per_parameter
+from ._gradcalls import GradientCalls
 from ._grads import GradientBook
 from ._layout import Shard
-from ._norms import found_inf, scale_all, total_norm
+from ._norms import found_inf
 from ._phase import OptimizerPhase, Phase
 from ._pipeline import Pipeline
 from ._scaler import LossScaler
@@ -47,7 +49,7 @@ __all__ = ["OffloadOptimizer"]
 log = logging.getLogger(__name__)
 
 
-class OffloadOptimizer(StateDicts, Optimizer):
+class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     """Base of :class:`AdamW`, :class:`Adam` and :class:`SGD`; see the module docstring.
 
     Extra keyword arguments (beyond torch's):
@@ -69,7 +71,12 @@ class OffloadOptimizer(StateDicts, Optimizer):
             scheme is in ``offload.optim._formats``). Each shard is decoded to fp32 for its
             update and coded again: the update itself is torch's. Fewer bytes read and
             written per step where the states rest on NVMe, and less memory where they rest
-            in host memory; master weights stay fp32.
+            in host memory.
+        master: how the fp32 master weights of parameters that are not fp32 where they rest
+            are kept: ``"fp32"`` (default), or ``"bf16"`` for bf16 parameters, rounded
+            stochastically at each update (2 bytes per parameter instead of 4, read and
+            written each step; unbiased, so small updates are not lost; the trajectory
+            differs from fp32 masters'). Refused for parameters of another dtype.
         update_in_next_forward: ``True`` (default): ``step()`` decides the step at once (clip
             factor, fp16 overflow) and returns; a wrapped model's shards are updated during
             the next forward, each parameter group just before its first use, so the
@@ -83,7 +90,7 @@ class OffloadOptimizer(StateDicts, Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
                  shard_size: int | None = None, loss_scale: str | float | None = "auto", grad_tier: str = "auto",
-                 update_in_next_forward: bool = True, moments: str = "fp32"):
+                 update_in_next_forward: bool = True, moments: str = "fp32", master: str = "fp32"):
         if type(self)._update is OffloadOptimizer._update:
             raise TypeError("OffloadOptimizer is the base of the offload optimizers: use offload.AdamW, "
                             "offload.Adam or offload.SGD")
@@ -100,8 +107,11 @@ class OffloadOptimizer(StateDicts, Optimizer):
         self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
         fmt = StateFormat.parse(moments)
+        if str(master).lower() not in ("fp32", "bf16"):
+            raise ValueError(f"master={master!r}: use 'fp32' (default) or 'bf16' (bf16 parameters only)")
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
-                               shard_size=shard_size, grad_tier=grad_tier, fmt=fmt)
+                               shard_size=shard_size, grad_tier=grad_tier, fmt=fmt,
+                               master_fmt=StateFormat.parse(str(master).lower()))
         self._states = StateRows(self._book)
         self._sink = GradientSink(self._book, self._phase, self.stats, self._before_gradient)
         self._writeback = WriteBack(self.stats)
@@ -282,71 +292,15 @@ class OffloadOptimizer(StateDicts, Optimizer):
         self._sink.sync()
         self._book.synchronize()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: with ``set_to_none=False`` the gradients held are zeros (a step
-        still takes them) rather than none."""
-        if set_to_none:
-            self.reset_gradients()
-        else:
-            self._settle()
-            self._sink.sync()
-            self._grads.zero_kept()
-            self._clipped = False
-        super().zero_grad(set_to_none=set_to_none)  # (plain parameters; the wrapped ones are done)
-
-    def reset_gradients(self) -> None:
-        """Drop every gradient this optimizer holds for wrapped parameters, with its noted
-        norms and factors (``zero_grad()``, a checkpoint load). While a step's update is owed
-        to the next forward it still needs them: hidden now, dropped when it is done."""
-        self._clipped = False
-        if not self._later.hide():
-            self._drop_gradients()
-
-    def _drop_gradients(self) -> None:
-        self._sink.reset()
-        self._grads.cleared()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all this optimizer's parameters to a total norm of
-        ``max_norm`` (like ``torch.nn.utils.clip_grad_norm_``) and return the total norm.
-
-        Offloaded gradients are not read: their norm comes from what was noted when they
-        were written, and the factor is noted with them (``p.grad`` shows it) and applied
-        inside the next ``step()``.
-        """
-        norm_type = float(norm_type)
-        self._settle()
-        if self._early is not None:
-            raise RuntimeError("clip_grad_norm_() after update_during_backward(): the shards were updated "
-                               "during backward, before the total norm was known. To clip, run "
-                               "backward(), clip_grad_norm_(), step() without update_during_backward()")
-        if norm_type not in (2.0, math.inf):
-            raise ValueError(f"norm_type={norm_type}: offload optimizers clip by the 2-norm or the inf-norm")
-        self._sink.sync()
-        self._ensure_layout()
-        total = total_norm(self._book, norm_type) / self._scaler.factor
-        scale_all(self._book, min(1.0, float(max_norm) / (total + 1e-6)))
-        self._clipped = True
-        return torch.tensor(total)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale (fp16 dynamic loss scaling); call ``backward()`` on
-        the result. Unchanged when loss scaling is off."""
-        return self._scaler.scale_loss(loss)
-
-    @property
-    def loss_scale(self) -> float:
-        return self._scaler.scale
-
-    @loss_scale.setter
-    def loss_scale(self, value: float) -> None:
-        self._settle()  # (an owed update divides by the scale its sums were made in)
-        self._scaler.scale = float(value)
-
     @property
     def moments(self) -> str:
         """How the moment rows are stored: ``"fp32"``, ``"bf16"`` or ``"int8"``."""
         return self._book.fmt.value
+
+    @property
+    def master(self) -> str:
+        """How master rows are stored: ``"fp32"`` or ``"bf16"``."""
+        return self._book.master_fmt.value
 
     @property
     def phase(self) -> OptimizerPhase:
@@ -375,21 +329,6 @@ class OffloadOptimizer(StateDicts, Optimizer):
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def gradient_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        """``param.grad`` of a wrapped parameter whose gradient this optimizer holds (see
-        ``_grads``); None when it holds none."""
-        if self._later.hidden(param):
-            return None  # (a view's calls finish the owed update first: GradientBook.check)
-        return self._grads.view(param)
-
-    def set_gradient(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
-        """``param.grad = value`` for a wrapped parameter: None drops what this optimizer
-        holds for it (``model.zero_grad()``), a tensor replaces it."""
-        if value is None and self._later.hide(param):
-            return  # (the owed update reads it first)
-        self._settle()
-        self._grads.assign(param, value)
 
     def __del__(self):
         if not getattr(self, "_closed", True):

@@ -38,6 +38,7 @@ class StateDicts:
                 index.setdefault(id(p), len(index))
         packed["state"] = gather_state(self._book.shards, self._states, index)
         packed["moments"] = self.moments  # (decoded to fp32 here: torch's optimizers load it)
+        packed["master"] = self.master
         return packed
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -46,10 +47,11 @@ class StateDicts:
         self._settle()
         self._sink.sync()
         by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)
-        saved = state_dict.get("moments", "fp32")
-        if saved != self.moments:
-            log.info("%s.load_state_dict: the state dict's moments were kept as %s, this optimizer keeps them as "
-                     "%s: converted", type(self).__name__, saved, self.moments)
+        for what, mine in (("moments", self.moments), ("master", self.master)):
+            saved = state_dict.get(what, "fp32")
+            if saved != mine:
+                log.info("%s.load_state_dict: the state dict's %s were kept as %s, this optimizer keeps them as %s: "
+                         "converted", type(self).__name__, what, saved, mine)
         with self._loading("load_state_dict()"):
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
@@ -81,5 +83,6 @@ class StateDicts:
         return CheckpointView(prepare=prepare, states=self._states, scaler=self._scaler, loading=self._loading,
                               reset_gradients=self.reset_gradients,
                               holds_gradients=lambda: any(s.grad_valid for s in self._book.shards),
-                              staging=own.staging if own is not None else None, moments=self.moments)
+                              staging=own.staging if own is not None else None, moments=self.moments,
+                              master=self.master)
 

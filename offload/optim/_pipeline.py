@@ -161,6 +161,8 @@ class Pipeline:
             self.log("update_start", shard)
             HEAP_PEAK.sample()
             self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
+            if scratch is not None:
+                packing.round_in_place(rows, _seed(shard))  # (a bf16 master: the parameters get what it keeps)
             self.log("update_end", shard)
             self.writeback.after_update(shard, rows, pending, busy)
             if scratch is not None:
@@ -242,6 +244,12 @@ class Pipeline:
             steps.append(seg.step)
         self.update(gi, params, gs, state_rows, steps, grad_scale, groups)
         return temp
+
+
+def _seed(shard: Shard) -> int:
+    """The dither seed of a shard's stochastic rounding (``_formats``): its step count and
+    index, so a resumed run rounds as the uninterrupted one."""
+    return int(shard.segments[0].step) * 1_000_003 + shard.index if shard.segments else shard.index
 
 
 def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -> None:

@@ -15,7 +15,7 @@ from ..config import OffloadConfig
 from ..params import owner_of
 from ..store import Residency, Tier, TensorStore, create_store
 from ._formats import StateFormat
-from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, ParamEntry, Placement, Segment, Shard, cut,
+from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, ParamEntry, Placement, Segment, Shard, cut,
                       master_mode)
 from ._sizing import check_host_budget, check_machine, device_staging_bytes, grad_room, wrapped_mode, write_back_bytes
 
@@ -40,7 +40,8 @@ class ShardBook:
     """``rows_for(group_index)``: the state rows of a torch param group (its settings)."""
 
     def __init__(self, rows_for: Callable[[int], tuple[str, ...]], *, config: OffloadConfig | None,
-                 shard_size: int | None, grad_tier: str, fmt: StateFormat = StateFormat.FP32):
+                 shard_size: int | None, grad_tier: str, fmt: StateFormat = StateFormat.FP32,
+                 master_fmt: StateFormat = StateFormat.FP32):
         if grad_tier not in ("auto", "host", "nvme"):
             raise ValueError(f"grad_tier={grad_tier!r}: use 'auto', 'host' or 'nvme'")
         if shard_size is not None and int(shard_size) < 1:
@@ -50,6 +51,7 @@ class ShardBook:
         self.shard_size = int(shard_size) if shard_size is not None else None
         self.grad_tier = grad_tier
         self.fmt = fmt  # how the moment rows are stored (``_formats``)
+        self.master_fmt = master_fmt  # how master rows are stored
         self.shards: list[Shard] = []
         self.entries: dict[int, ParamEntry] = {}  # id(param) -> its record
         self.placements: dict[int, Placement] = {}  # id(store) -> the latest placement there
@@ -156,8 +158,11 @@ class ShardBook:
             master = master_mode(p.dtype, resident=False, group_fp32=False, param_home=None,
                                  cpu=host_compute(p.device))
             start, stop = 0, p.numel()
-        return Item(p, entry.group_index, entry.owner, len(names), master is MasterMode.ROW, placement, start, stop,
-                    fmt=self.fmt, names=names)
+        row = master is MasterMode.ROW
+        if row:
+            check_master_format(self.master_fmt, entry.owner.slot.dtype if entry.owner else p.dtype, tuple(p.shape))
+        return Item(p, entry.group_index, entry.owner, len(names), row, placement, start, stop,
+                    fmt=self.fmt, names=names, master_fmt=self.master_fmt)
 
     def _placement(self, manager: Any) -> Placement:
         store = manager.store

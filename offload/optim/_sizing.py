@@ -19,7 +19,7 @@ from ..accel import host_compute
 from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
 from ._formats import StateFormat
-from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, Owner, Placement, Shard, cut, master_mode)
+from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
 __all__ = ["grad_room", "check_host_budget", "check_machine", "write_back_bytes",
@@ -155,12 +155,13 @@ def check_machine(shards: list[Shard]) -> None:
 
 
 def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_staging: int,
-              partitioned: bool = False, moments: str | StateFormat = "fp32") -> list[PlanRow]:
+              partitioned: bool = False, moments: str | StateFormat = "fp32",
+              master_format: str | StateFormat = "fp32") -> list[PlanRow]:
     """The optimizer's rows of ``offload.plan``: an offload optimizer keeping state ``rows``
     (``_rules.state_rows``, stored as ``moments`` says) over every parameter of ``groups``
     (this rank's slices, with ``partitioned``), laid out as the optimizer lays them out.
     Raises the optimizer's BudgetError where it would refuse."""
-    fmt = StateFormat.parse(moments)
+    fmt, master_fmt = StateFormat.parse(moments), StateFormat.parse(master_format)
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
@@ -174,20 +175,24 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
             owner = Owner(None, group, slot)
             master = wrapped_mode(owner, param_home, cpu) is MasterMode.ROW
             items.append(Item(slot.param, 0, owner, len(rows), master, placement, slot.first,
-                              slot.first + slot.count, fmt=fmt, names=tuple(rows)))
+                              slot.first + slot.count, fmt=fmt, names=tuple(rows), master_fmt=master_fmt))
+            if master:
+                check_master_format(master_fmt, slot.dtype, tuple(slot.param.shape))
     if not items:
         return []
     shards = cut(items, first_index=0, shard_size=None, grad_room=grad_room(items, "auto"))
     check_host_budget(shards, {placement.key: placement})  # (the optimizer would refuse: so does the plan)
-    masters = sum(4 * s.numel for s in shards if s.master)
+    masters = sum(s.master_bytes for s in shards)
     params = sum(seg.length for s in shards for seg in s.segments)
     moment_bytes = sum(s.state_bytes for s in shards) - masters
     out = [PlanRow(f"optimizer: {', '.join(rows) or 'no states'}", home.value, moment_bytes,
                    _moments_note(fmt, moment_bytes / max(params, 1), home))]
     if masters:
+        per = masters / max(sum(s.numel for s in shards if s.master), 1)
         out.append(PlanRow("optimizer: master weights", home.value, masters,
-                           "fp32 copy of the parameters that are not fp32 where they rest"
-                           + ("; 8 bytes per parameter moved per step" if home is Tier.NVME else "")))
+                           ("bf16 (rounded stochastically)" if master_fmt is StateFormat.BF16 else "fp32")
+                           + " copy of the parameters that are not fp32 where they rest"
+                           + (f"; {2 * per:.0f} bytes per parameter moved per step" if home is Tier.NVME else "")))
     for tier in (Tier.HOST, Tier.NVME):
         grads = sum(s.grad_bytes for s in shards if s.grad_home is tier)
         if grads:

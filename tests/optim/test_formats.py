@@ -295,3 +295,89 @@ def test_bytes_moved_by_kind(tmp_path, tiny_gpt2, lm_batches, offload_config):
     for kind in ("parameters", "gradients"):
         assert int8[f"{kind}_read_bytes"] == fp32[f"{kind}_read_bytes"]
         assert int8[f"{kind}_write_bytes"] == fp32[f"{kind}_write_bytes"]
+
+
+# -- bf16 master weights, rounded stochastically ------------------------------------------------
+def test_stochastic_rounding_is_unbiased_and_between_neighbours():
+    from offload.optim._formats import Packing, RowCode
+
+    n = 1 << 16
+    lo = torch.tensor(1.0, dtype=torch.bfloat16)
+    hi = torch.nextafter(lo, torch.tensor(2.0, dtype=torch.bfloat16))
+    x = float(lo) + 0.3 * (float(hi) - float(lo))  # 30% of the way up
+    packing = Packing((RowCode.BF16_SR,), n)
+    means = []
+    for seed in range(8):
+        got = torch.full((1, n), x)
+        packing.round_in_place(got, seed)
+        assert set(got.unique().tolist()) <= {float(lo), float(hi)}
+        means.append(float(got.mean()))
+    step = float(hi) - float(lo)
+    assert abs(sum(means) / len(means) - x) < 0.01 * step
+    exact = torch.tensor([[1.5, -2.25, 0.0, -0.0] * (n // 4)])  # values bf16 holds stay as they are
+    got = exact.clone()
+    packing.round_in_place(got, 3)
+    assert torch.equal(got, exact)
+
+
+def sr_reference(x: np.ndarray, dither: np.ndarray) -> np.ndarray:
+    """bf16 of fp32 ``x`` rounded up in magnitude where its 16 dropped bits plus ``dither``
+    carry, as the formula reads: floor(x / ulp + u) * ulp with u = dither / 2**16."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    kept = (bits >> 16) + ((bits & 0xFFFF) + dither.astype(np.uint64) >= 1 << 16)
+    return (kept << 16).astype(np.uint32).view(np.float32)
+
+
+def test_bf16_master_update_equals_formula():
+    from offload.optim._formats import _DITHER, _PERIOD
+
+    n = 4 * BLOCK
+    g = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter((torch.randn(n, generator=g)).bfloat16())
+    opt = offload.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master="bf16")
+    assert opt.master == "bf16"
+    master0 = p.detach().double()
+    grad = (torch.randn(n, generator=g) * 1e-2).bfloat16()
+    p.grad = grad.clone()
+    opt.step()
+    b1, b2 = BETAS
+    gd = grad.double()
+    m1, v1 = (1 - b1) * gd, (1 - b2) * gd * gd
+    want = master0 * (1 - LR * WD) - LR * (m1 / (1 - b1)) / ((v1 / (1 - b2)).sqrt() + EPS)
+    shard = opt._book.shards[0]
+    at = ((int(shard.segments[0].step) * 1_000_003 + shard.index) * 2654435761) % _PERIOD
+    dither = _DITHER[at: at + shard.numel].numpy()[:n]
+    expect = sr_reference(want.float().numpy(), dither)
+    got = opt.state_dict()["state"][0]["master_param"].numpy()
+    # the kernel computes in fp32: a value whose dropped bits sit at the carry may round the other way
+    differ = int((got != expect).sum())
+    assert differ <= n // 200, differ
+    assert torch.equal(p.detach().float(), torch.from_numpy(got))  # the bf16 weight is the master
+
+
+def test_bf16_master_refuses_other_dtypes_and_resumes_bit_for_bit(tmp_path, tiny_gpt2, lm_batches, offload_config):
+    with pytest.raises(ValueError, match="master='bf16'"):
+        offload.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], master="bf16")
+    with pytest.raises(ValueError, match="master='bf16'"):
+        offload.plan(tiny_gpt2(), offload_config(tmp_path / "p", compute_dtype="fp16"), master="bf16")
+    batches = lm_batches(211, steps=4)
+    runs = []
+    for name in ("b", "c"):
+        model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / name, compute_dtype="bf16"))
+        opt = offload.AdamW(model.parameters(), lr=LR, master="bf16", moments="int8")
+        runs.append((model, opt))
+    try:
+        (model, opt), (again, again_opt) = runs
+        assert all(s.master_bytes == 2 * s.numel for s in opt._book.shards if s.master)
+        _train(model, opt, batches[:2])
+        offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+        _train(model, opt, batches[2:])
+        offload.load_checkpoint(tmp_path / "ckpt", again, again_opt)
+        _train(again, again_opt, batches[2:])
+        for a, b in zip(model.parameters(), again.parameters()):
+            assert torch.equal(a.detach(), b.detach())
+        assert all(torch.equal(a, b) for a, b in zip(_stored(again_opt), _stored(opt)))
+    finally:
+        for model, opt in runs:
+            offload.close(model)
+            opt.close()
