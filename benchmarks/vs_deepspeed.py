@@ -410,8 +410,10 @@ def main() -> None:
         print(json.dumps(out))
         return
     systems = args.systems.split(",")
-    if args.formats:
-        at = systems.index("ours") if "ours" in systems else len(systems)
+    # the forward alone: one run of ours (the same forward whatever the optimizer)
+    infer_systems = [s for s in systems if s not in ("ours_next", "ours_plain")]
+    if args.formats and "ours" in systems:
+        at = systems.index("ours")
         systems[at: at + 1] = [f"ours_{fmt}" for fmt in args.formats.split(",")]
     jobs = args.jobs.split(",")
     report = {"command": " ".join(sys.argv), "batch": args.batch, "seq": args.seq, "lr": args.lr,
@@ -419,17 +421,15 @@ def main() -> None:
               "models": {}}
     for name in args.models.split(","):
         path = prepare(name, args.path)
-        runs: dict[tuple[str, str], list] = {(s, j): [] for s in systems for j in jobs}
+        runs: dict[tuple[str, str], list] = {(s, j): [] for s in dict.fromkeys(systems + infer_systems) for j in jobs}
         for r in range(args.rounds):
             for job in jobs:
-                for system in systems:
-                    if job == "infer" and system.startswith("ours_"):
-                        continue  # the same forward as ours
+                for system in (infer_systems if job == "infer" else systems):
                     runs[(system, job)].append(run_worker(system, job, path, args, name))
         entry: dict = {"params": sum(p.numel() for p in build_in_memory(path).parameters()),
                        "ours_device_budget": args.device_budget or BUDGETS[name][0],
                        "ours_host_budget": args.host_budget or BUDGETS[name][1]}
-        for system in systems:
+        for system in dict.fromkeys(systems + infer_systems):
             train = runs.get((system, "train"), [])
             infer = runs.get((system, "infer"), [])
             entry[f"{system}_step_s"] = median_of(train, "step_s")
@@ -443,9 +443,10 @@ def main() -> None:
             if system in {f"ours_{fmt}" for fmt in FORMATS}:
                 moved = [(r["read_bytes_per_step"] + r["write_bytes_per_step"]) / entry["params"] for r in train if r]
                 entry[f"{system}_bytes_per_param"] = statistics.median(moved) if moved else None
-        if "ours_fp32" in systems:  # (the keys a run without --formats writes)
-            for key in [k for k in entry if k.startswith("ours_fp32_")]:
-                entry.setdefault("ours_" + key[len("ours_fp32_"):], entry[key])
+        if "ours_fp32" in systems:  # (the training keys a run without --formats writes)
+            for key in [k for k in entry if k.startswith("ours_fp32_") and "infer" not in k]:
+                if entry.get("ours_" + key[len("ours_fp32_"):]) is None:
+                    entry["ours_" + key[len("ours_fp32_"):]] = entry[key]
         ref = entry.get("torch_losses")
         for system in systems:
             if system != "torch":
@@ -464,7 +465,7 @@ def main() -> None:
             entry["deepspeed_config"] = ds_run["deepspeed_config"]
             entry["deepspeed_version"] = ds_run["deepspeed_version"]
         report["models"][name] = entry
-        print_table(name, entry, systems)
+        print_table(name, entry, list(dict.fromkeys(systems + (infer_systems if "infer" in jobs else []))))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
@@ -484,8 +485,9 @@ def print_table(name: str, e: dict, systems: list[str]) -> None:
               f"{f(e[f'{s}_infer_s']):>10s} {f(diff, fmt='{:.1e}') if s != 'torch' else '-':>23s}")
     for s in systems:
         if e.get(f"{s}_bytes_per_param") is not None:
-            print(f"{s}: {e[f'{s}_bytes_per_param']:.1f} bytes moved per parameter per step, step "
-                  f"{e[f'{s}_vs_torch_step']:.2f}x torch's" if e.get(f"{s}_vs_torch_step") else "")
+            ratio = e.get(f"{s}_vs_torch_step")
+            print(f"{s}: {e[f'{s}_bytes_per_param']:.1f} bytes moved per parameter per step"
+                  + (f", step {ratio:.2f}x torch's" if ratio else ""))
     for key, label in (("ours_speedup_vs_deepspeed", "ours step vs ZeRO-Infinity"),
                        ("ours_vs_torch_step", "ours step / torch step"),
                        ("ours_infer_speedup_vs_deepspeed", "ours forward vs ZeRO-Inference")):

@@ -40,13 +40,13 @@ import torch
 
 from .._os import pid_alive
 
-__all__ = ["CheckpointError", "FORMAT", "VERSION", "MANIFEST", "dtype_name", "dtype_of", "crc32", "jsonable",
+__all__ = ["CheckpointError", "FORMAT", "VERSION", "version_of", "MANIFEST", "dtype_name", "dtype_of", "crc32", "jsonable",
            "tensor_of", "AtomicDirectory", "recover", "read_manifest", "check_writable"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 2  # the newest this code reads and writes; 2: coded optimizer rows (moments=, master=)
 MANIFEST = "manifest.json"
 ALIGN = 4096
 
@@ -61,6 +61,15 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded: incomplete, corrupt, or not matching."""
+
+
+def version_of(optimizer_info: dict | None) -> int:
+    """The format version a checkpoint needs: 2 where an offload optimizer's rows are coded
+    (a reader of version 1 would take their bytes as fp32), else 1, which every reader reads."""
+    info = optimizer_info or {}
+    coded = info.get("format") == "offload" and (info.get("moments", "fp32"), info.get("master", "fp32")) != \
+        ("fp32", "fp32")
+    return 2 if coded else 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:

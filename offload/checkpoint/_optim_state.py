@@ -211,10 +211,12 @@ def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dic
                     continue
                 a, b = max(s, lo), min(s + n, hi)
                 if e["dtype"] != "F32":  # coded: decoded in full, the overlap copied
-                    if "U8" == e["dtype"] or "I8" == e["dtype"]:
-                        if s not in scales:
-                            raise CheckpointError(f"corrupt manifest: optimizer state {row} of {name} has no block "
-                                                  f"scales for its elements from {s}")
+                    if e["dtype"] in ("U8", "I8"):
+                        if s not in scales or scales[s].get("block") != BLOCK:
+                            raise CheckpointError(
+                                f"optimizer state {row} of {name}: its block scales from element {s} are "
+                                + ("missing (corrupt manifest)" if s not in scales else
+                                   f"per {scales[s].get('block')} elements, this offload codes {BLOCK}"))
                         scale_at = scratch(scales[s])
                     else:
                         scale_at = None

@@ -18,7 +18,7 @@ from ..io import BufferPool
 from ..optim import OffloadOptimizer
 from ._blobs import model_blobs
 from ._catalog import Catalog, catalog
-from ._format import FORMAT, MANIFEST, VERSION, AtomicDirectory, CheckpointError, write_json
+from ._format import FORMAT, MANIFEST, AtomicDirectory, CheckpointError, version_of, write_json
 from ._optim_state import optimizer_blobs
 from ._optimizers import innermost_optimizer
 from ._stream import Blob, BlobWriter
@@ -64,7 +64,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         writer.check_space(directory.path)
         writer.run(directory.tmp)
         manifest = {
-            "format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "format": FORMAT, "version": version_of(opt_info), "id": uuid.uuid4().hex,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": dict(writer.sizes),
             "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
                       "wrapped": cat.manager is not None,
@@ -201,7 +202,7 @@ def _merged_manifest(everyone: list[dict], model: nn.Module, cat: Catalog, extra
                 opt_info["state"].setdefault(name, {}).update(values)
     part = cat.manager.partition
     return {
-        "format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex,
+        "format": FORMAT, "version": version_of(opt_info), "id": uuid.uuid4().hex,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": files,
         "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}", "wrapped": True,

@@ -49,12 +49,22 @@ class StateFormat(enum.Enum):
 
     @classmethod
     def parse(cls, value: "str | StateFormat") -> "StateFormat":
+        """The ``moments=`` setting."""
         if isinstance(value, StateFormat):
             return value
         try:
             return cls(str(value).lower())
         except ValueError:
             raise ValueError(f"moments={value!r}: use 'fp32' (default, torch's), 'bf16' or 'int8'") from None
+
+    @classmethod
+    def parse_master(cls, value: "str | StateFormat") -> "StateFormat":
+        """The ``master=`` setting: fp32 or bf16."""
+        fmt = cls(value) if isinstance(value, StateFormat) else {"fp32": cls.FP32, "bf16": cls.BF16}.get(
+            str(value).lower())
+        if fmt not in (cls.FP32, cls.BF16):
+            raise ValueError(f"master={value!r}: use 'fp32' (default) or 'bf16' (for bf16 parameters)")
+        return fmt
 
 
 class RowCode(enum.Enum):
@@ -127,11 +137,6 @@ class Packing:
     @property
     def nbytes(self) -> int:
         return sum(self.row_bytes(c) for c in self.codes)
-
-    @property
-    def decoded_bytes(self) -> int:
-        """The fp32 rows an update works in (a scratch buffer unless ``plain``)."""
-        return len(self.codes) * self.numel * 4
 
     def spans(self) -> list[RowSpan]:
         out, at = [], 0
@@ -228,6 +233,9 @@ def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: to
         absmax = blocks.amax(1).sqrt_()  # (sqrt is monotone and correctly rounded: the root's maximum)
         x.sqrt_()
     s = block_scales(absmax, _TOP[code])
+    if not bool(torch.isfinite(absmax).all()):  # an inf or NaN moment: its block decodes to NaN
+        s[~torch.isfinite(absmax)] = float("nan")
+        x.nan_to_num_(0.0, 0.0, 0.0)  # (casting them to an integer code is undefined)
     scales.copy_(s)
     inverse = torch.where(s > 0, 1.0 / s.clamp(min=torch.finfo(torch.float32).tiny), 0.0)  # exact: powers of two
     blocks.mul_(inverse[:, None]).round_()

@@ -121,15 +121,12 @@ class Shard:
     @property
     def packed(self) -> bool:
         """Whether the rows rest coded (``_formats``): the update decodes them into a scratch buffer."""
-        return bool(self.rows) and (self.fmt is not StateFormat.FP32 or
-                                    (self.master and self.master_fmt is not StateFormat.FP32))
+        return coded(self.rows, self.master, self.fmt, self.master_fmt)
 
     @property
     def master_bytes(self) -> int:
         """Bytes of the master row as it rests (0 without one)."""
-        if not self.master:
-            return 0
-        return self.numel * (2 if self.master_fmt is StateFormat.BF16 else 4)
+        return self.packing.row_bytes(self.packing.codes[0]) if self.master else 0
 
     @property
     def state_bytes(self) -> int:
@@ -250,15 +247,14 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         p = item.placement
         wrapped = item.owner is not None
         rows = int(item.master) + item.rows
-        coded = rows > 0 and (item.fmt is not StateFormat.FP32 or
-                              (item.master and item.master_fmt is not StateFormat.FP32))
+        packs = coded(rows, item.master, item.fmt, item.master_fmt)
         size = shard_elements(p, rows, wrapped, item.master, copies_group(item), shard_size, grad_room.get(p.key, 0),
                               item_bytes(item))
-        if coded:  # whole blocks, each segment starting one (``_formats``)
+        if packs:  # whole blocks, each segment starting one (``_formats``)
             size = max(BLOCK, size // BLOCK * BLOCK)
         start, first = item.start, None
         while start < item.stop:
-            at = round_up(current.numel, BLOCK) if coded and current is not None else None
+            at = round_up(current.numel, BLOCK) if packs and current is not None else None
             if current is None or current.store is not p.store or current.master != item.master \
                     or current.rows != rows or current.wrapped != wrapped or current.fmt is not item.fmt \
                     or current.names != item.names or current.master_fmt is not item.master_fmt \
@@ -286,11 +282,9 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         if shard.wrapped:
             key = keys[id(shard)]
             shard.grad_home = shard.home
-            # (the room was counted over the parameters' elements: a row's padding is not in it)
-            used = 4 * sum(seg.length for seg in shard.segments)
-            if shard.home is not Tier.HOST and room.get(key, 0) >= used:
+            if shard.home is not Tier.HOST and room.get(key, 0) >= shard.grad_bytes:
                 shard.grad_home = Tier.HOST
-                room[key] -= used
+                room[key] -= shard.grad_bytes
     return shards
 
 
@@ -299,6 +293,12 @@ def copies_group(item: Item) -> bool:
     NVMe are their own masters, updated in a copy of the group: ``MasterMode.GROUP``)."""
     return item.owner is not None and not item.master and not item.owner.group.resident \
         and item.placement.param_home is Tier.NVME
+
+
+def coded(rows: int, master: bool, fmt: StateFormat, master_fmt: StateFormat) -> bool:
+    """Whether a shard of ``rows`` state rows (``master``: the first is a master row) rests
+    coded: some row is not fp32."""
+    return rows > 0 and (fmt is not StateFormat.FP32 or (master and master_fmt is not StateFormat.FP32))
 
 
 def check_master_format(fmt: StateFormat, dtype: torch.dtype, shape: tuple) -> None:
@@ -314,7 +314,7 @@ def item_bytes(item: Item) -> tuple[float, int]:
     """Bytes per element of ``item``'s stored rows, and of the fp32 rows its update decodes
     them into (0 where the rows rest as fp32)."""
     rows = int(item.master) + item.rows
-    if not rows or (item.fmt is StateFormat.FP32 and (not item.master or item.master_fmt is StateFormat.FP32)):
+    if not coded(rows, item.master, item.fmt, item.master_fmt):
         return 4.0 * rows, 0
     packing = packing_for((["master_param"] if item.master else []) + list(item.names), item.fmt, BLOCK,
                           item.master_fmt)

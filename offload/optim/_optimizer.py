@@ -106,17 +106,15 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
                       **counters()}
         self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
-        fmt = StateFormat.parse(moments)
-        if str(master).lower() not in ("fp32", "bf16"):
-            raise ValueError(f"master={master!r}: use 'fp32' (default) or 'bf16' (bf16 parameters only)")
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
-                               shard_size=shard_size, grad_tier=grad_tier, fmt=fmt,
-                               master_fmt=StateFormat.parse(str(master).lower()))
+                               shard_size=shard_size, grad_tier=grad_tier, fmt=StateFormat.parse(moments),
+                               master_fmt=StateFormat.parse_master(master))
         self._states = StateRows(self._book)
         self._sink = GradientSink(self._book, self._phase, self.stats, self._before_gradient)
         self._writeback = WriteBack(self.stats)
         self._pipeline = Pipeline(self._update_rows, lambda gi: len(self._rows_for(self.param_groups[gi])),
-                                  self._writeback, self._phase, self.stats, self._log, reserve=self._book.device_staging)
+                                  self._writeback, self._phase, self.stats, self._log, reserve=self._book.device_staging,
+                                  scratch=self._book.scratch)
         self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
                                    in_backward_update=lambda: self._early is not None, closed=lambda: self._closed,
                                    settle=self._settle)

@@ -43,7 +43,8 @@ class StateDicts:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's format (from this class or from the torch optimizer of the same
-        name); moments are kept in fp32 whatever the parameters' dtype."""
+        name); the moments are coded as this optimizer keeps them (``moments=``), whatever
+        the parameters' dtype."""
         self._settle()
         self._sink.sync()
         by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)

@@ -38,8 +38,10 @@ Update = Callable[[int, list, list, list, list, float, "list[dict] | None"], Non
 
 class Pipeline:
     def __init__(self, update: Update, row_count: Callable[[int], int], writeback: WriteBack, phase: Phase,
-                 stats: dict, log: Callable[[str, Shard], None], reserve: Callable[[Any], int] = lambda store: 0):
+                 stats: dict, log: Callable[[str, Shard], None], reserve: Callable[[Any], int] = lambda store: 0,
+                 scratch: Callable[[Any], Any] = lambda store: None):
         self.update, self.row_count, self.writeback = update, row_count, writeback
+        self.scratch = scratch  # a store's buffer that coded shards are decoded into (ShardBook.scratch)
         self.reserve = reserve  # host bytes of a store's pool that compute on a device needs (device_staging)
         self.phase, self.stats, self.log = phase, stats, log
         self.writing: deque = deque()  # (store, key) of state rows being written home, oldest first
@@ -152,25 +154,21 @@ class Pipeline:
         grads = shard.store.wait(shard.grad_key, Tier.HOST) if shard.wrapped else None
         views = self.writeback.views(shard, pending)
         self.stats["wait_seconds"] += time.perf_counter() - waited
-        scratch = shard.store.staging.acquire(shard.scratch_bytes) if shard.packed else None
-        try:
-            stored, packing = rows, shard.packing
-            if scratch is not None:  # coded rows: updated in fp32, coded again in place (``_formats``)
-                rows = scratch.view(torch.float32, (shard.rows, shard.numel))
-                packing.decode(stored, rows)
-            self.log("update_start", shard)
-            HEAP_PEAK.sample()
-            self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
-            if scratch is not None:
-                packing.round_in_place(rows, _seed(shard))  # (a bf16 master: the parameters get what it keeps)
-            self.log("update_end", shard)
-            self.writeback.after_update(shard, rows, pending, busy)
-            if scratch is not None:
-                shard.store.wait_unread(shard.state_key, Tier.HOST)  # (no transfer reads what is coded over)
-                packing.encode(rows, stored)
-        finally:
-            if scratch is not None:
-                shard.store.staging.release(scratch)
+        stored, packing = rows, shard.packing
+        if shard.packed:  # coded rows: updated in fp32, coded again in place (``_formats``)
+            rows = self.scratch(shard.store).view(torch.float32, (shard.rows, shard.numel))
+            packing.decode(stored, rows)
+        self.log("update_start", shard)
+        HEAP_PEAK.sample()
+        self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
+        if shard.packed:
+            packing.round_in_place(rows, _seed(shard))  # (a bf16 master: the parameters get what it keeps)
+            shard.store.wait_unread(shard.state_key, Tier.HOST)  # (no transfer reads what is coded over)
+            # before any parameter is written: a failure here leaves the step's states and weights
+            # both old (coding reads the master row and leaves it as it is)
+            packing.encode(rows, stored)
+        self.log("update_end", shard)
+        self.writeback.after_update(shard, rows, pending, busy)
         if shard.home is not Tier.HOST:
             self.log("write", shard)
             if shard.rows:
@@ -247,9 +245,10 @@ class Pipeline:
 
 
 def _seed(shard: Shard) -> int:
-    """The dither seed of a shard's stochastic rounding (``_formats``): its step count and
-    index, so a resumed run rounds as the uninterrupted one."""
-    return int(shard.segments[0].step) * 1_000_003 + shard.index if shard.segments else shard.index
+    """The dither seed of a shard's stochastic rounding (``_formats``): its segments' step
+    counts (one advances at every update of the shard, whichever parameters got a
+    gradient) and its index, so a resumed run rounds as the uninterrupted one."""
+    return sum(int(seg.step) for seg in shard.segments) * 1_000_003 + shard.index
 
 
 def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -> None:

@@ -56,6 +56,9 @@ class ShardBook:
         self.entries: dict[int, ParamEntry] = {}  # id(param) -> its record
         self.placements: dict[int, Placement] = {}  # id(store) -> the latest placement there
         self.own_store: TensorStore | None = None
+        # per store (id): the buffer coded shards are decoded into for their update, taken
+        # from the store's pool once for the largest of them and held (``scratch``)
+        self._scratch: dict[int, Any] = {}
         self._own_home = Tier.HOST
 
     # -- parameters ------------------------------------------------------------------------
@@ -132,6 +135,7 @@ class ShardBook:
         for e in new.entries:
             e.laid_out = True
         self.shards.extend(new.shards)
+        self._take_scratch()
         _warm_pools(new.shards)
 
     def discard(self, new: NewLayout) -> None:
@@ -140,6 +144,26 @@ class ShardBook:
             for key in (shard.state_key, shard.grad_key):
                 if shard.store is not None and not shard.store.closed and key in shard.store:
                     shard.store.delete(key)
+
+    def scratch(self, store: Any) -> Any:
+        """The buffer a coded shard of ``store`` is decoded into for its update (None where
+        no shard there is coded). Held from the layout on, so an update never waits for
+        pool room that the shards read ahead of it hold."""
+        return self._scratch.get(id(store))
+
+    def _take_scratch(self) -> None:
+        need: dict[int, tuple[Any, int]] = {}
+        for s in self.shards:
+            if s.scratch_bytes and s.scratch_bytes > need.get(id(s.store), (None, 0))[1]:
+                need[id(s.store)] = (s.store, s.scratch_bytes)
+        for key, (store, nbytes) in need.items():
+            held = self._scratch.get(key)
+            if held is not None and held.nbytes >= nbytes:
+                continue
+            if held is not None:
+                store.staging.release(self._scratch.pop(key))
+            # (the host budget was checked with it: a timeout means other users hold the pool)
+            self._scratch[key] = store.staging.acquire(nbytes, timeout=60)
 
     def device_staging(self, store: Any) -> int:
         """Host bytes of ``store``'s pool that compute on a device needs (``Placement``)."""
@@ -221,6 +245,11 @@ class ShardBook:
                     manager.store.wait(group.key, Tier.HOST)
 
     def close(self) -> None:
+        for key, buf in list(self._scratch.items()):
+            store = next(s.store for s in self.shards if id(s.store) == key)
+            if not store.closed:
+                store.staging.release(buf)
+        self._scratch.clear()
         for shard in self.shards:
             for key in (shard.state_key, shard.grad_key):
                 if key in shard.store:
@@ -244,7 +273,6 @@ def _warm_pools(shards: list[Shard]) -> None:
         pool = group[0].store.staging
         largest = sorted(group, key=lambda s: s.bytes_in_flight, reverse=True)[: SHARDS_IN_FLIGHT + 1]
         sizes = [n for s in largest for n in (s.state_bytes if s.rows else 0, s.grad_bytes if s.reads_grad else 0) if n]
-        sizes += [s.scratch_bytes for s in largest[:1] if s.scratch_bytes]  # (one update at a time)
         held = []
         try:
             for size in sizes:

@@ -18,8 +18,8 @@ from .._units import format_size
 from ..accel import host_compute
 from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
-from ._formats import StateFormat
-from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, Placement, Shard, cut, master_mode)
+from ._formats import BLOCK, StateFormat
+from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
 __all__ = ["grad_room", "check_host_budget", "check_machine", "write_back_bytes",
@@ -79,7 +79,7 @@ def grad_room(items: list[Item], grad_tier: str) -> dict[int, int]:
     for p in {it.placement.key: it.placement for it in wrapped}.values():
         if p.home is Tier.HOST or grad_tier == "nvme":
             continue
-        need = 4 * sum(it.stop - it.start for it in wrapped if it.placement.key == p.key)
+        need = 4 * sum(_padded(it) for it in wrapped if it.placement.key == p.key)
         free = p.host_budget - p.resting - p.write_back - p.param_staging - p.device_staging
         if grad_tier == "host":
             if need > free // 2:
@@ -91,6 +91,15 @@ def grad_room(items: list[Item], grad_tier: str) -> dict[int, int]:
         else:
             room[p.key] = min(need, max(0, free // 2))
     return room
+
+
+def _padded(item: Item) -> int:
+    """Elements of ``item`` in its shards' rows: coded shards start each segment a block
+    and end on one (``_layout.cut``)."""
+    n = item.stop - item.start
+    if coded(int(item.master) + item.rows, item.master, item.fmt, item.master_fmt):
+        return n + 2 * BLOCK
+    return n
 
 
 def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> None:
@@ -161,7 +170,7 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
     (``_rules.state_rows``, stored as ``moments`` says) over every parameter of ``groups``
     (this rank's slices, with ``partitioned``), laid out as the optimizer lays them out.
     Raises the optimizer's BudgetError where it would refuse."""
-    fmt, master_fmt = StateFormat.parse(moments), StateFormat.parse(master_format)
+    fmt, master_fmt = StateFormat.parse(moments), StateFormat.parse_master(master_format)
     param_home = Tier.parse(config.param_tier)
     home = Tier.parse(config.optimizer_tier)
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
@@ -201,6 +210,10 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
                                "fp32, summed over backward passes"
                                + ("; kept in host memory (grad_tier='auto')" if kept else "")
                                + ("; 8 bytes per parameter moved per step" if tier is Tier.NVME else "")))
+    scratch = max((s.scratch_bytes for s in shards), default=0)
+    if scratch:
+        out.append(PlanRow("optimizer: decode scratch", "host", scratch,
+                           "the coded rows of one shard as fp32 while it is updated; held"))
     if home is Tier.NVME or any(s.group_copy_bytes(param_home) for s in shards):
         in_flight = sorted((s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards),
                            reverse=True)[:SHARDS_IN_FLIGHT]

@@ -185,7 +185,7 @@ class WriteBack:
                 current[offset: offset + n] = data[offset: offset + n]
             data = current
         manager.write_group(group, data)
-        if manager.home is Tier.NVME:
+        if manager.home is not Tier.HOST:  # (as the in-place path above counts it)
             count(self.stats, "parameters", written=group.nbytes)
 
     def finish_released(self, busy: list[GroupWrite], *, force: bool) -> list[GroupWrite]:
