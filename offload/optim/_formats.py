@@ -12,10 +12,11 @@ moment (and SGD's momentum) signed, the second moment unsigned.
 
 A bf16 master row (``master="bf16"``, for bf16 parameters) is rounded stochastically: the
 fp32 result plus a uniform dither below its last kept bit, truncated (``round_in_place``,
-before the new values go to the parameters), so that rounding is unbiased over steps (a step's change far below bf16's resolution still moves the weight
-in expectation; rounded to nearest it would be lost). The dither comes from a fixed table
-of 65536 values, read from an offset that each encode's seed (the shard's step count and
-index) picks: a resumed run draws the same dither, with no generator state to save.
+before the new values go to the parameters), so that rounding is unbiased over steps: a
+step's change far below bf16's resolution still moves the weight in expectation, where
+rounding to nearest would lose it. The dither comes from a fixed table of 65536 values,
+read from an offset that a seed picks (the pipeline's: the shard's step counts and index),
+so a resumed run draws the same dither, with no generator state to save.
 
 The block scale ``s`` is the block's absolute maximum over the top code, rounded up to a
 power of two (as the OCP microscaling formats' shared scales). Decoding is then exact in
@@ -24,8 +25,8 @@ fp32, or a conversion through it, resumes bit for bit. Rounding is to nearest (e
 
 Blocks start at each segment's first element (``_layout.cut`` aligns segments to ``BLOCK``
 in shards of these formats), so a checkpoint piece, one parameter's slice, carries its own
-scales. Coding and decoding run on a whole shard in a scratch fp32 buffer from the store's
-pool: nothing wider than a shard is materialised.
+scales. Coding and decoding run on a whole shard in an fp32 scratch buffer the optimizer
+holds (``ShardBook.scratch``): nothing wider than a shard is materialised.
 """
 
 from __future__ import annotations
