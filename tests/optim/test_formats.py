@@ -120,13 +120,15 @@ def test_one_update_equals_adam_formulas_on_coded_inputs(fmt):
         assert flips.max() <= 1 and int((flips > 0).sum()) <= n // 500, f"{name}: {int((flips > 0).sum())} codes differ"
 
 
-def fake_coded(opt: torch.optim.Optimizer, fmt: str) -> None:
-    """Code and decode a torch optimizer's moments as ``moments=fmt`` keeps them (blocks
-    from each parameter's first element, as in an offload shard)."""
+ADAM_ROWS = {"exp_avg": False, "exp_avg_sq": True}  # a state row's name: whether its code is unsigned
+
+
+def fake_coded(opt: torch.optim.Optimizer, fmt: str, rows: dict[str, bool] = ADAM_ROWS) -> None:
+    """Code and decode a torch optimizer's state ``rows`` as ``moments=fmt`` keeps them
+    (blocks from each parameter's first element, as in an offload shard)."""
     for state in opt.state.values():
-        for name, unsigned in (("exp_avg", False), ("exp_avg_sq", True)):
-            t = state[name]
-            flat = t.reshape(-1)
+        for name, unsigned in rows.items():
+            flat = state[name].reshape(-1)
             if fmt == "bf16":
                 flat.copy_(flat.bfloat16().float())
                 continue
@@ -300,17 +302,6 @@ def test_bytes_moved_by_kind(tmp_path, tiny_gpt2, lm_batches, offload_config):
         assert int8[f"{kind}_write_bytes"] == fp32[f"{kind}_write_bytes"]
 
 
-def fake_coded_states(opt: torch.optim.Optimizer, fmt: str, rows: dict[str, bool]) -> None:
-    """``fake_coded`` over the state rows ``rows`` (name: whether unsigned)."""
-    for state in opt.state.values():
-        for name, unsigned in rows.items():
-            flat = state[name].reshape(-1)
-            padded = np.zeros(-(-flat.numel() // BLOCK) * BLOCK)
-            padded[: flat.numel()] = flat.double().numpy()
-            codes, scales = ref_code(padded, unsigned)
-            flat.copy_(torch.from_numpy(ref_decode(codes, scales, unsigned)[: flat.numel()]).float())
-
-
 @pytest.mark.parametrize("kind", ["adamw_amsgrad", "sgd_momentum"])
 def test_plain_parameters_with_amsgrad_and_momentum(kind):
     """Parameters of no wrapped model, states in host memory: int8 AdamW with amsgrad (its
@@ -334,7 +325,7 @@ def test_plain_parameters_with_amsgrad_and_momentum(kind):
             net(x).square().mean().backward()
             o.step()
             o.zero_grad()
-        fake_coded_states(ref_opt, "int8", rows)
+        fake_coded(ref_opt, "int8", rows)
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b)
     opt.close()
