@@ -133,7 +133,7 @@ def check_output_paths(config: OffloadConfig) -> None:
 
 
 def _uses_nvme(config: OffloadConfig) -> bool:
-    return "nvme" in (config.param_tier, config.optimizer_tier)
+    return "nvme" in (config.param_tier, config.optimizer_tier, config.activation_tier)
 
 
 def _profile_of(config: OffloadConfig) -> CachedProfile | None:

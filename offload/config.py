@@ -23,6 +23,7 @@ __all__ = ["OffloadConfig"]
 _AUTO_WINDOW_MIN, _AUTO_WINDOW_MAX = 64 << 20, 256 << 20
 _TIERS_PARAM = ("device", "host", "nvme")
 _TIERS_OPTIM = ("host", "nvme")
+_TIERS_ACT = ("host", "nvme")
 _IO_MODES = ("auto", "manual")
 _IO_BACKENDS = ("auto", "direct", "mmap")
 _HOST_ALLOCATORS = ("auto", "lean", "system")
@@ -99,6 +100,22 @@ class OffloadConfig:
             ``torch.distributed`` is initialised, else 1. A number > 1 requires an initialised
             process group of that size. ``nvme_path`` may hold ``{rank}`` and
             ``{local_rank}``, filled in per rank at ``wrap``.
+        activation_tier: where the tensors autograd saves for backward rest between forward
+            and backward (``offload.activations``): ``None`` (default) leaves them where
+            autograd put them; ``"host"`` (host buffers, pinned on CUDA) or ``"nvme"``
+            (swap files under ``nvme_path/activations``). With activation checkpointing
+            (``model.gradient_checkpointing_enable()``, ``torch.utils.checkpoint``) what is
+            saved is the checkpoints' inputs; without it, every tensor the forward saves.
+        activation_budget: bytes of saved activations kept where autograd put them (device
+            memory on CUDA, RAM on a CPU device), the most recently saved first: backward
+            needs them first. Older ones are moved to ``activation_tier`` as forward goes on.
+        activation_host_budget: host buffers for activations: where they rest with
+            ``activation_tier="host"``; with ``"nvme"``, the writes in flight (a forward
+            that saves faster than the disk writes waits for them).
+        activation_prefetch: bytes of offloaded activations read back ahead of backward (in
+            the reverse of the order they were saved), in compute-device memory.
+        activation_min_bytes: saved tensors smaller than this stay in place (not worth a
+            transfer); they count toward ``offload.stats``' ``act_small_bytes``.
     """
 
     device: str = "cuda"
@@ -122,6 +139,11 @@ class OffloadConfig:
     trace_path: str | None = None
     host_allocator: str = "auto"
     world_size: int | None = None
+    activation_tier: str | None = None
+    activation_budget: int | str = "512MiB"
+    activation_host_budget: int | str = "1GiB"
+    activation_prefetch: int | str = "128MiB"
+    activation_min_bytes: int | str = "1MiB"
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -131,8 +153,14 @@ class OffloadConfig:
         set_("device", _check_device(self.device))
         set_("param_tier", _check_choice("param_tier", self.param_tier, _TIERS_PARAM))
         set_("optimizer_tier", _check_choice("optimizer_tier", self.optimizer_tier, _TIERS_OPTIM))
-        for name in ("device_budget", "host_budget", "file_size"):
+        for name in ("device_budget", "host_budget", "file_size", "activation_host_budget",
+                     "activation_prefetch"):
             set_(name, parse_size(getattr(self, name), name=name))
+        for name in ("activation_budget", "activation_min_bytes"):
+            set_(name, parse_size(getattr(self, name), name=name, allow_zero=True))
+        if self.activation_tier is not None:
+            set_("activation_tier", _check_choice("activation_tier", self.activation_tier, _TIERS_ACT,
+                                                  what="an activation tier (or None)"))
         if self.block_size is not None:
             set_("block_size", parse_size(self.block_size, name="block_size"))
         if self.resident_bytes != "auto":
@@ -155,10 +183,10 @@ class OffloadConfig:
                              "torch.distributed")
         if self.block_size is not None and self.block_size % 4096:
             raise ValueError(f"block_size={self.block_size} must be a multiple of 4096 bytes")
-        uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
+        uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier, self.activation_tier)
         if uses_nvme and not self.nvme_path:
-            raise ValueError("nvme_path is required when param_tier or optimizer_tier is 'nvme': set "
-                             "OffloadConfig(nvme_path='/path/on/a/local/ssd') or choose 'host'")
+            raise ValueError("nvme_path is required when param_tier, optimizer_tier or activation_tier is "
+                             "'nvme': set OffloadConfig(nvme_path='/path/on/a/local/ssd') or choose 'host'")
         if self.nvme_path is not None:
             set_("nvme_path", os.path.abspath(os.path.expanduser(str(self.nvme_path))))
         for name in ("log_path", "trace_path"):  # checked for writing at wrap (offload._resolve)

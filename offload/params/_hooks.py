@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..activations import ActivationOffloader, SavedHandle
 from ._autograd import graph_task, in_backward
 from ._coordinator import Coordinator
 from ._demand import owner_of_param, refuse_copy
@@ -85,6 +86,8 @@ class ModuleHooks:
         # groups fetched in backward for an op whose module's hooks did not fetch them (a
         # parent used a child's weight): held while the autograd node that needs them runs
         self._node_holds: list[tuple[Any, ParamGroup]] = []
+        # saved activations past their budget go here (OffloadConfig.activation_tier); None: stay
+        self.activations: ActivationOffloader | None = None
         coordinator.on_park = self._queue_end_of_backward
 
     # -- attach / remove -----------------------------------------------------------------------
@@ -132,6 +135,8 @@ class ModuleHooks:
         grad = torch.is_grad_enabled()
         self.coordinator.begin_pass("grad" if grad else "nograd")
         if grad:
+            if self.activations is not None:
+                self.activations.begin_forward(self._model_storages())
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._saved_hooks.append(ctx)
@@ -142,8 +147,17 @@ class ModuleHooks:
             _, pushed = self._open_forwards.pop()
             if pushed and self._saved_hooks:
                 self._saved_hooks.pop().__exit__(None, None, None)
+            if pushed and self.activations is not None and not self._open_forwards:
+                self.activations.end_forward()
         if not torch.is_grad_enabled():
             self.coordinator.end_pass()
+
+    def _model_storages(self) -> set[int]:
+        """Addresses of the model's own tensors (unmanaged parameters, buffers): saved views of
+        them are not activations."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())
+                    if t.device.type != "meta"}
 
     def _drop_interrupted(self, depth: int) -> None:
         """Release what a forward or backward stopped by a BaseException still holds."""
@@ -174,13 +188,15 @@ class ModuleHooks:
                 return tensor
             group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
             if group is None:
-                return tensor
+                return tensor if self.activations is None else self.activations.pack(tensor)
             flat = self.coordinator.flat_of(group)
             offset = tensor.storage_offset() * tensor.element_size() - flat.storage_offset()
             return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride(),
                              self.coordinator.written_version(group))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, SavedHandle):
+            return packed.owner.unpack(packed)
         if not isinstance(packed, _SavedRef):
             return packed
         self._check_unpack(packed)

@@ -14,6 +14,7 @@ from .._memory import resolve_allocator, tune_allocator
 from .._plan import host_param_bytes, param_staging, plan_groups
 from .._resolve import check_output_paths, choose_io_backend, resolve_engine
 from .._units import format_size
+from ..activations import ActivationOffloader, offloader_for
 from ..config import OffloadConfig
 from ..store import Tier, TensorStore, create_store
 from ._access import DemandAccess
@@ -48,6 +49,7 @@ class ParamManager:
         self.model, self.config, self.store = model, config, store
         self.groups, self.coordinator, self.hooks = groups, coordinator, hooks
         self.partition = partition
+        self.activations: ActivationOffloader | None = hooks.activations
         self.slots = {id(slot.param): (group, slot) for group in groups for slot in group.slots}
         # several ranks: the whole group the coordinator materializes -> this rank's slice
         slices = {id(g.whole or g): g for g in groups}
@@ -60,6 +62,8 @@ class ParamManager:
         self.steplog = StepLog(self)
         if self.steplog.tracer is not None:
             store.tracer = coordinator.tracer = self.steplog.tracer
+            if self.activations is not None:
+                self.activations.store.tracer = self.steplog.tracer
 
     def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None) -> None:
         """An offloaded optimizer's step over these parameters took ``seconds`` (``moved``:
@@ -223,6 +227,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     tune_allocator(resolve_allocator(config.host_allocator, device.type))
     nvme_bytes = _nvme_bytes(mine, config)
     store = _make_store(config, nvme_bytes)
+    activations = None
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
         median = streamed[len(streamed) // 2] if streamed else 0
@@ -237,8 +242,12 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
         move_buffers(model, device, reader)
         store.staging.trim()  # the staging buffers of loading are not needed again soon
         hooks = ModuleHooks(model, needs, coordinator)
+        if config.activation_tier is not None:
+            hooks.activations = activations = offloader_for(config)
         hooks.attach()
     except BaseException:
+        if activations is not None:
+            activations.close()
         store.close()
         raise
     _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition, originals)
@@ -335,7 +344,11 @@ def _release(model: nn.Module, manager: ParamManager) -> None:
     _managers.pop(model, None)
     manager.access.detach()
     try:
-        manager.store.close()
+        try:
+            if manager.activations is not None:
+                manager.activations.close()
+        finally:
+            manager.store.close()
     finally:
         if manager.steplog.tracer is not None:
             log.info("offload: timeline written to %s (open in ui.perfetto.dev or chrome://tracing)",
@@ -379,7 +392,10 @@ def write_trace(model: nn.Module, path: str | os.PathLike | None = None) -> str:
 
 
 def reset_peak_stats(model: nn.Module) -> None:
-    manager_of(model).store.reset_peaks()
+    manager = manager_of(model)
+    manager.store.reset_peaks()
+    if manager.activations is not None:
+        manager.activations.reset_peaks()
 
 
 # -- helpers ------------------------------------------------------------------------------------

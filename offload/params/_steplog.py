@@ -11,11 +11,13 @@ from typing import Any
 
 from .._memory import HEAP_PEAK, breakdown
 from .._trace import Tracer
+from ..activations import NO_ACTIVATION_STATS
 
 __all__ = ["StepLog", "stats_of"]
 
 _DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
-               "gather_seconds", "prefetch_hits", "prefetch_misses", "demand_fetches")
+               "gather_seconds", "prefetch_hits", "prefetch_misses", "demand_fetches", "act_written_bytes",
+               "act_read_bytes", "act_stall_seconds")
 
 
 def stats_of(manager: Any) -> dict[str, Any]:
@@ -36,6 +38,8 @@ def stats_of(manager: Any) -> dict[str, Any]:
         "gather_over_budget_bytes": c.gather_over_budget_bytes,
         "world_size": manager.partition.world if manager.partition is not None else 1,
         "rank": manager.partition.rank if manager.partition is not None else 0,
+        # saved activations (offload.activations): moved, waited for, held
+        **(NO_ACTIVATION_STATS if manager.activations is None else manager.activations.stats()),
         # the process's RSS and its parts (offload._memory); the heap's peak since the last step record
         **breakdown(HEAP_PEAK.peek()).record(),
     }
@@ -79,8 +83,11 @@ class StepLog:
         for key in _DELTA_KEYS:
             delta = current[key] - previous[key]
             record[key] = round(delta, 6) if isinstance(delta, float) else delta
-        for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes"):
+        for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes", "act_peak_bytes",
+                    "act_buffer_peak_bytes"):
             record[key] = current[key]
+        if self.manager.activations is not None:  # the activations' peaks per step
+            self.manager.activations.reset_peaks()
         memory = breakdown(HEAP_PEAK.take()).record()  # (the peak of torch's tensors over this step)
         record.update(memory)
         if self.tracer is not None:

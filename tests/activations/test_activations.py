@@ -1,0 +1,178 @@
+"""Activation offload (OffloadConfig.activation_tier): the same losses, gradients and weights
+as the run that keeps its activations, bit for bit (only bytes move), within the budget, and
+nothing left behind."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import offload
+from offload.activations import ModifiedSavedTensorError
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+# every saved tensor moves: nothing kept in place, a window of one chunk
+ALL_OUT = dict(activation_budget=0, activation_min_bytes=0, activation_prefetch="64KiB",
+               activation_host_budget="256KiB")
+
+
+def _t5():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=211, decoder_start_token_id=0,
+        dropout_rate=0.0))
+
+
+def _build(arch, tiny_gpt2, tiny_llama, ckpt):
+    model = {"gpt2": tiny_gpt2, "llama": tiny_llama, "t5": _t5}[arch]()
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _run(model, cfg, batches, *, overlapped=False):
+    """Three steps of two micro-batches; the losses, the last gradients and the weights."""
+    offload.wrap(model, cfg)
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    losses, records = [], []
+    for micro in batches:
+        for ids in micro:
+            loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            if overlapped:
+                with opt.update_during_backward():
+                    loss.backward()
+            else:
+                loss.backward()
+            losses.append(float(loss.detach()))
+        grads = {} if overlapped else {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        records.append(offload.log_step(model))
+        opt.zero_grad()
+    stats = offload.stats(model)
+    weights = {n: p.detach().clone() for n, p in offload.unwrap(model).named_parameters()}
+    return losses, grads, weights, stats, records
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["saved", "checkpointed"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_nvme_equals_the_run_that_keeps_activations(tmp_path, arch, ckpt, tiny_gpt2, tiny_llama, offload_config,
+                                                    lm_batches):
+    batches = lm_batches(197, steps=3)  # (the tiny Llama's vocabulary, the smallest)
+    ref = _run(_build(arch, tiny_gpt2, tiny_llama, ckpt), offload_config(tmp_path / "a"), batches)
+    got = _run(_build(arch, tiny_gpt2, tiny_llama, ckpt),
+               offload_config(tmp_path / "b", activation_tier="nvme", **ALL_OUT), batches)
+    assert got[0] == ref[0]
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)
+    stats = got[3]
+    assert stats["act_written_bytes"] > 0 and stats["act_read_bytes"] == stats["act_written_bytes"]
+    assert stats["act_records"] == 0 and stats["act_held_bytes"] == 0 and stats["act_offloaded_bytes"] == 0
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["step", "update_during_backward"])
+def test_host_tier_and_update_during_backward(tmp_path, overlapped, tiny_gpt2, offload_config, lm_batches):
+    batches = lm_batches(211, steps=3, micro=1 if overlapped else 2)  # (one backward per overlapped step)
+    ref = _run(tiny_gpt2(), offload_config(tmp_path / "a"), batches, overlapped=overlapped)
+    host = {**ALL_OUT, "activation_host_budget": "8MiB"}  # (where they rest: a forward's worth)
+    got = _run(tiny_gpt2(), offload_config(tmp_path / "b", activation_tier="host", **host), batches,
+               overlapped=overlapped)
+    assert got[0] == ref[0]
+    torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)
+    assert got[3]["act_written_bytes"] > 0
+
+
+def test_held_bytes_stay_within_the_budget_plus_one_layer(tmp_path, tiny_gpt2, offload_config):
+    """The most held in compute memory (in place, read back, read ahead) is at most the budget,
+    the read-ahead window and the largest storage saved once: the logits (batch x sequence x
+    vocabulary floats), which the loss saves."""
+    batch, seq, vocab, width = 4, 48, 211, 64
+    budget, prefetch = 4 * batch * seq * width * 4, 64 << 10
+    model = tiny_gpt2()
+    cfg = offload_config(tmp_path, activation_tier="nvme", activation_budget=budget, activation_min_bytes=0,
+                         activation_prefetch=prefetch, activation_host_budget="256KiB")
+    offload.wrap(model, cfg)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    record = offload.log_step(model)
+    logits = batch * seq * vocab * 4
+    assert record["act_written_bytes"] > 0
+    assert 0 < record["act_peak_bytes"] <= budget + prefetch + logits
+    assert record["act_buffer_peak_bytes"] <= 256 << 10
+    offload.close(model)
+
+
+def test_no_grad_saves_nothing_and_an_interrupted_forward_leaves_nothing(tmp_path, tiny_gpt2, offload_config,
+                                                                         lm_batches):
+    model = tiny_gpt2()
+    offload.wrap(model, offload_config(tmp_path, activation_tier="nvme", **ALL_OUT))
+    ids = lm_batches(211, steps=1)[0][0]
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert offload.stats(model)["act_written_bytes"] == 0
+
+    def fail(module, args, out):
+        raise ValueError("stop here")
+
+    handle = model.transformer.h[1].register_forward_hook(fail)
+    with pytest.raises(ValueError, match="stop here"):
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+    gc.collect()
+    stats = offload.stats(model)
+    assert stats["act_written_bytes"] > 0  # some were saved before the failure...
+    assert stats["act_records"] == 0 and stats["act_offloaded_bytes"] == 0  # ...and all released
+    assert offload.params.manager_of(model).activations.store.keys() == []
+    model(input_ids=ids, labels=ids).loss.backward()  # the next step runs as usual
+    assert offload.stats(model)["act_records"] == 0
+    offload.close(model)
+
+
+class _Twice(torch.nn.Module):
+    """A layer called twice in one graph, and an in-place change of a saved tensor when asked
+    (while the saved tensor is still held in place: one changed after it was moved is read back
+    as it was saved, so backward computes the gradient of what the forward computed where torch
+    would refuse; see docs/architecture.md)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x, modify=False):
+        y = torch.tanh(self.inner(x))
+        z = torch.tanh(self.inner(y))  # inner's weight and y saved a second time
+        if modify:
+            y.mul_(2)  # tanh saved y: backward must refuse
+        return self.head(z + y)
+
+
+def test_module_called_twice_and_a_modified_saved_tensor(tmp_path, offload_config):
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    ref = _Twice()
+    ref(x).square().sum().backward()
+    model = offload.wrap(_Twice(), offload_config(tmp_path, activation_tier="nvme", **ALL_OUT))
+    model(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    with pytest.raises(RuntimeError, match="modified by an inplace"):  # as torch without offload
+        _Twice()(x, modify=True).sum().backward()
+    offload.close(model)
+    kept = offload.wrap(_Twice(), offload_config(tmp_path / "kept", activation_tier="nvme", activation_min_bytes=0))
+    with pytest.raises(ModifiedSavedTensorError, match="modified by an inplace"):
+        kept(x, modify=True).sum().backward()
+    offload.close(kept)
+
+
+def test_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="activation_tier='disk' is not an activation tier"):
+        offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", activation_tier="disk")
+    with pytest.raises(ValueError, match="nvme_path is required"):
+        offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", activation_tier="nvme")
+    with pytest.raises(ValueError, match="activation_prefetch"):
+        offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", activation_tier="host",
+                              activation_prefetch=0)
