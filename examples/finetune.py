@@ -111,6 +111,14 @@ def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--host-budget", default="4GiB", help="most bytes of host buffers offload may hold (4GiB)")
     o.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype of the parameters; master weights stay fp32 (default fp32)")
+    o.add_argument("--checkpointing", action="store_true", help="activation checkpointing "
+                   "(gradient_checkpointing_enable): keep each layer's input, recompute the rest in backward")
+    o.add_argument("--activations", default="none", choices=["none", "host", "nvme"],
+                   help="where saved activations beyond --activation-budget rest until backward: with "
+                   "--checkpointing the checkpoints, without it every saved tensor of 1 MiB and more "
+                   "(default none: where autograd puts them)")
+    o.add_argument("--activation-budget", default="512MiB", help="saved activations kept in place, the newest "
+                   "(default 512MiB)")
     add_observability_args(o)
 
 
@@ -149,7 +157,9 @@ def add_batch_args(group: argparse._ArgumentGroup) -> None:
 
 
 def offload_config(args) -> offload.OffloadConfig:
-    nvme = "nvme" in (args.param_tier, args.optimizer_tier)
+    activations = getattr(args, "activations", "none")
+    act = {} if activations == "none" else dict(activation_tier=activations, activation_budget=args.activation_budget)
+    nvme = "nvme" in (args.param_tier, args.optimizer_tier, act.get("activation_tier"))
     if nvme:
         rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
         os.makedirs(args.nvme_path.replace("{rank}", rank).replace("{local_rank}", local), exist_ok=True)
@@ -157,7 +167,8 @@ def offload_config(args) -> offload.OffloadConfig:
                                  optimizer_tier=args.optimizer_tier, nvme_path=args.nvme_path if nvme else None,
                                  device_budget=args.device_budget, host_budget=args.host_budget,
                                  compute_dtype=None if args.dtype == "fp32" else args.dtype,
-                                 log_path=getattr(args, "log_path", None), trace_path=getattr(args, "trace", None))
+                                 log_path=getattr(args, "log_path", None), trace_path=getattr(args, "trace", None),
+                                 **act)
 
 
 def main(argv=None) -> int:
@@ -198,6 +209,8 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     model, weights = build_model(args)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # the process's peak RSS this run should reach (what the OOM killer reads), from a batch's shape
     shape = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
     predicted = offload.plan(model, offload_config(args), optimizer="adamw", moments=args.moments,
@@ -272,6 +285,12 @@ def main(argv=None) -> int:
                  now["stall_seconds"] - before["stall_seconds"], offload.format_size(now["device_peak_bytes"]),
                  offload.format_size(now["host_peak_bytes"]), offload.format_size(now["rss_bytes"]),
                  offload.format_size(now["rss_peak_bytes"]), offload.format_size(predicted))
+        if args.activations != "none":
+            log.info("  activations: written %s, read %s, waited %.2f s; peak held %s (budget %s)",
+                     offload.format_size(now["act_written_bytes"] - before["act_written_bytes"]),
+                     offload.format_size(now["act_read_bytes"] - before["act_read_bytes"]),
+                     now["act_stall_seconds"] - before["act_stall_seconds"],
+                     offload.format_size(now["act_peak_bytes"]), args.activation_budget)
         if not math.isfinite(total):
             log.error("the loss is not finite at step %d: lower --lr or use --dtype bf16/fp32", step + 1)
             return 1

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_grad_norm=args.max_grad_norm, save_steps=args.save_steps,
         bf16=args.bf16, fp16=args.dtype == "fp16" and not args.no_offload, logging_steps=1, report_to=[],
-        use_cpu=args.device == "cpu", seed=args.seed, dataloader_num_workers=0)
+        use_cpu=args.device == "cpu", seed=args.seed, dataloader_num_workers=0,
+        gradient_checkpointing=args.checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False})
     callbacks = [] if args.no_offload else [LogOffload(model)]
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data, optimizers=(opt, sched),
                                    callbacks=[LogLoss(), *callbacks])

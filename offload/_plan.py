@@ -42,6 +42,7 @@ from torch import nn
 from ._activation_estimate import ActivationEstimate
 from ._memory import heap_overhead_factor, resolve_allocator, rss_bytes
 from ._os import nearest_existing_dir
+from ._plan_activations import ACTIVATION_ITEM, plan_activations
 from ._resolve import choose_io_backend
 from ._units import format_size
 from .config import OffloadConfig
@@ -81,6 +82,7 @@ class MemoryPlan:
     world: int = 1  # ranks the parameters are partitioned over: the plan is one rank's
     baseline_rss: int = 0      # RSS now, less ram_credit: what the process holds besides the run
     activations: ActivationEstimate | None = None  # None: no batch was given
+    activations_kept: int | None = None  # saved bytes left in compute memory with activation_tier set
     grad_bytes: int = 0        # the largest gradient autograd hands over (compute dtype)
     heap_overhead: int = 0     # freed memory malloc is expected to keep (host_allocator="system")
     mapped_bytes: int = 0      # swap-file pages the mmap backend may keep mapped (up to host_budget)
@@ -105,7 +107,14 @@ class MemoryPlan:
         an activation estimate)."""
         if self.activations is None or self.activations.error is not None:
             return 0
-        return self.activations.peak_bytes + self.grad_bytes + self.heap_overhead
+        return self.activation_bytes + self.grad_bytes + self.heap_overhead
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved tensors in compute memory at the peak (what activation offload leaves there)."""
+        if self.activations is None or self.activations.error is not None:
+            return 0
+        return self.activations.peak_bytes if self.activations_kept is None else self.activations_kept
 
     @property
     def predicted_rss(self) -> int:
@@ -167,7 +176,7 @@ class MemoryPlan:
             where = "on the device, " if cuda else ""
             tail = "; " + where + ", ".join(
                 f"{what} {format_size(n)}" for n, what in (
-                    (act.peak_bytes, "activations"), (self.grad_bytes, "largest gradient"),
+                    (self.activation_bytes, "activations"), (self.grad_bytes, "largest gradient"),
                     (self.heap_overhead, f"malloc's kept memory (host_allocator '{self.allocator}')")) if n)
             if not cuda:
                 parts.append(f"torch's tensors {format_size(self.transient_bytes)}")
@@ -190,8 +199,10 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
                    grad_bytes=grad_bytes if activations is not None else 0,
                    baseline_rss=max(0, rss_bytes() - ram_credit),
                    allocator=resolve_allocator(config.host_allocator, config.torch_device.type))
+    offloaded = plan_activations(config, activations)
+    p.activations_kept = offloaded.kept_bytes
     if activations is not None and activations.error is None and not cuda:  # (on CUDA they are on the device)
-        p.heap_overhead = int(heap_overhead_factor(p.allocator) * activations.peak_bytes)
+        p.heap_overhead = int(heap_overhead_factor(p.allocator) * p.activation_bytes)
     if activations is not None and activations.error is not None:
         p.warnings.append("predicted_rss leaves out torch's tensors (activations, gradients): the forward does "
                           f"not run on the meta device ({activations.error}); the first step's log line "
@@ -232,10 +243,18 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
         except BudgetError as err:  # what the optimizer would refuse: a problem of the plan
             p.problems.append(f"optimizer: {err}")
 
+    p.rows.extend(PlanRow(*row) for row in offloaded.rows)
+    p.problems.extend(offloaded.problems)
+
     # -- needs -----------------------------------------------------------------------------
-    # one host pool (host_budget) holds everything on the host tier, one device budget the rest
-    host_rows = min(config.host_budget, p.bytes_on("host"))
-    device_rows = min(config.device_budget, p.bytes_on("device"))
+    # one host pool (host_budget) holds everything on the host tier, one device budget the rest;
+    # offloaded activations have pools of their own (activation_host_budget, activation_prefetch)
+    def pooled(tier: str, budget: int) -> int:
+        own = sum(r.nbytes for r in p.rows if r.tier == tier and r.item.startswith(ACTIVATION_ITEM))
+        return min(budget, p.bytes_on(tier) - own) + own
+
+    host_rows = pooled("host", config.host_budget)
+    device_rows = pooled("device", config.device_budget)
     p.ram_need = host_rows + (0 if cuda else device_rows)
     p.device_need = device_rows + p.transient_bytes if cuda else 0
     p.disk_need = p.bytes_on("nvme")

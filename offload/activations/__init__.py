@@ -14,14 +14,17 @@ import logging
 import os
 
 from .._resolve import choose_io_backend, resolve_engine
+from ..accel import accelerator_for
 from .._units import format_size
 from ..config import OffloadConfig
 from ..store import Tier, create_store
 from ._offloader import CHUNK_BYTES, ActivationCounts, ActivationOffloader, ActivationOffloadError
 from ._saved import ModifiedSavedTensorError, SavedHandle, SavedState
+from ._writer import COPY_BUFFERS, DeviceWriter
 
 __all__ = ["offloader_for", "ActivationOffloader", "ActivationCounts", "ActivationOffloadError",
-           "ModifiedSavedTensorError", "SavedHandle", "SavedState", "chunk_bytes", "NO_ACTIVATION_STATS"]
+           "ModifiedSavedTensorError", "SavedHandle", "SavedState", "chunk_bytes", "NO_ACTIVATION_STATS",
+           "DeviceWriter", "COPY_BUFFERS"]
 
 log = logging.getLogger("offload")
 
@@ -59,9 +62,15 @@ def offloader_for(config: OffloadConfig) -> ActivationOffloader:
                          block_size=min(engine.block_size, chunk), threads=engine.threads,
                          queue_depth=engine.queue_depth, io_backend=backend)
     home = Tier.NVME if nvme is not None else Tier.HOST
+    accelerator = accelerator_for(config.torch_device)
+    try:
+        writer = None if accelerator is None else DeviceWriter(accelerator, store, home, chunk)
+    except BaseException:
+        store.close()
+        raise
     log.info("offload: saved activations (%s and larger) beyond the newest %s rest on %s; %s read ahead of "
              "backward", format_size(config.activation_min_bytes), format_size(config.activation_budget), home.value,
              format_size(config.activation_prefetch))
     return ActivationOffloader(store, home, device=config.torch_device, budget=config.activation_budget,
                                prefetch=config.activation_prefetch, min_bytes=config.activation_min_bytes,
-                               chunk=chunk)
+                               chunk=chunk, writer=writer)

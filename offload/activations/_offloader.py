@@ -23,6 +23,7 @@ import torch
 
 from ..store import BudgetError, TensorStore, Tier
 from ._saved import ModifiedSavedTensorError, SavedHandle, SavedRecord, SavedState
+from ._writer import DeviceWriter
 
 __all__ = ["ActivationOffloader", "ActivationCounts", "ActivationOffloadError", "CHUNK_BYTES"]
 
@@ -58,11 +59,13 @@ class ActivationOffloader:
         prefetch: bytes read ahead of backward.
         min_bytes: smaller storages stay in place.
         chunk: the most bytes one stored piece holds.
+        writer: on an accelerator, what copies pieces out of device memory asynchronously;
+            None: ``store.put`` copies them (host memory: a copy into a staging buffer).
     """
 
     def __init__(self, store: TensorStore, home: Tier, *, device: torch.device, budget: int, prefetch: int,
-                 min_bytes: int, chunk: int = CHUNK_BYTES):
-        self.store, self.home, self.device = store, home, torch.device(device)
+                 min_bytes: int, chunk: int = CHUNK_BYTES, writer: DeviceWriter | None = None):
+        self.store, self.home, self.device, self.writer = store, home, torch.device(device), writer
         self.budget, self.prefetch, self.min_bytes, self.chunk = budget, prefetch, max(min_bytes, 1), chunk
         self.counts = ActivationCounts()
         self._mutex = threading.Lock()  # not reentrant: a handle dying inside our own section queues
@@ -168,7 +171,11 @@ class ActivationOffloader:
             self._closed = True
             for record in list(self._in_place.values()) + self._offloaded:
                 record.whole = None
-        self.store.close()
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            self.store.close()
 
     # -- inside ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -199,9 +206,14 @@ class ActivationOffloader:
         record.chunks = [(at, min(self.chunk, n - at)) for at in range(0, n, self.chunk)]
         started = time.perf_counter()
         try:
-            for i, (at, size) in enumerate(record.chunks):
-                self.store.put(record.key(i), record.whole[at: at + size], self.home)
+            if self.writer is not None:
+                self.writer.write(record)
+            else:
+                for i, (at, size) in enumerate(record.chunks):
+                    self.store.put(record.key(i), record.whole[at: at + size], self.home)
         except BaseException as err:
+            if record.written is not None:
+                record.written.wait()
             for i in range(len(record.chunks)):
                 self.store.delete(record.key(i))
             record.chunks = []
@@ -227,8 +239,21 @@ class ActivationOffloader:
         self.counts.written_bytes += n
         self.counts.offloaded_bytes += n
 
+    def _wait_written(self, record: SavedRecord) -> None:
+        """Until the writer has put every piece of ``record`` (raises why one failed)."""
+        if record.written is None:
+            return
+        if not record.written.is_set():
+            started = time.perf_counter()
+            record.written.wait()
+            self.counts.stall_seconds += time.perf_counter() - started
+        if record.error is not None:
+            raise ActivationOffloadError(f"saving activations to {self.home.value} failed: {record.error}") \
+                from record.error
+
     def _restore(self, record: SavedRecord) -> None:
         """Read an OFFLOADED record back into a buffer of its own."""
+        self._wait_written(record)
         whole = torch.empty(record.nbytes, dtype=torch.uint8, device=self.device)
         for i, (at, size) in enumerate(record.chunks):
             started = time.perf_counter()
@@ -256,6 +281,8 @@ class ActivationOffloader:
         for record in reversed(records[:end]):
             if record.state is not SavedState.OFFLOADED:
                 continue
+            if record.written is not None and not record.written.is_set():
+                break  # (still being written: read ahead from here at the next read)
             for i, (_, size) in enumerate(record.chunks):
                 if i in record.fetched:
                     continue
@@ -274,6 +301,8 @@ class ActivationOffloader:
             self._in_place_bytes -= record.nbytes
             self.counts.held_bytes -= record.nbytes
         elif record.state is SavedState.OFFLOADED:
+            if record.written is not None:
+                record.written.wait()
             if not self.store.closed:
                 for i in range(len(record.chunks)):
                     self._drop_chunk(record, i)

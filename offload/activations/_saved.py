@@ -55,6 +55,11 @@ class SavedRecord:
     # change in place shows in its version counter (views share it)
     sources: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     modified: str | None = None  # set when written after a saved tensor had changed in place
+    # written from accelerator memory by offload.activations' DeviceWriter: set once every
+    # piece is in the store; ``error`` says why one is not. None: written when offloaded.
+    written: Any = None
+    pending: int = 0
+    error: BaseException | None = None
 
     def move(self, new: SavedState) -> None:
         if new not in _NEXT[self.state]:

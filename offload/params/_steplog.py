@@ -86,8 +86,6 @@ class StepLog:
         for key in ("device_peak_bytes", "host_peak_bytes", "page_cache_bytes", "act_peak_bytes",
                     "act_buffer_peak_bytes"):
             record[key] = current[key]
-        if self.manager.activations is not None:  # the activations' peaks per step
-            self.manager.activations.reset_peaks()
         memory = breakdown(HEAP_PEAK.take()).record()  # (the peak of torch's tensors over this step)
         record.update(memory)
         if self.tracer is not None:

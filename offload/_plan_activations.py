@@ -1,0 +1,52 @@
+"""The memory plan's rows for offloaded activations (``OffloadConfig.activation_tier``):
+their buffers have budgets of their own, beside the parameters' pools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._activation_estimate import ActivationEstimate
+from ._units import format_size
+from .config import OffloadConfig
+
+__all__ = ["ActivationPlan", "plan_activations", "ACTIVATION_ITEM"]
+
+ACTIVATION_ITEM = "activations"  # the rows' item names start with this (their own budgets)
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    rows: list  # PlanRow-like tuples: (item, tier, nbytes, note)
+    kept_bytes: int | None  # saved bytes left in compute memory at the peak (None: no estimate)
+    problems: list[str]
+
+
+def plan_activations(config: OffloadConfig, estimate: ActivationEstimate | None) -> ActivationPlan:
+    """Where ``config`` puts a step's saved activations, given the ``estimate`` of a batch
+    (None or failed: the buffers only). At the peak, compute memory holds the newest
+    ``activation_budget`` bytes and the largest saved tensor with its gradient beside it."""
+    if config.activation_tier is None:
+        return ActivationPlan([], None, [])
+    from .activations import chunk_bytes
+
+    rows, problems = [], []
+    rows.append((f"{ACTIVATION_ITEM} read ahead", "device", config.activation_prefetch + chunk_bytes(config),
+                 "activation_prefetch and one piece"))
+    known = estimate is not None and estimate.error is None
+    moved = max(0, estimate.saved_bytes - config.activation_budget) if known else None
+    if config.activation_tier == "host":
+        held = config.activation_host_budget if moved is None else min(moved, config.activation_host_budget)
+        rows.append((f"{ACTIVATION_ITEM} offloaded", "host", held, "at most activation_host_budget"))
+        if moved is not None and moved > config.activation_host_budget:
+            problems.append(f"activations: {format_size(moved)} saved beyond activation_budget do not fit "
+                            f"activation_host_budget ({format_size(config.activation_host_budget)}): raise "
+                            "activation_host_budget or activation_budget, or use activation_tier='nvme'")
+    else:
+        rows.append((f"{ACTIVATION_ITEM} write buffers", "host", config.activation_host_budget,
+                     "activation_host_budget: writes in flight"))
+        if moved is not None:
+            rows.append((f"{ACTIVATION_ITEM} offloaded", "nvme", moved, "saved beyond activation_budget"))
+    kept = None
+    if known:
+        kept = min(estimate.saved_bytes, config.activation_budget) + 2 * estimate.largest_bytes
+    return ActivationPlan(rows, kept, problems)
