@@ -80,22 +80,29 @@ def worker(args) -> dict:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(0)  # (the dropout masks: the same in every mode)
         rss = PeakRss().start()
         rows = []
         for i in range(args.steps + 1):
+            before = offload.stats(model)
             t0 = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             opt.step()
             opt.zero_grad()
             opt.synchronize()
-            record = offload.log_step(model)
             seconds = time.perf_counter() - t0
-            log.info("%s batch %d step %d: %.2f s, loss %.4f, act written %.0f MB", args.mode, args.batch, i + 1,
-                     seconds, float(loss), record["act_written_bytes"] / 1e6)
+            now = offload.stats(model)
+            row = {k: now[f"act_{k}"] - before[f"act_{k}"] for k in ("written_bytes", "read_bytes")}
+            row.update(step_s=seconds, forward_s=t1 - t0, backward_s=t2 - t1,
+                       stall_s=now["act_stall_seconds"] - before["act_stall_seconds"])
+            log.info("%s batch %d step %d: %.2f s (forward %.2f, backward %.2f), loss %.4f, activations %.0f MB "
+                     "written, stall %.2f s", args.mode, args.batch, i + 1, seconds, row["forward_s"],
+                     row["backward_s"], float(loss), row["written_bytes"] / 1e6, row["stall_s"])
             if i >= 1:
-                rows.append({"step_s": seconds, "act_written_bytes": record["act_written_bytes"],
-                             "act_read_bytes": record["act_read_bytes"], "stall_s": record["act_stall_seconds"]})
+                rows.append(row)
         out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         out.update(peak_rss_bytes=rss.stop(), params=params, loss=float(loss))
         opt.close()
@@ -148,8 +155,9 @@ def run(args, cap: MemoryCap, path: str, mode: str, batch: int) -> dict:
                 "act_read_bytes": None, "stall_s": None}
     got = json.loads(out.stdout.strip().splitlines()[-1])
     row.update(peak_rss_bytes=got["peak_rss_bytes"], step_s=got["step_s"],
-               tokens_per_s=batch * args.seq / got["step_s"], act_written_bytes=got["act_written_bytes"],
-               act_read_bytes=got["act_read_bytes"], stall_s=got["stall_s"], loss=got["loss"])
+               tokens_per_s=batch * args.seq / got["step_s"], act_written_bytes=got["written_bytes"],
+               act_read_bytes=got["read_bytes"], stall_s=got["stall_s"], forward_s=got["forward_s"],
+               backward_s=got["backward_s"], loss=got["loss"])
     log.info("%s batch %d: %.2f s/step, %.0f tokens/s, peak RSS %.2f GiB, activations %.2f GB written", mode,
              batch, row["step_s"], row["tokens_per_s"], row["peak_rss_bytes"] / 2**30, row["act_written_bytes"] / 1e9)
     return row
