@@ -119,6 +119,8 @@ def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
                    "(default none: where autograd puts them)")
     o.add_argument("--activation-budget", default="512MiB", help="saved activations kept in place, the newest "
                    "(default 512MiB)")
+    o.add_argument("--activation-min-bytes", default="1MiB", help="saved tensors smaller than this stay in place "
+                   "(default 1MiB)")
     add_observability_args(o)
 
 
@@ -158,7 +160,8 @@ def add_batch_args(group: argparse._ArgumentGroup) -> None:
 
 def offload_config(args) -> offload.OffloadConfig:
     activations = getattr(args, "activations", "none")
-    act = {} if activations == "none" else dict(activation_tier=activations, activation_budget=args.activation_budget)
+    act = {} if activations == "none" else dict(activation_tier=activations, activation_budget=args.activation_budget,
+                                                      activation_min_bytes=args.activation_min_bytes)
     nvme = "nvme" in (args.param_tier, args.optimizer_tier, act.get("activation_tier"))
     if nvme:
         rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")

@@ -176,3 +176,27 @@ def test_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="activation_prefetch"):
         offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", activation_tier="host",
                               activation_prefetch=0)
+
+
+def test_plan_counts_offloaded_activations_and_refuses_a_small_host_tier(tmp_path, tiny_gpt2, offload_config):
+    """With a batch, the plan leaves activation_budget (and the largest saved tensor with its
+    gradient) in compute memory, puts the rest on NVMe, and refuses a host tier that cannot
+    hold it, naming the settings."""
+    with torch.device("meta"):
+        model = tiny_gpt2()
+    ids = torch.zeros(8, 64, dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+    kept = offload.plan(model, offload_config(tmp_path), batch=batch)
+    assert not any(r.item.startswith("activations") for r in kept.rows)
+    saved = kept.activations.saved_bytes
+    budget = saved // 4
+    nvme = offload.plan(model, offload_config(tmp_path, activation_tier="nvme", activation_budget=budget),
+                        batch=batch)
+    rows = {r.item: r for r in nvme.rows}
+    assert rows["activations offloaded"].tier == "nvme" and rows["activations offloaded"].nbytes == saved - budget
+    assert nvme.activation_bytes == budget + 2 * kept.activations.largest_bytes < kept.activation_bytes
+    assert nvme.disk_need - kept.disk_need == saved - budget and nvme.fits
+    host = offload.plan(model, offload_config(tmp_path, activation_tier="host", activation_budget=budget,
+                                              activation_host_budget=(saved - budget) // 2), batch=batch)
+    assert not host.fits
+    assert any("activation_host_budget" in p and "activation_tier='nvme'" in p for p in host.problems)

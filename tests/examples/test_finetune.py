@@ -19,10 +19,12 @@ TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "300", "--
         "--device-budget", "4MiB", "--host-budget", "64MiB", "--device", "cpu", "--grad-accum", "2"]
 
 
-def run(tmp_path, *args):
+def run(tmp_path, *args, log=None):
     out = subprocess.run([sys.executable, SCRIPT, *TINY, "--nvme-path", str(tmp_path / "nvme"), *args],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+    if log is not None:
+        log.append(out.stderr)
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+)/\d+ loss ([\d.]+)", out.stderr)}
 
 
@@ -54,6 +56,19 @@ def test_update_in_backward_gives_the_same_run(tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, "--update-in-backward"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--clip 0" in out.stderr  # the default clips: refused up front
+
+
+def test_checkpoints_offloaded_to_nvme_give_the_same_run(tmp_path):
+    plain = run(tmp_path, "--steps", "2", "--checkpointing", "--export-dir", str(tmp_path / "plain"))
+    log = []
+    moved = run(tmp_path, "--steps", "2", "--checkpointing", "--activations", "nvme", "--activation-budget", "0",
+                "--activation-min-bytes", "0", "--export-dir", str(tmp_path / "moved"), log=log)
+    assert moved == plain
+    written = re.findall(r"activations: written ([\d.]+) (\w+)", log[0])
+    assert len(written) == 2 and all(float(n) > 0 for n, _ in written)  # (the checkpoints did move)
+    a = safetensors.load_file(str(tmp_path / "plain" / "model.safetensors"))
+    b = safetensors.load_file(str(tmp_path / "moved" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_help_explains_every_flag(help_entries):
