@@ -27,7 +27,7 @@ def plan_activations(config: OffloadConfig, estimate: ActivationEstimate | None)
     ``activation_budget`` bytes and the largest saved tensor with its gradient beside it."""
     if config.activation_tier is None:
         return ActivationPlan([], None, [])
-    from .activations import chunk_bytes
+    from .activations import chunk_bytes, host_pool_bytes
 
     rows, problems = [], []
     rows.append((f"{ACTIVATION_ITEM} read ahead", "device", config.activation_prefetch + chunk_bytes(config),
@@ -35,15 +35,16 @@ def plan_activations(config: OffloadConfig, estimate: ActivationEstimate | None)
     known = estimate is not None and estimate.error is None
     moved = max(0, estimate.saved_bytes - config.activation_budget) if known else None
     if config.activation_tier == "host":
-        held = config.activation_host_budget if moved is None else min(moved, config.activation_host_budget)
+        room = host_pool_bytes(config, config.torch_device.type == "cuda")
+        held = config.activation_host_budget if moved is None else min(moved, room)
         rows.append((f"{ACTIVATION_ITEM} offloaded", "host", held, "at most activation_host_budget"))
-        if moved is not None and moved > config.activation_host_budget:
+        if moved is not None and moved > room:
             problems.append(f"activations: {format_size(moved)} saved beyond activation_budget do not fit "
                             f"activation_host_budget ({format_size(config.activation_host_budget)}): raise "
                             "activation_host_budget or activation_budget, or use activation_tier='nvme'")
     else:
         rows.append((f"{ACTIVATION_ITEM} write buffers", "host", config.activation_host_budget,
-                     "activation_host_budget: writes in flight"))
+                     "activation_host_budget: writes in flight (and copies out of the device)"))
         if moved is not None:
             rows.append((f"{ACTIVATION_ITEM} offloaded", "nvme", moved, "saved beyond activation_budget"))
     kept = None

@@ -18,13 +18,14 @@ from ..accel import accelerator_for
 from .._units import format_size
 from ..config import OffloadConfig
 from ..store import Tier, create_store
-from ._offloader import CHUNK_BYTES, ActivationCounts, ActivationOffloader, ActivationOffloadError
+from ._offloader import CHUNK_BYTES, ActivationOffloader, on_device
+from ._reader import ActivationCounts, ActivationOffloadError
 from ._saved import ModifiedSavedTensorError, SavedHandle, SavedState
 from ._writer import COPY_BUFFERS, DeviceWriter
 
 __all__ = ["offloader_for", "ActivationOffloader", "ActivationCounts", "ActivationOffloadError",
            "ModifiedSavedTensorError", "SavedHandle", "SavedState", "chunk_bytes", "NO_ACTIVATION_STATS",
-           "DeviceWriter", "COPY_BUFFERS"]
+           "DeviceWriter", "COPY_BUFFERS", "on_device", "host_pool_bytes"]
 
 log = logging.getLogger("offload")
 
@@ -35,10 +36,17 @@ NO_ACTIVATION_STATS = {"act_written_bytes": 0, "act_read_bytes": 0, "act_stall_s
 
 
 def chunk_bytes(config: OffloadConfig) -> int:
-    """The piece a saved tensor moves in: at most 16 MiB, half the host buffers (two writes in
-    flight), the read-ahead window; a multiple of 4 KiB."""
-    limit = min(CHUNK_BYTES, config.activation_host_budget // 2, config.activation_prefetch)
+    """The piece a saved tensor moves in: at most 16 MiB, a quarter of the host buffers (on an
+    accelerator two of them are the writer's, two are writes in flight), the read-ahead
+    window; a multiple of 4 KiB."""
+    limit = min(CHUNK_BYTES, config.activation_host_budget // 4, config.activation_prefetch)
     return max(4096, limit // 4096 * 4096)
+
+
+def host_pool_bytes(config: OffloadConfig, accelerated: bool) -> int:
+    """The store's host pool: activation_host_budget, less the writer's pinned buffers on an
+    accelerator (so that all of them stay within the budget)."""
+    return config.activation_host_budget - (COPY_BUFFERS * chunk_bytes(config) if accelerated else 0)
 
 
 def offloader_for(config: OffloadConfig) -> ActivationOffloader:
@@ -46,6 +54,7 @@ def offloader_for(config: OffloadConfig) -> ActivationOffloader:
     if config.activation_tier is None:
         raise ValueError("activation_tier is None: activations stay where autograd puts them")
     chunk = chunk_bytes(config)
+    accelerator = accelerator_for(config.torch_device)
     nvme = None
     backend = "direct"
     if config.activation_tier == "nvme":
@@ -53,16 +62,16 @@ def offloader_for(config: OffloadConfig) -> ActivationOffloader:
         os.makedirs(nvme, exist_ok=True)
         # activations are written once and read once: the page cache would only hold them twice
         backend = choose_io_backend(config.replace(nvme_path=nvme), 1 << 62).backend
-    elif config.torch_device.type == "cpu":
+    elif accelerator is None:
         log.warning("offload: activation_tier='host' on a CPU device copies saved activations from host "
                     "memory to host memory; use activation_tier='nvme' to take them out of RAM")
     engine = resolve_engine(config)
     store = create_store(device=config.device, device_budget=config.activation_prefetch + chunk,
-                         host_budget=config.activation_host_budget, nvme_path=nvme, file_size=config.file_size,
+                         host_budget=host_pool_bytes(config, accelerator is not None), nvme_path=nvme,
+                         file_size=config.file_size,
                          block_size=min(engine.block_size, chunk), threads=engine.threads,
                          queue_depth=engine.queue_depth, io_backend=backend)
     home = Tier.NVME if nvme is not None else Tier.HOST
-    accelerator = accelerator_for(config.torch_device)
     try:
         writer = None if accelerator is None else DeviceWriter(accelerator, store, home, chunk)
     except BaseException:

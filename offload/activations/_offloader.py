@@ -1,51 +1,50 @@
 """The activation offloader: what a wrapped model's forward saves for backward, kept in place
 up to a budget (the most recent), moved to a tier of its own store beyond it, read back
-ahead of backward in the reverse of the order it was saved, released when autograd drops it.
+ahead of backward in the reverse of the order it was saved (``_reader``), released when
+autograd drops it.
 
 Called from the model's ``saved_tensors_hooks`` (``offload.params``' ModuleHooks): ``pack``
 when an operation saves a tensor, ``unpack`` when backward (or a ``grad_fn._saved_*`` read)
-needs it. A saved tensor's handle dies with the autograd node that holds it, which is when
-its record's bytes are released, whether backward ran, the graph was freed unused, or a
-forward raised half way.
+needs it. A saved tensor's handle dies with the autograd node that holds it, whether backward
+ran, the graph was freed unused, or a forward raised half way; its record is released when
+its last handle is gone.
+
+Note: where releases run. A handle may die on any thread (a garbage collection on the
+writer's thread or an I/O worker's). Its death is only queued; the queue is worked off on the
+threads that run the model (each pack and unpack, the end of each backward, the next
+forward, ``stats``), and a record whose pieces are still being written is parked until they
+are, so no release ever waits on the thread it runs on.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+from .._autograd import in_backward, queue_end_of_backward
 from ..store import BudgetError, TensorStore, Tier
-from ._saved import ModifiedSavedTensorError, SavedHandle, SavedRecord, SavedState
+from ._reader import ActivationCounts, ActivationOffloadError, ReadBack
+from ._saved import SavedHandle, SavedRecord, SavedSource, SavedState
 from ._writer import DeviceWriter
 
-__all__ = ["ActivationOffloader", "ActivationCounts", "ActivationOffloadError", "CHUNK_BYTES"]
+__all__ = ["ActivationOffloader", "CHUNK_BYTES", "on_device"]
 
 CHUNK_BYTES = 16 << 20  # a saved tensor moves in pieces of at most this (windows stay small)
 
 
-class ActivationOffloadError(RuntimeError):
-    """Saved activations could not be moved to their tier (budget, disk); the forward stops."""
-
-
-@dataclass
-class ActivationCounts:
-    """Cumulative and current figures (``offload.stats``' ``act_*`` keys)."""
-
-    written_bytes: int = 0  # moved to the tier
-    read_bytes: int = 0  # read back for backward
-    stall_seconds: float = 0.0  # compute waiting: copies into write buffers, reads not yet done
-    small_bytes: int = 0  # saved tensors under activation_min_bytes, left in place
-    held_bytes: int = 0  # in place and restored, now (compute-device memory)
-    peak_bytes: int = 0  # the most held plus the read-ahead window's slots, since the last reset
-    offloaded_bytes: int = 0  # resting on the tier now
-    records: int = 0  # storages saved and not yet released
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is on ``device`` (``cuda`` without an index: the current one)."""
+    here = tensor.device
+    if here.type != device.type:
+        return False
+    if device.index is None and here.type == "cuda":
+        return here.index == torch.cuda.current_device()
+    return device.index is None or here.index == device.index
 
 
 class ActivationOffloader:
@@ -66,17 +65,18 @@ class ActivationOffloader:
     def __init__(self, store: TensorStore, home: Tier, *, device: torch.device, budget: int, prefetch: int,
                  min_bytes: int, chunk: int = CHUNK_BYTES, writer: DeviceWriter | None = None):
         self.store, self.home, self.device, self.writer = store, home, torch.device(device), writer
-        self.budget, self.prefetch, self.min_bytes, self.chunk = budget, prefetch, max(min_bytes, 1), chunk
+        self.budget, self.min_bytes, self.chunk = budget, max(min_bytes, 1), chunk
         self.counts = ActivationCounts()
-        self._mutex = threading.Lock()  # not reentrant: a handle dying inside our own section queues
+        self.reader = ReadBack(store, self.device, prefetch, self.counts)
+        self._mutex = threading.Lock()
         self._dropped: collections.deque[SavedRecord] = collections.deque()
+        self._parked: list[SavedRecord] = []  # released while their pieces were being written
         self._seq = 0
         self._by_storage: dict[int, SavedRecord] = {}  # IN_PLACE records by storage address
         self._in_place: collections.OrderedDict[int, SavedRecord] = collections.OrderedDict()
         self._in_place_bytes = 0
-        self._offloaded: list[SavedRecord] = []  # in the order offloaded, which is seq order
-        self._window = 0  # bytes of chunks fetched ahead and not yet consumed
         self._skip: set[int] = set()  # storages of the model's own tensors (parameters, buffers)
+        self._end_queued = False
         self._closed = False
 
     # -- the model's passes ---------------------------------------------------------------------
@@ -84,18 +84,20 @@ class ActivationOffloader:
         """A root forward with grad starts; ``model_storages``: addresses never to offload."""
         with self._locked():
             self._skip = model_storages
-            self._offloaded = [r for r in self._offloaded if r.state is SavedState.OFFLOADED]
+            self.reader.prune()
 
     def end_forward(self) -> None:
         """The forward is done: start reading the newest offloaded activations back."""
         with self._locked():
-            self._read_ahead(None)
+            self._raise_write_error()
+            self.reader.ahead(None)
 
     # -- saved tensors ----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
         """What autograd keeps for ``tensor``: a handle, or ``tensor`` itself if it stays."""
-        if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.device != self.device
-                or tensor.is_conj() or tensor.is_neg() or self._closed):
+        if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested
+                or tensor.is_quantized or tensor.is_conj() or tensor.is_neg() or not on_device(tensor, self.device)
+                or self._closed):
             return tensor
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
@@ -106,71 +108,83 @@ class ActivationOffloader:
         if ptr in self._skip:
             return tensor
         with self._locked():
+            self._raise_write_error()
             record = self._by_storage.get(ptr)
             if record is None or record.nbytes != nbytes:
-                whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
-                record = SavedRecord(self._seq, nbytes, self.device, ptr, whole)
+                whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,), (1,))
+                record = SavedRecord(self._seq, nbytes, ptr, whole)
+            source = SavedSource(tensor)
+            handle = SavedHandle(self, record, source, tensor)  # (before any state changes: it may raise)
+            if record.seq == self._seq:  # a new record
                 self._seq += 1
                 self._by_storage[ptr] = record
                 self._in_place[record.seq] = record
                 self._in_place_bytes += nbytes
-                self._hold(nbytes)
+                self.counts.hold(nbytes)
                 self.counts.records += 1
             record.handles += 1
-            # detach() shares the version counter and has no grad_fn: holding it makes no cycle
-            record.sources.append((tensor.detach(), tensor._version))
-            handle = SavedHandle(self, record, tensor)
+            record.sources.append(source)
             while self._in_place_bytes > self.budget and self._in_place:
                 self._offload(self._in_place.popitem(last=False)[1])
         return handle
 
     def unpack(self, handle: SavedHandle) -> torch.Tensor:
-        record = handle.record
+        record, source = handle.record, handle.source
         with self._locked():
-            reason = record.modified or record.check_versions()
-            if reason is not None:
-                raise ModifiedSavedTensorError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation ({reason}); offload's activation offload refuses it as torch does. Hint: "
-                    "make the operation out of place (e.g. x = x + y instead of x += y)")
-            if record.state is SavedState.OFFLOADED:
-                self._restore(record)
-            elif record.state is SavedState.RELEASED:
+            if self._closed:
+                raise ActivationOffloadError("a backward read activations of a model that was closed (offload.close "
+                                             "or unwrap) while its graph was alive: run backward before closing")
+            source.check()
+            if record.state is SavedState.IN_PLACE:
+                return source.held  # what autograd would have kept: the same tensor, the same version
+            if record.state is SavedState.RELEASED:
                 raise RuntimeError("a saved activation was read after its release (a bug in offload, please "
                                    "report it)")
-            whole = record.whole
-            self._read_ahead(record.seq)
-        return handle.view(whole)
+            if not in_backward():  # grad_fn._saved_* read: a copy; the record stays where it is
+                whole = record.whole if record.state is SavedState.RESTORED else self.reader.copy_of(record)
+                return handle.view(whole).clone()
+            if record.state is SavedState.OFFLOADED:
+                self.reader.restore(record)
+            elif record.whole._version != record.restored_version:
+                raise ActivationOffloadError(
+                    "a saved activation read back for backward was changed in place by a backward that read it "
+                    "before (retain_graph=True): torch refuses this as a modified saved tensor; change a copy")
+            self._queue_end_of_backward()
+            self.reader.ahead(record.seq)
+            return handle.view(record.whole)
 
     def handle_dropped(self, record: SavedRecord) -> None:
-        """A handle died (autograd freed the node holding it): release at zero handles."""
+        """A handle died (autograd freed the node holding it): queued, see the module's note."""
         self._dropped.append(record)
-        if self._mutex.acquire(blocking=False):  # else the holder of the mutex drains the queue
-            try:
-                self._drain()
-            finally:
-                self._mutex.release()
 
     # -- reports --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        if not self._closed:
+            with self._locked():
+                pass  # (works off the releases queued since the last pass)
         c = self.counts
-        pool = self.store.staging
+        pools = [self.store.staging] + ([self.writer.pool] if self.writer is not None else [])
         return {"act_written_bytes": c.written_bytes, "act_read_bytes": c.read_bytes,
                 "act_stall_seconds": c.stall_seconds, "act_small_bytes": c.small_bytes,
                 "act_held_bytes": c.held_bytes, "act_peak_bytes": c.peak_bytes,
                 "act_offloaded_bytes": c.offloaded_bytes, "act_records": c.records,
-                "act_buffer_bytes": pool.held_bytes, "act_buffer_peak_bytes": pool.peak_bytes}
+                "act_buffer_bytes": sum(p.held_bytes for p in pools),
+                "act_buffer_peak_bytes": sum(p.peak_bytes for p in pools)}
 
     def reset_peaks(self) -> None:
-        self.counts.peak_bytes = self.counts.held_bytes + self._window
+        self.counts.peak_bytes = self.counts.held_bytes + self.counts.window_bytes
         self.store.staging.reset_peak()
+        if self.writer is not None:
+            self.writer.pool.reset_peak()
 
     def close(self) -> None:
         """Release every record's bytes and the store (files, threads, buffers)."""
         with self._locked():
             self._closed = True
-            for record in list(self._in_place.values()) + self._offloaded:
+            for record in list(self._in_place.values()):
                 record.whole = None
+                for source in record.sources:
+                    source.held = None
         try:
             if self.writer is not None:
                 self.writer.close()
@@ -181,27 +195,48 @@ class ActivationOffloader:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with self._mutex:
+            self._drain()  # (what died since: released before this call holds more)
             try:
                 yield
             finally:
                 self._drain()
 
     def _drain(self) -> None:
+        if self._parked:
+            waiting = [r for r in self._parked if r.being_written]
+            for record in self._parked:
+                if not record.being_written:
+                    self._release(record)
+            self._parked = waiting
         while self._dropped:
             record = self._dropped.popleft()
             record.handles -= 1
             if record.handles == 0 and record.state is not SavedState.RELEASED:
-                self._release(record)
+                if record.state is SavedState.OFFLOADED and record.being_written:
+                    self._parked.append(record)
+                else:
+                    self._release(record)
 
-    def _hold(self, nbytes: int) -> None:
-        c = self.counts
-        c.held_bytes += nbytes
-        c.peak_bytes = max(c.peak_bytes, c.held_bytes + self._window)
+    def _queue_end_of_backward(self) -> None:
+        """At the end of this backward, work off the releases of the nodes it ran."""
+        if not self._end_queued:
+            self._end_queued = True
+            queue_end_of_backward(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        with self._locked():
+            pass
+
+    def _raise_write_error(self) -> None:
+        if self.writer is not None and self.writer.failed is not None:
+            err = self.writer.failed
+            raise ActivationOffloadError(f"saving activations to {self.home.value} failed: {err}") from err
 
     def _offload(self, record: SavedRecord) -> None:
         """Write an IN_PLACE record's bytes to the tier and stop holding them."""
-        record.modified = record.check_versions()
-        sources, record.sources = record.sources, []
+        for source in record.sources:
+            source.look()
         n = record.nbytes
         record.chunks = [(at, min(self.chunk, n - at)) for at in range(0, n, self.chunk)]
         started = time.perf_counter()
@@ -212,14 +247,7 @@ class ActivationOffloader:
                 for i, (at, size) in enumerate(record.chunks):
                     self.store.put(record.key(i), record.whole[at: at + size], self.home)
         except BaseException as err:
-            if record.written is not None:
-                record.written.wait()
-            for i in range(len(record.chunks)):
-                self.store.delete(record.key(i))
-            record.chunks = []
-            record.sources = sources
-            self._in_place[record.seq] = record  # still held: the graph stays whole
-            self._in_place.move_to_end(record.seq, last=False)
+            self._undo_offload(record)
             if isinstance(err, BudgetError):
                 raise ActivationOffloadError(
                     f"saved activations do not fit: {err}. Raise activation_host_budget (activation_tier="
@@ -230,68 +258,27 @@ class ActivationOffloader:
             raise
         finally:
             self.counts.stall_seconds += time.perf_counter() - started
+        if self.writer is None:  # (the writer lets go once its copies landed: see _saved's note)
+            for source in record.sources:
+                source.let_go()
         self._by_storage.pop(record.ptr, None)
         self._in_place_bytes -= n
         self.counts.held_bytes -= n
         record.whole = None
         record.move(SavedState.OFFLOADED)
-        self._offloaded.append(record)
+        self.reader.add(record)
         self.counts.written_bytes += n
         self.counts.offloaded_bytes += n
 
-    def _wait_written(self, record: SavedRecord) -> None:
-        """Until the writer has put every piece of ``record`` (raises why one failed)."""
-        if record.written is None:
-            return
-        if not record.written.is_set():
-            started = time.perf_counter()
-            record.written.wait()
-            self.counts.stall_seconds += time.perf_counter() - started
-        if record.error is not None:
-            raise ActivationOffloadError(f"saving activations to {self.home.value} failed: {record.error}") \
-                from record.error
-
-    def _restore(self, record: SavedRecord) -> None:
-        """Read an OFFLOADED record back into a buffer of its own."""
-        self._wait_written(record)
-        whole = torch.empty(record.nbytes, dtype=torch.uint8, device=self.device)
-        for i, (at, size) in enumerate(record.chunks):
-            started = time.perf_counter()
-            piece = self.store.wait(record.key(i), Tier.DEVICE)
-            self.counts.stall_seconds += time.perf_counter() - started
-            whole[at: at + size].copy_(piece)
-            self._drop_chunk(record, i)
-        record.whole = whole
-        record.move(SavedState.RESTORED)
-        self.counts.read_bytes += record.nbytes
-        self.counts.offloaded_bytes -= record.nbytes
-        self._hold(record.nbytes)
-
-    def _drop_chunk(self, record: SavedRecord, i: int) -> None:
-        self.store.delete(record.key(i))
-        if i in record.fetched:
-            record.fetched.discard(i)
-            self._window -= record.chunks[i][1]
-
-    def _read_ahead(self, below: int | None) -> None:
-        """Fetch offloaded chunks saved before ``below`` (None: all), newest first, while the
-        window has room."""
-        records = self._offloaded
-        end = len(records) if below is None else bisect.bisect_left(records, below, key=lambda r: r.seq)
-        for record in reversed(records[:end]):
-            if record.state is not SavedState.OFFLOADED:
-                continue
-            if record.written is not None and not record.written.is_set():
-                break  # (still being written: read ahead from here at the next read)
-            for i, (_, size) in enumerate(record.chunks):
-                if i in record.fetched:
-                    continue
-                if self._window + size > self.prefetch:
-                    return
-                self.store.fetch(record.key(i), Tier.DEVICE, priority=1)
-                record.fetched.add(i)
-                self._window += size
-        self.counts.peak_bytes = max(self.counts.peak_bytes, self.counts.held_bytes + self._window)
+    def _undo_offload(self, record: SavedRecord) -> None:
+        """A write that failed: its pieces gone, the record held in place again (the graph stays whole)."""
+        if record.written is not None:
+            record.written.wait()  # (pieces already queued: the writer's own thread finishes them)
+        for i in range(len(record.chunks)):
+            self.store.delete(record.key(i))
+        record.chunks, record.written, record.error = [], None, None
+        self._in_place[record.seq] = record
+        self._in_place.move_to_end(record.seq, last=False)
 
     def _release(self, record: SavedRecord) -> None:
         if record.state is SavedState.IN_PLACE:
@@ -301,12 +288,7 @@ class ActivationOffloader:
             self._in_place_bytes -= record.nbytes
             self.counts.held_bytes -= record.nbytes
         elif record.state is SavedState.OFFLOADED:
-            if record.written is not None:
-                record.written.wait()
-            if not self.store.closed:
-                for i in range(len(record.chunks)):
-                    self._drop_chunk(record, i)
-            self.counts.offloaded_bytes -= record.nbytes
+            self.reader.drop(record)
         elif record.state is SavedState.RESTORED:
             self.counts.held_bytes -= record.nbytes
         record.whole = None

@@ -1,22 +1,34 @@
 """What autograd saved for backward, as this package keeps it: one record per storage, one
-handle per saved tensor.
+handle per saved tensor, one source per handle.
 
 A record is in one ``SavedState``: IN_PLACE (the storage autograd gave, held here),
-OFFLOADED (its bytes in the activation store, in chunks; nothing held), RESTORED (read back
+OFFLOADED (its bytes in the activation store, in pieces; nothing held), RESTORED (read back
 into a buffer of its own for backward) and RELEASED (no handle refers to it any more).
 Several saved tensors that view one storage (q, k and v cut from one projection) share a
 record, so their bytes move once and their aliasing survives the round trip.
+
+Note: in-place changes. Torch refuses a backward that needs a tensor changed in place after
+it was saved; with saved-tensor hooks the check is the hooks' job. Each handle's source keeps
+the version the tensor had when saved: the tensor itself (detached: the same version
+counter, no grad_fn, so no reference cycle) until its bytes are written (on an accelerator,
+until the copy out has landed: the version moves when an in-place kernel is queued, before
+it runs, and the memory is held that long anyway), a weak reference after that. A change
+seen then, or when the handle is read, refuses the read, as torch does. A change made after
+the bytes were written, to a tensor whose Python object has died by the read, cannot be
+seen: the read gives the bytes as saved, which is the gradient of what the forward computed
+(torch would refuse it).
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["SavedState", "SavedRecord", "SavedHandle", "ModifiedSavedTensorError"]
+__all__ = ["SavedState", "SavedSource", "SavedRecord", "SavedHandle", "ModifiedSavedTensorError"]
 
 
 class ModifiedSavedTensorError(RuntimeError):
@@ -38,23 +50,52 @@ _NEXT = {
 }
 
 
+class SavedSource:
+    """The tensor one handle stands for, and its version when saved (see the module's note)."""
+
+    __slots__ = ("held", "weak", "version", "stale")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.held: torch.Tensor | None = tensor.detach()
+        self.weak = weakref.ref(tensor)
+        self.version = tensor._version
+        self.stale: str | None = None  # why the bytes kept are not those saved
+
+    def look(self) -> None:
+        """Note a change of the tensor since it was saved (if it can still be seen)."""
+        tensor = self.held if self.held is not None else self.weak()
+        if self.stale is None and tensor is not None and tensor._version != self.version:
+            self.stale = (f"a tensor of shape {tuple(tensor.shape)} saved for backward at version {self.version} "
+                          f"is now at version {tensor._version}")
+
+    def let_go(self) -> None:
+        """The record's bytes are written: look once more, then keep only the weak reference."""
+        self.look()
+        self.held = None
+
+    def check(self) -> None:
+        self.look()
+        if self.stale is not None:
+            raise ModifiedSavedTensorError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation "
+                f"({self.stale}); offload's activation offload refuses it as torch does. Hint: make the operation "
+                "out of place (e.g. x = x + y instead of x += y)")
+
+
 @dataclass(eq=False)
 class SavedRecord:
     """One storage's bytes, saved by one or more operations of a forward."""
 
     seq: int  # the order of saving: backward needs the highest first
     nbytes: int
-    device: torch.device
     ptr: int  # the storage's address while IN_PLACE (the key of the offloader's index)
     whole: torch.Tensor | None  # uint8 over the whole storage (IN_PLACE, RESTORED), else None
     state: SavedState = SavedState.IN_PLACE
     handles: int = 0  # live SavedHandles: released at 0
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (offset, bytes) per stored piece
-    fetched: set[int] = field(default_factory=set)  # chunks read ahead into the window
-    # (saved tensor, its version then) while IN_PLACE: held as autograd would hold it, so a
-    # change in place shows in its version counter (views share it)
-    sources: list[tuple[torch.Tensor, int]] = field(default_factory=list)
-    modified: str | None = None  # set when written after a saved tensor had changed in place
+    fetched: set[int] = field(default_factory=set)  # pieces read ahead into the window
+    sources: list[SavedSource] = field(default_factory=list)
+    restored_version: int = 0  # whole's version when read back (views share its counter)
     # written from accelerator memory by offload.activations' DeviceWriter: set once every
     # piece is in the store; ``error`` says why one is not. None: written when offloaded.
     written: Any = None
@@ -70,26 +111,27 @@ class SavedRecord:
     def key(self, chunk: int) -> str:
         return f"act/{self.seq}/{chunk}"
 
-    def check_versions(self) -> str | None:
-        """Why a saved tensor's bytes no longer equal those saved (None if they do)."""
-        for tensor, version in self.sources:
-            if tensor._version != version:
-                return (f"a tensor of shape {tuple(tensor.shape)} saved for backward at version {version} is "
-                        f"now at version {tensor._version}")
-        return None
+    @property
+    def being_written(self) -> bool:
+        return self.written is not None and not self.written.is_set()
 
 
 class SavedHandle:
-    """What autograd keeps instead of a saved tensor: its record and how to view it."""
+    """What autograd keeps instead of a saved tensor: its record, its source, how to view it."""
 
-    __slots__ = ("owner", "record", "dtype", "offset", "size", "stride", "__weakref__")
+    __slots__ = ("owner", "record", "source", "dtype", "offset", "size", "stride", "__weakref__")
 
-    def __init__(self, owner: Any, record: SavedRecord, tensor: torch.Tensor):
-        self.owner, self.record = owner, record
+    def __init__(self, owner: Any, record: SavedRecord, source: SavedSource, tensor: torch.Tensor):
         self.dtype, self.offset = tensor.dtype, tensor.storage_offset()
         self.size, self.stride = tuple(tensor.shape), tuple(tensor.stride())
+        self.owner, self.record, self.source = owner, record, source
 
     def view(self, whole: torch.Tensor) -> torch.Tensor:
+        """This handle's tensor over a record's bytes; it shares ``whole``'s version counter
+        where the dtype divides the bytes (a change made to it in backward shows there)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        if whole.numel() % size == 0 and whole.storage_offset() == 0:
+            return whole.view(self.dtype).as_strided(self.size, self.stride, self.offset)
         out = torch.empty(0, dtype=self.dtype, device=whole.device)
         return out.set_(whole.untyped_storage(), self.offset, self.size, self.stride)
 

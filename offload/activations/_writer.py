@@ -43,6 +43,7 @@ class DeviceWriter:
         self.pool = BufferPool(COPY_BUFFERS * chunk, pin=accelerator, name="activation copies")
         self._queue: queue.Queue[_Piece | None] = queue.Queue()
         self._lock = threading.Lock()  # records' pending counts (this thread and the writer's)
+        self.failed: BaseException | None = None  # the first piece that could not be put: raised at the next save
         self._thread = threading.Thread(target=self._run, name="offload-activation-writer", daemon=True)
         self._thread.start()
 
@@ -52,7 +53,7 @@ class DeviceWriter:
         acc = self.acc
         # one count for this call, one per piece queued: written is set when all are done,
         # also when this call stops half way (an interrupt) after queuing some
-        record.written, record.pending = threading.Event(), 1
+        record.written, record.pending, record.error = threading.Event(), 1, None
         queued = 0
         try:
             ready = acc.event()
@@ -92,8 +93,10 @@ class DeviceWriter:
                 piece.copied.synchronize()
                 if record.error is None and not self.store.closed:
                     self.store.put(record.key(piece.index), piece.buffer.bytes[: piece.size], self.home)
-            except BaseException as err:  # noqa: BLE001 - reported where the record is read
+            except BaseException as err:  # noqa: BLE001 - reported at the next save and where it is read
                 record.error = err
+                if self.failed is None:
+                    self.failed = err
             finally:
                 self.pool.release(piece.buffer)
                 self._done(record)
@@ -103,4 +106,8 @@ class DeviceWriter:
             record.pending -= 1
             last = record.pending == 0
         if last:
+            # the copies have landed: a change queued before them shows in the version now; the
+            # sources were held until here, so none could die unseen in between
+            for source in list(record.sources):
+                source.let_go()
             record.written.set()

@@ -1,7 +1,7 @@
 """Parameter offload: groups, hooks, and the coordinator that prefetches along the recorded order."""
 
 from ._loading import init_empty_weights
-from ._autograd import graph_task
+from .._autograd import graph_task
 from ._calls import Kind, kind_of, write_targets, NO_DATA, LAYOUT
 from ._gradients import defer_to, hold_gradients, holder_of as gradient_holder, release_gradients
 from ._groups import slice_groups

@@ -23,7 +23,7 @@ from torch import nn
 
 from .._units import format_size
 from ..io import BudgetError
-from ._autograd import in_backward
+from .._autograd import in_backward
 from ._coordinator import Coordinator
 from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, refuse_copy, register, unregister
 from ._groups import ParamGroup

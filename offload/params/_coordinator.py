@@ -30,7 +30,7 @@ from .._memory import HEAP_PEAK
 from .._signals import DEFER
 from ..io import BudgetError
 from ..store import TensorStore, Tier
-from ._autograd import in_backward
+from .._autograd import in_backward
 from ._groups import ParamGroup, Placeholders, point, versions
 from ._materializer import Materializer
 from ._pending import PendingWrites

@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
-from ._autograd import in_backward
+from .._autograd import in_backward
 from ._copies import DetachedCopy, read_only
 from ._gradients import DEFERRED, get_grad, set_grad
 from ._groups import ParamGroup, ParamSlot

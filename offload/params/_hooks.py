@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..activations import ActivationOffloader, SavedHandle
-from ._autograd import graph_task, in_backward
+from .._autograd import graph_task, in_backward, queue_end_of_backward
 from ._coordinator import Coordinator
 from ._demand import owner_of_param, refuse_copy
 from ._groups import ParamGroup
@@ -324,7 +324,7 @@ class ModuleHooks:
         if not self._backward_queued:
             self._backward_queued = True
             self._backward_task = graph_task()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._backward_queued = False

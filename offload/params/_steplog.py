@@ -17,7 +17,7 @@ __all__ = ["StepLog", "stats_of"]
 
 _DELTA_KEYS = ("read_bytes", "write_bytes", "stall_seconds", "io_busy_seconds", "optimizer_seconds",
                "gather_seconds", "prefetch_hits", "prefetch_misses", "demand_fetches", "act_written_bytes",
-               "act_read_bytes", "act_stall_seconds")
+               "act_read_bytes", "act_stall_seconds", "act_small_bytes")
 
 
 def stats_of(manager: Any) -> dict[str, Any]:

@@ -37,3 +37,27 @@ def test_training_with_activations_offloaded_equals_the_reference(tmp_path, tier
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for name, want in ref_weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_failed_write_stops_the_run_with_its_cause(tmp_path, tiny_gpt2, lm_batches):
+    """A piece the writer's thread cannot put (a disk error) is raised at the next save or
+    read, naming the cause; the model closes cleanly."""
+    ids = lm_batches(211, steps=1)[0][0]
+    act = dict(activation_tier="nvme", activation_budget=0, activation_min_bytes=0, activation_prefetch="64KiB",
+               activation_host_budget="8MiB")
+    with simulated(seed=0) as sim:
+        model = offload.wrap(tiny_gpt2(), config(tmp_path, **act))
+        store = offload.params.manager_of(model).activations.store
+        put, calls = store.put, []
+
+        def failing(key, *args, **kwargs):
+            calls.append(key)
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+            return put(key, *args, **kwargs)
+
+        store.put = failing
+        with pytest.raises(offload.activations.ActivationOffloadError, match="No space left"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        offload.close(model)
+        assert sim.allocated == 0
