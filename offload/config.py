@@ -141,7 +141,7 @@ class OffloadConfig:
     world_size: int | None = None
     activation_tier: str | None = None
     activation_budget: int | str = "512MiB"
-    activation_host_budget: int | str = "1GiB"
+    activation_host_budget: int | str = "256MiB"
     activation_prefetch: int | str = "128MiB"
     activation_min_bytes: int | str = "1MiB"
 

@@ -22,14 +22,15 @@ import collections
 import contextlib
 import threading
 import time
+import weakref
 from typing import Any, Iterator
 
 import torch
 
-from .._autograd import in_backward, queue_end_of_backward
+from .._autograd import graph_task, in_backward, queue_end_of_backward
 from ..store import BudgetError, TensorStore, Tier
-from ._reader import ActivationCounts, ActivationOffloadError, ReadBack
-from ._saved import SavedHandle, SavedRecord, SavedSource, SavedState
+from ._reader import ActivationCounts, ActivationOffloadError, ReadBack, note_stall
+from ._saved import ModifiedSavedTensorError, SavedHandle, SavedRecord, SavedSource, SavedState
 from ._writer import DeviceWriter
 
 __all__ = ["ActivationOffloader", "CHUNK_BYTES", "on_device"]
@@ -72,11 +73,11 @@ class ActivationOffloader:
         self._dropped: collections.deque[SavedRecord] = collections.deque()
         self._parked: list[SavedRecord] = []  # released while their pieces were being written
         self._seq = 0
-        self._by_storage: dict[int, SavedRecord] = {}  # IN_PLACE records by storage address
+        self._by_storage: dict[int, SavedRecord] = {}  # IN_PLACE and OFFLOADED records by storage address
         self._in_place: collections.OrderedDict[int, SavedRecord] = collections.OrderedDict()
         self._in_place_bytes = 0
         self._skip: set[int] = set()  # storages of the model's own tensors (parameters, buffers)
-        self._end_queued = False
+        self._end_task: int | None = None  # the backward whose end will work off the releases
         self._closed = False
 
     # -- the model's passes ---------------------------------------------------------------------
@@ -85,6 +86,12 @@ class ActivationOffloader:
         with self._locked():
             self._skip = model_storages
             self.reader.prune()
+
+    def settle(self) -> None:
+        """Work off the releases queued since the last call (see the module's note)."""
+        if not self._closed:
+            with self._locked():
+                pass
 
     def end_forward(self) -> None:
         """The forward is done: start reading the newest offloaded activations back."""
@@ -110,9 +117,11 @@ class ActivationOffloader:
         with self._locked():
             self._raise_write_error()
             record = self._by_storage.get(ptr)
-            if record is None or record.nbytes != nbytes:
+            if record is not None and not self._same_bytes(record, storage, nbytes):
+                record = None
+            if record is None:
                 whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,), (1,))
-                record = SavedRecord(self._seq, nbytes, ptr, whole)
+                record = SavedRecord(self._seq, nbytes, ptr, weakref.ref(storage), whole)
             source = SavedSource(tensor)
             handle = SavedHandle(self, record, source, tensor)  # (before any state changes: it may raise)
             if record.seq == self._seq:  # a new record
@@ -135,6 +144,8 @@ class ActivationOffloader:
                 raise ActivationOffloadError("a backward read activations of a model that was closed (offload.close "
                                              "or unwrap) while its graph was alive: run backward before closing")
             source.check()
+            if in_backward():
+                self._queue_end_of_backward()
             if record.state is SavedState.IN_PLACE:
                 return source.held  # what autograd would have kept: the same tensor, the same version
             if record.state is SavedState.RELEASED:
@@ -145,23 +156,24 @@ class ActivationOffloader:
                 return handle.view(whole).clone()
             if record.state is SavedState.OFFLOADED:
                 self.reader.restore(record)
+                if self._by_storage.get(record.ptr) is record:
+                    del self._by_storage[record.ptr]
             elif record.whole._version != record.restored_version:
-                raise ActivationOffloadError(
-                    "a saved activation read back for backward was changed in place by a backward that read it "
-                    "before (retain_graph=True): torch refuses this as a modified saved tensor; change a copy")
-            self._queue_end_of_backward()
+                raise ModifiedSavedTensorError(
+                    "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    "a saved activation read back for backward was changed in place by an earlier read's user (a "
+                    "custom backward, or a backward through the graph before with retain_graph=True); change a copy")
             self.reader.ahead(record.seq)
             return handle.view(record.whole)
 
     def handle_dropped(self, record: SavedRecord) -> None:
         """A handle died (autograd freed the node holding it): queued, see the module's note."""
-        self._dropped.append(record)
+        if not self._closed:
+            self._dropped.append(record)
 
     # -- reports --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        if not self._closed:
-            with self._locked():
-                pass  # (works off the releases queued since the last pass)
+        self.settle()
         c = self.counts
         pools = [self.store.staging] + ([self.writer.pool] if self.writer is not None else [])
         return {"act_written_bytes": c.written_bytes, "act_read_bytes": c.read_bytes,
@@ -181,10 +193,12 @@ class ActivationOffloader:
         """Release every record's bytes and the store (files, threads, buffers)."""
         with self._locked():
             self._closed = True
+            self._dropped.clear()
             for record in list(self._in_place.values()):
                 record.whole = None
                 for source in record.sources:
                     source.held = None
+            self._by_storage.clear()
         try:
             if self.writer is not None:
                 self.writer.close()
@@ -218,20 +232,34 @@ class ActivationOffloader:
                     self._release(record)
 
     def _queue_end_of_backward(self) -> None:
-        """At the end of this backward, work off the releases of the nodes it ran."""
-        if not self._end_queued:
-            self._end_queued = True
+        """At the end of this backward, work off the releases of the nodes it ran (a backward
+        that raised drops its callbacks: the next one queues anew)."""
+        task = graph_task()
+        if task != self._end_task:
+            self._end_task = task
             queue_end_of_backward(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        self._end_queued = False
         with self._locked():
-            pass
+            self._end_task = None
+
+    def _same_bytes(self, record: SavedRecord, storage: Any, nbytes: int) -> bool:
+        """Whether ``record`` holds this storage's bytes as they are now: the same storage (not a
+        new one at a freed one's address), kept in place, or written and not changed since."""
+        if record.storage() is not storage or record.nbytes != nbytes:
+            return False
+        if record.state is SavedState.IN_PLACE:
+            return True
+        for source in record.sources:
+            source.look()
+        return record.state is SavedState.OFFLOADED and not any(s.stale for s in record.sources)
 
     def _raise_write_error(self) -> None:
         if self.writer is not None and self.writer.failed is not None:
-            err = self.writer.failed
-            raise ActivationOffloadError(f"saving activations to {self.home.value} failed: {err}") from err
+            err, self.writer.failed = self.writer.failed, None  # (raised once; its records raise when read)
+            hint = (". Raise activation_host_budget, use activation_tier='nvme', or checkpoint the model's layers"
+                    if isinstance(err, BudgetError) else "")
+            raise ActivationOffloadError(f"saving activations to {self.home.value} failed: {err}{hint}") from err
 
     def _offload(self, record: SavedRecord) -> None:
         """Write an IN_PLACE record's bytes to the tier and stop holding them."""
@@ -257,11 +285,9 @@ class ActivationOffloader:
                 raise ActivationOffloadError(f"saving activations to {self.home.value} failed: {err}") from err
             raise
         finally:
-            self.counts.stall_seconds += time.perf_counter() - started
-        if self.writer is None:  # (the writer lets go once its copies landed: see _saved's note)
-            for source in record.sources:
-                source.let_go()
-        self._by_storage.pop(record.ptr, None)
+            note_stall(self.counts, self.store, "write", started)
+        for source in record.sources:
+            source.let_go()
         self._in_place_bytes -= n
         self.counts.held_bytes -= n
         record.whole = None
@@ -281,10 +307,10 @@ class ActivationOffloader:
         self._in_place.move_to_end(record.seq, last=False)
 
     def _release(self, record: SavedRecord) -> None:
+        if self._by_storage.get(record.ptr) is record:
+            del self._by_storage[record.ptr]
         if record.state is SavedState.IN_PLACE:
             self._in_place.pop(record.seq, None)
-            if self._by_storage.get(record.ptr) is record:
-                del self._by_storage[record.ptr]
             self._in_place_bytes -= record.nbytes
             self.counts.held_bytes -= record.nbytes
         elif record.state is SavedState.OFFLOADED:

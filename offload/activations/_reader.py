@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..io import round_up
 from ..store import TensorStore, Tier
 from ._saved import SavedRecord, SavedState
 
-__all__ = ["ReadBack", "ActivationCounts", "ActivationOffloadError"]
+__all__ = ["ReadBack", "ActivationCounts", "ActivationOffloadError", "note_stall"]
 
 
 class ActivationOffloadError(RuntimeError):
@@ -36,6 +37,15 @@ class ActivationCounts:
     def hold(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes + self.window_bytes)
+
+
+def note_stall(counts: ActivationCounts, store: TensorStore, what: str, started: float) -> None:
+    """Compute waited for activations from ``started`` until now: counted, and a span of the
+    trace when one is recorded (the store's transfers are spans there already)."""
+    now = time.perf_counter()
+    counts.stall_seconds += now - started
+    if store.tracer is not None:
+        store.tracer.span(f"activations: {what}", "stall", started, now, "compute")
 
 
 class ReadBack:
@@ -70,18 +80,18 @@ class ReadBack:
             for i, (_, size) in enumerate(record.chunks):
                 if i in record.fetched:
                     continue
-                if self.counts.window_bytes + size > self.prefetch:
+                if self.counts.window_bytes + _slot(size) > self.prefetch:
                     return
                 self.store.fetch(record.key(i), Tier.DEVICE, priority=1)
                 record.fetched.add(i)
-                self.counts.window_bytes += size
+                self.counts.window_bytes += _slot(size)
 
     def wait_written(self, record: SavedRecord) -> None:
         """Until the writer has put every piece of ``record`` (raises why one failed)."""
         if record.being_written:
             started = time.perf_counter()
             record.written.wait()
-            self.counts.stall_seconds += time.perf_counter() - started
+            note_stall(self.counts, self.store, "wait for a write", started)
         if record.error is not None:
             raise ActivationOffloadError(f"saving activations failed: {record.error}") from record.error
 
@@ -116,7 +126,7 @@ class ReadBack:
         for i, (at, size) in enumerate(record.chunks):
             started = time.perf_counter()
             piece = self.store.wait(record.key(i), Tier.DEVICE)
-            self.counts.stall_seconds += time.perf_counter() - started
+            note_stall(self.counts, self.store, "read back", started)
             whole[at: at + size].copy_(piece)
             if not keep:
                 self._delete(record, i)
@@ -129,4 +139,9 @@ class ReadBack:
         self.store.delete(record.key(i))
         if i in record.fetched:
             record.fetched.discard(i)
-            self.counts.window_bytes -= record.chunks[i][1]
+            self.counts.window_bytes -= _slot(record.chunks[i][1])
+
+
+def _slot(size: int) -> int:
+    """What a piece takes of the DEVICE tier's budget (slots are rounded: pages on the CPU)."""
+    return round_up(size, 4096)

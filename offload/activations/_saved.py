@@ -9,20 +9,17 @@ record, so their bytes move once and their aliasing survives the round trip.
 
 Note: in-place changes. Torch refuses a backward that needs a tensor changed in place after
 it was saved; with saved-tensor hooks the check is the hooks' job. Each handle's source keeps
-the version the tensor had when saved: the tensor itself (detached: the same version
-counter, no grad_fn, so no reference cycle) until its bytes are written (on an accelerator,
-until the copy out has landed: the version moves when an in-place kernel is queued, before
-it runs, and the memory is held that long anyway), a weak reference after that. A change
-seen then, or when the handle is read, refuses the read, as torch does. A change made after
-the bytes were written, to a tensor whose Python object has died by the read, cannot be
-seen: the read gives the bytes as saved, which is the gradient of what the forward computed
-(torch would refuse it).
+the version the tensor had when saved and a tensor of no storage that shares its version
+counter (``detach()`` shares the counter, ``set_()`` then drops the storage, the version kept
+as it was): any in-place change of the saved tensor or of a view of its base moves that
+counter, whenever it happens and whether or not the tensor is still alive, so the read
+refuses it as torch does, without holding the tensor's memory. While its record is in place
+the source also holds the (detached) tensor itself, which is what a read returns.
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,23 +50,24 @@ _NEXT = {
 class SavedSource:
     """The tensor one handle stands for, and its version when saved (see the module's note)."""
 
-    __slots__ = ("held", "weak", "version", "stale")
+    __slots__ = ("held", "counter", "version", "shape", "stale")
 
     def __init__(self, tensor: torch.Tensor):
         self.held: torch.Tensor | None = tensor.detach()
-        self.weak = weakref.ref(tensor)
-        self.version = tensor._version
+        counter = tensor.detach()
+        with torch.autograd._unsafe_preserve_version_counter(counter):
+            counter.set_()  # (no storage: the version counter alone)
+        self.counter, self.version, self.shape = counter, tensor._version, tuple(tensor.shape)
         self.stale: str | None = None  # why the bytes kept are not those saved
 
     def look(self) -> None:
-        """Note a change of the tensor since it was saved (if it can still be seen)."""
-        tensor = self.held if self.held is not None else self.weak()
-        if self.stale is None and tensor is not None and tensor._version != self.version:
-            self.stale = (f"a tensor of shape {tuple(tensor.shape)} saved for backward at version {self.version} "
-                          f"is now at version {tensor._version}")
+        """Note a change of the tensor since it was saved."""
+        if self.stale is None and self.counter._version != self.version:
+            self.stale = (f"a tensor of shape {self.shape} saved for backward at version {self.version} is now "
+                          f"at version {self.counter._version}")
 
     def let_go(self) -> None:
-        """The record's bytes are written: look once more, then keep only the weak reference."""
+        """The record's bytes are written: look once more, and stop holding the tensor."""
         self.look()
         self.held = None
 
@@ -88,7 +86,8 @@ class SavedRecord:
 
     seq: int  # the order of saving: backward needs the highest first
     nbytes: int
-    ptr: int  # the storage's address while IN_PLACE (the key of the offloader's index)
+    ptr: int  # the storage's address (the key of the offloader's index)
+    storage: Any  # a weak reference to the storage: identity and liveness (its address may be reused)
     whole: torch.Tensor | None  # uint8 over the whole storage (IN_PLACE, RESTORED), else None
     state: SavedState = SavedState.IN_PLACE
     handles: int = 0  # live SavedHandles: released at 0

@@ -73,6 +73,9 @@ class DeviceWriter:
                     record.pending += 1
                 self._queue.put(_Piece(record, i, size, buffer, copied))
                 queued += 1
+        except BaseException as err:
+            record.error = err  # (the pieces queued are not put; the caller undoes the rest)
+            raise
         finally:
             if queued:  # the memory is not handed to another tensor before the copies read it
                 acc.record_stream(record.whole, self.stream)
@@ -106,8 +109,4 @@ class DeviceWriter:
             record.pending -= 1
             last = record.pending == 0
         if last:
-            # the copies have landed: a change queued before them shows in the version now; the
-            # sources were held until here, so none could die unseen in between
-            for source in list(record.sources):
-                source.let_go()
             record.written.set()

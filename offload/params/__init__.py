@@ -7,8 +7,8 @@ from ._gradients import defer_to, hold_gradients, holder_of as gradient_holder, 
 from ._groups import slice_groups
 from ._sizing import DeviceLayout, device_layout
 from ._originals import narrows
-from ._manager import (ParamManager, close, log_step, manager_of, note_step, owner_of, reset_peak_stats, stats, unwrap,
-                       wrap, write_trace)
+from ._manager import ParamManager, close, manager_of, owner_of, unwrap, wrap
+from ._observe import log_step, note_step, reset_peak_stats, stats, write_trace
 
 __all__ = ["wrap", "unwrap", "close", "stats", "reset_peak_stats", "init_empty_weights", "manager_of", "owner_of",
            "ParamManager", "slice_groups", "log_step", "note_step", "write_trace", "device_layout", "DeviceLayout", "graph_task",

@@ -134,9 +134,12 @@ class ModuleHooks:
         self._drop_interrupted(depth)
         grad = torch.is_grad_enabled()
         self.coordinator.begin_pass("grad" if grad else "nograd")
-        if grad:
-            if self.activations is not None:
+        if self.activations is not None:  # (a no-grad pass works off what earlier graphs released)
+            if grad:
                 self.activations.begin_forward(self._model_storages())
+            else:
+                self.activations.settle()
+        if grad:
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._saved_hooks.append(ctx)

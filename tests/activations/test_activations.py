@@ -284,3 +284,29 @@ def test_devices_match_as_torch_names_them(monkeypatch):
     assert not on_device(at("cuda:0"), torch.device("cuda"))
     assert on_device(at("cuda:0"), torch.device("cuda:0")) and not on_device(at("cpu"), torch.device("cuda:0"))
     assert on_device(at("cpu"), torch.device("cpu"))
+
+
+def test_some_kept_some_moved_and_nothing_held_after_backward(tmp_path, tiny_gpt2, offload_config, lm_batches):
+    """A budget that keeps part of a step in place: the same run as without offload; and
+    right after each backward (before anything asks for stats) every record is released."""
+    batches = lm_batches(211, steps=2)
+    ref = _run(tiny_gpt2(), offload_config(tmp_path / "a"), batches)
+    model = tiny_gpt2()
+    cfg = offload_config(tmp_path / "b", activation_tier="nvme", activation_budget="96KiB", activation_min_bytes=0,
+                         activation_prefetch="64KiB", activation_host_budget="256KiB")
+    offload.wrap(model, cfg)
+    offloader = offload.params.manager_of(model).activations
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for micro in batches:
+        for ids in micro:
+            loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            assert offloader.counts.held_bytes > 0 and offloader.counts.offloaded_bytes > 0  # both kinds
+            loss.backward()
+            del loss
+            assert offloader.counts.records == 0 and offloader.counts.held_bytes == 0  # (the end of backward)
+            losses.append(None)
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p.detach().clone() for n, p in offload.unwrap(model).named_parameters()}
+    torch.testing.assert_close(weights, ref[2], rtol=0, atol=0)

@@ -61,3 +61,39 @@ def test_a_failed_write_stops_the_run_with_its_cause(tmp_path, tiny_gpt2, lm_bat
             model(input_ids=ids, labels=ids).loss.backward()
         offload.close(model)
         assert sim.allocated == 0
+
+
+def test_a_write_stopped_half_way_keeps_the_other_graph_whole(tmp_path, tiny_gpt2, lm_batches):
+    """A forward whose saves push an earlier graph's activations out, and whose copy out fails
+    half way (a Ctrl-C while waiting for a buffer): the earlier graph's record goes back in
+    place, and its backward gives the gradients of the run without offload."""
+    first, second = lm_batches(211, steps=1, micro=2)[0]
+    ref = tiny_gpt2()
+    ref(input_ids=first, labels=first).loss.backward()
+    act = dict(activation_tier="nvme", activation_budget="1MiB", activation_min_bytes=0,
+               activation_prefetch="64KiB", activation_host_budget="8MiB")
+    with simulated(seed=0) as sim:
+        model = offload.wrap(tiny_gpt2(), config(tmp_path, **act))
+        kept = model(input_ids=first, labels=first).loss  # (all of it within the budget)
+        writer = offload.params.manager_of(model).activations.writer
+        acquire, calls = writer.pool.acquire, []
+
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return acquire(*args, **kwargs)
+
+        writer.pool.acquire = interrupted
+        more = []
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(64):  # graphs kept alive: their saves push the first graph's records out
+                more.append(model(input_ids=second, labels=second).loss)
+        del more
+        writer.pool.acquire = acquire
+        kept.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        offload.close(model)
+        assert sim.allocated == 0
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-7, msg=name)
