@@ -104,7 +104,9 @@ def worker(args) -> dict:
             if i >= 1:
                 rows.append(row)
         out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        out.update(peak_rss_bytes=rss.stop(), params=params, loss=float(loss))
+        stats = offload.stats(model)  # (the activations' peak over the run: in place, read back, read ahead)
+        out.update(peak_rss_bytes=rss.stop(), params=params, loss=float(loss), act_peak_bytes=stats["act_peak_bytes"],
+                   act_buffer_peak_bytes=stats["act_buffer_peak_bytes"])
         opt.close()
         offload.close(model)
         return out
@@ -152,12 +154,13 @@ def run(args, cap: MemoryCap, path: str, mode: str, batch: int) -> dict:
         log.info("%s batch %d: does not fit (%s)%s", mode, batch, why,
                  "" if out.returncode in (137, -9) else "\n" + out.stderr[-2000:])
         return {**row, "peak_rss_bytes": None, "step_s": None, "tokens_per_s": None, "act_written_bytes": None,
-                "act_read_bytes": None, "stall_s": None}
+                "act_read_bytes": None, "stall_s": None, "act_peak_bytes": None}
     got = json.loads(out.stdout.strip().splitlines()[-1])
     row.update(peak_rss_bytes=got["peak_rss_bytes"], step_s=got["step_s"],
                tokens_per_s=batch * args.seq / got["step_s"], act_written_bytes=got["written_bytes"],
                act_read_bytes=got["read_bytes"], stall_s=got["stall_s"], forward_s=got["forward_s"],
-               backward_s=got["backward_s"], loss=got["loss"])
+               backward_s=got["backward_s"], loss=got["loss"], act_peak_bytes=got["act_peak_bytes"],
+               act_buffer_peak_bytes=got["act_buffer_peak_bytes"])
     log.info("%s batch %d: %.2f s/step, %.0f tokens/s, peak RSS %.2f GiB, activations %.2f GB written", mode,
              batch, row["step_s"], row["tokens_per_s"], row["peak_rss_bytes"] / 2**30, row["act_written_bytes"] / 1e9)
     return row

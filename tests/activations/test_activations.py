@@ -154,10 +154,7 @@ def test_no_grad_saves_nothing_and_an_interrupted_forward_leaves_nothing(tmp_pat
 
 
 class _Twice(torch.nn.Module):
-    """A layer called twice in one graph, and an in-place change of a saved tensor when asked
-    (while the saved tensor is still held in place: one changed after it was moved is read back
-    as it was saved, so backward computes the gradient of what the forward computed where torch
-    would refuse; see docs/architecture.md)."""
+    """A layer called twice in one graph, and an in-place change of a saved tensor when asked."""
 
     def __init__(self):
         super().__init__()
@@ -183,9 +180,12 @@ def test_module_called_twice_and_a_modified_saved_tensor(tmp_path, offload_confi
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
     with pytest.raises(RuntimeError, match="modified by an inplace"):  # as torch without offload
         _Twice()(x, modify=True).sum().backward()
+    with pytest.raises(ModifiedSavedTensorError, match="modified by an inplace"):  # changed after it moved
+        model(x, modify=True).sum().backward()
+    assert offload.stats(model)["act_written_bytes"] > 0
     offload.close(model)
     kept = offload.wrap(_Twice(), offload_config(tmp_path / "kept", activation_tier="nvme", activation_min_bytes=0))
-    with pytest.raises(ModifiedSavedTensorError, match="modified by an inplace"):
+    with pytest.raises(ModifiedSavedTensorError, match="modified by an inplace"):  # changed while kept in place
         kept(x, modify=True).sum().backward()
     offload.close(kept)
 
