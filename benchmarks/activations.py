@@ -77,7 +77,11 @@ def worker(args) -> dict:
         model = offload.wrap(model, cfg, checkpoint=args.model_path)
         model.train()
         if args.mode.startswith("ckpt"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # (transformers 5.x's name)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         torch.manual_seed(0)  # (the dropout masks: the same in every mode)

@@ -158,6 +158,15 @@ def add_batch_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
 
 
+def enable_checkpointing(model) -> None:
+    """transformers' activation checkpointing, non-reentrant (its name since 5.x, else the old one)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def offload_config(args) -> offload.OffloadConfig:
     activations = getattr(args, "activations", "none")
     act = {} if activations == "none" else dict(activation_tier=activations, activation_budget=args.activation_budget,
@@ -213,7 +222,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     model, weights = build_model(args)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     # the process's peak RSS this run should reach (what the OOM killer reads), from a batch's shape
     shape = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
     predicted = offload.plan(model, offload_config(args), optimizer="adamw", moments=args.moments,
