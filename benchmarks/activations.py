@@ -72,7 +72,8 @@ def worker(args) -> dict:
     cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=swap,
                                 device_budget=max(params * 4 // 3, 2 * config.vocab_size * config.n_embd * 4
                                                   + (64 << 20)),
-                                host_budget=args.host_budget, file_size="1GiB", **act)
+                                host_budget=args.host_budget, file_size="1GiB", host_allocator=args.host_allocator,
+                                **act)
     try:
         model = offload.wrap(model, cfg, checkpoint=args.model_path)
         model.train()
@@ -150,7 +151,7 @@ class MemoryCap:
 def run(args, cap: MemoryCap, path: str, mode: str, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--batch", str(batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--path", args.path, "--host-budget", args.host_budget,
-           "--act-budget", args.act_budget]
+           "--act-budget", args.act_budget, "--host-allocator", args.host_allocator]
     out = subprocess.run(cap.command(cmd), capture_output=True, text=True)
     row = {"model": args.model, "mode": mode, "batch": batch, "fits": out.returncode == 0}
     if out.returncode != 0:
@@ -183,6 +184,10 @@ def main() -> None:
     parser.add_argument("--host-budget", default="2GiB", help="offload's host budget for parameters (default 2GiB)")
     parser.add_argument("--act-budget", default="256MiB",
                         help="activation_budget of the NVMe modes: saved bytes kept in RAM (default 256MiB)")
+    parser.add_argument("--host-allocator", default="auto", choices=["auto", "lean", "system"],
+                        help="OffloadConfig.host_allocator of every mode: 'lean' makes RSS follow the tensors "
+                             "alive, 'system' (what 'auto' is on a CPU device) lets malloc keep freed memory "
+                             "(docs/memory.md); default auto")
     parser.add_argument("--path", default=None, help=f"scratch directory (models, swap files); default {SCRATCH_HELP}")
     parser.add_argument("--json", default=None, help="write the runs here as JSON")
     parser.add_argument("--worker", choices=MODES, dest="mode", help=argparse.SUPPRESS)
@@ -232,6 +237,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ram_cap_bytes": cap.limit, "model": args.model, "seq": args.seq, "runs": runs,
+                       "host_allocator": args.host_allocator, "act_budget": args.act_budget,
                        "torch": torch.__version__}, fh, indent=1)
         log.info("wrote %s", args.json)
 

@@ -36,14 +36,14 @@ def plan_activations(config: OffloadConfig, estimate: ActivationEstimate | None)
     moved = max(0, estimate.saved_bytes - config.activation_budget) if known else None
     if config.activation_tier == "host":
         room = host_pool_bytes(config, config.torch_device.type == "cuda")
-        held = config.activation_host_budget if moved is None else min(moved, room)
+        held = config.activation_host_bytes() if moved is None else min(moved, room)
         rows.append((f"{ACTIVATION_ITEM} offloaded", "host", held, "at most activation_host_budget"))
         if moved is not None and moved > room:
             problems.append(f"activations: {format_size(moved)} saved beyond activation_budget do not fit "
-                            f"activation_host_budget ({format_size(config.activation_host_budget)}): raise "
+                            f"activation_host_budget ({format_size(config.activation_host_bytes())}): raise "
                             "activation_host_budget or activation_budget, or use activation_tier='nvme'")
     else:
-        rows.append((f"{ACTIVATION_ITEM} write buffers", "host", config.activation_host_budget,
+        rows.append((f"{ACTIVATION_ITEM} write buffers", "host", config.activation_host_bytes(),
                      "activation_host_budget: writes in flight (and copies out of the device)"))
         if moved is not None:
             rows.append((f"{ACTIVATION_ITEM} offloaded", "nvme", moved, "saved beyond activation_budget"))

@@ -111,7 +111,10 @@ class OffloadConfig:
             needs them first. Older ones are moved to ``activation_tier`` as forward goes on.
         activation_host_budget: host buffers for activations: where they rest with
             ``activation_tier="host"``; with ``"nvme"``, the writes in flight (a forward
-            that saves faster than the disk writes waits for them).
+            that saves faster than the disk writes waits for them). ``"auto"`` (default):
+            64 MiB for ``"nvme"`` (four pieces in flight keep the disk busy; the pool holds
+            its buffers for the next step, so more would only raise RSS), 1 GiB for
+            ``"host"``; see ``activation_host_bytes()``.
         activation_prefetch: bytes of offloaded activations read back ahead of backward (in
             the reverse of the order they were saved), in compute-device memory.
         activation_min_bytes: saved tensors smaller than this stay in place (not worth a
@@ -141,8 +144,8 @@ class OffloadConfig:
     world_size: int | None = None
     activation_tier: str | None = None
     activation_budget: int | str = "512MiB"
-    activation_host_budget: int | str = "256MiB"
-    activation_prefetch: int | str = "128MiB"
+    activation_host_budget: int | str = "auto"
+    activation_prefetch: int | str = "64MiB"
     activation_min_bytes: int | str = "1MiB"
 
     def __post_init__(self) -> None:
@@ -153,9 +156,10 @@ class OffloadConfig:
         set_("device", _check_device(self.device))
         set_("param_tier", _check_choice("param_tier", self.param_tier, _TIERS_PARAM))
         set_("optimizer_tier", _check_choice("optimizer_tier", self.optimizer_tier, _TIERS_OPTIM))
-        for name in ("device_budget", "host_budget", "file_size", "activation_host_budget",
-                     "activation_prefetch"):
+        for name in ("device_budget", "host_budget", "file_size", "activation_prefetch"):
             set_(name, parse_size(getattr(self, name), name=name))
+        if self.activation_host_budget != "auto":
+            set_("activation_host_budget", parse_size(self.activation_host_budget, name="activation_host_budget"))
         for name in ("activation_budget", "activation_min_bytes"):
             set_(name, parse_size(getattr(self, name), name=name, allow_zero=True))
         if self.activation_tier is not None:
@@ -219,6 +223,12 @@ class OffloadConfig:
             return int(self.prefetch_bytes)
         window = min(max(4 * typical_group, _AUTO_WINDOW_MIN), _AUTO_WINDOW_MAX)
         return max(0, min(window, room))
+
+    def activation_host_bytes(self) -> int:
+        """``activation_host_budget`` in bytes (``"auto"`` resolved, see the attribute)."""
+        if self.activation_host_budget != "auto":
+            return int(self.activation_host_budget)
+        return (64 << 20) if self.activation_tier != "host" else (1 << 30)
 
     def replace(self, **changes: Any) -> OffloadConfig:
         """A copy with ``changes`` (validated again)."""

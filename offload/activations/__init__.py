@@ -39,14 +39,14 @@ def chunk_bytes(config: OffloadConfig) -> int:
     """The piece a saved tensor moves in: at most 16 MiB, a quarter of the host buffers (on an
     accelerator two of them are the writer's, two are writes in flight), the read-ahead
     window; a multiple of 4 KiB."""
-    limit = min(CHUNK_BYTES, config.activation_host_budget // 4, config.activation_prefetch)
+    limit = min(CHUNK_BYTES, config.activation_host_bytes() // 4, config.activation_prefetch)
     return max(4096, limit // 4096 * 4096)
 
 
 def host_pool_bytes(config: OffloadConfig, accelerated: bool) -> int:
     """The store's host pool: activation_host_budget, less the writer's pinned buffers on an
     accelerator (so that all of them stay within the budget)."""
-    return config.activation_host_budget - (COPY_BUFFERS * chunk_bytes(config) if accelerated else 0)
+    return config.activation_host_bytes() - (COPY_BUFFERS * chunk_bytes(config) if accelerated else 0)
 
 
 def offloader_for(config: OffloadConfig) -> ActivationOffloader:
