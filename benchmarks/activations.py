@@ -65,7 +65,7 @@ def worker(args) -> dict:
     with offload.init_empty_weights():
         model = transformers.GPT2LMHeadModel(config)
     params = sum(p.numel() for p in model.parameters())
-    swap = tempfile.mkdtemp(prefix="swap-", dir=args.path)
+    swap = args.swap
     act = {}
     if args.mode in ("ckpt_nvme", "all_nvme"):
         act = dict(activation_tier="nvme", activation_budget=args.act_budget)
@@ -149,10 +149,14 @@ class MemoryCap:
 
 
 def run(args, cap: MemoryCap, path: str, mode: str, batch: int) -> dict:
+    swap = tempfile.mkdtemp(prefix="swap-", dir=args.path)  # (removed here: a worker the cap kills cannot)
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--batch", str(batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--path", args.path, "--host-budget", args.host_budget,
-           "--act-budget", args.act_budget, "--host-allocator", args.host_allocator]
-    out = subprocess.run(cap.command(cmd), capture_output=True, text=True)
+           "--act-budget", args.act_budget, "--host-allocator", args.host_allocator, "--swap", swap]
+    try:
+        out = subprocess.run(cap.command(cmd), capture_output=True, text=True)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
     row = {"model": args.model, "mode": mode, "batch": batch, "fits": out.returncode == 0}
     if out.returncode != 0:
         why = "killed by the RAM cap" if out.returncode in (137, -9) else f"exit {out.returncode}"
@@ -193,6 +197,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=MODES, dest="mode", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--swap", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode is not None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

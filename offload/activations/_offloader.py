@@ -133,6 +133,8 @@ class ActivationOffloader:
                 self.counts.records += 1
             record.handles += 1
             record.sources.append(source)
+            if record.state is not SavedState.IN_PLACE:  # its bytes are written: holding the tensor would keep
+                source.let_go()  # its memory alive beside the copy backward reads back
             while self._in_place_bytes > self.budget and self._in_place:
                 self._offload(self._in_place.popitem(last=False)[1])
         return handle

@@ -135,6 +135,6 @@ class SavedHandle:
         return out.set_(whole.untyped_storage(), self.offset, self.size, self.stride)
 
     def __del__(self) -> None:  # autograd dropped the saved tensor (its node ran or was freed)
-        owner = self.owner
+        owner = getattr(self, "owner", None)  # (unset when the constructor raised)
         if owner is not None:
             owner.handle_dropped(self.record)

@@ -5,6 +5,7 @@ nothing left behind."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -198,6 +199,12 @@ def test_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="activation_prefetch"):
         offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host", activation_tier="host",
                               activation_prefetch=0)
+    host = dict(device="cpu", param_tier="host", optimizer_tier="host")
+    assert offload.OffloadConfig(**host, activation_tier="host").activation_host_bytes() == 1 << 30
+    assert offload.OffloadConfig(**host, activation_tier="nvme", nvme_path=str(tmp_path)).activation_host_bytes() == \
+        64 << 20  # (write buffers only)
+    assert offload.OffloadConfig(**host, activation_tier="host", activation_host_budget="3MiB").activation_host_bytes() \
+        == 3 << 20
 
 
 def test_plan_counts_offloaded_activations_and_refuses_a_small_host_tier(tmp_path, tiny_gpt2, offload_config):
@@ -310,3 +317,34 @@ def test_some_kept_some_moved_and_nothing_held_after_backward(tmp_path, tiny_gpt
         opt.zero_grad()
     weights = {n: p.detach().clone() for n, p in offload.unwrap(model).named_parameters()}
     torch.testing.assert_close(weights, ref[2], rtol=0, atol=0)
+
+
+class _SavedTwice(torch.nn.Module):
+    """tanh saves its output y, and the next matmul saves y again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+        self.storage = None
+
+    def forward(self, x):
+        y = torch.tanh(self.a(x))
+        self.storage = weakref.ref(y.untyped_storage())  # (the test's window on y's memory)
+        return self.b(y).sum()
+
+
+def test_a_storage_saved_again_after_it_moved_is_not_held(tmp_path, offload_config):
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    ref = _SavedTwice()
+    ref(x).backward()
+    model = offload.wrap(_SavedTwice(), offload_config(tmp_path, activation_tier="nvme", **ALL_OUT))
+    loss = model(x)
+    gc.collect()
+    assert model.storage() is None  # moved once, saved twice, and its memory given back
+    stats = offload.stats(model)
+    assert stats["act_written_bytes"] == stats["act_offloaded_bytes"] > 0
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    offload.close(model)
