@@ -9,8 +9,10 @@ still in the race, in an order that rotates):
 
   none       no checkpointing; activations stay in RAM
   ckpt_ram   transformers' gradient checkpointing; the checkpoints stay in RAM
-  ckpt_nvme  gradient checkpointing; the checkpoints (and what the loss saves) go to NVMe
-  all_nvme   no checkpointing, no recompute; every saved tensor of 1 MiB and more to NVMe
+  ckpt_nvme  gradient checkpointing; the checkpoints (and what the loss saves) beyond
+             --act-budget go to NVMe
+  all_nvme   no checkpointing, no recompute; every saved tensor (of 1 MiB and more) beyond
+             --act-budget to NVMe
 
 The batch doubles from 1 while a mode fits. The RAM cap is a memory cgroup of the worker
 (cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes``; this needs root): a worker the
