@@ -115,12 +115,12 @@ def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
                    "(gradient_checkpointing_enable): keep each layer's input, recompute the rest in backward")
     o.add_argument("--activations", default="none", choices=["none", "host", "nvme"],
                    help="where saved activations beyond --activation-budget rest until backward: with "
-                   "--checkpointing the checkpoints, without it every saved tensor of 1 MiB and more "
-                   "(default none: where autograd puts them)")
+                   "--checkpointing the checkpoints, without it every saved tensor of --activation-min-bytes "
+                   "and more (default none: where autograd puts them)")
     o.add_argument("--activation-budget", default="512MiB", help="saved activations kept in place, the newest "
                    "(default 512MiB)")
-    o.add_argument("--activation-min-bytes", default="1MiB", help="saved tensors smaller than this stay in place "
-                   "(default 1MiB)")
+    o.add_argument("--activation-min-bytes", default="1MiB", help="saved tensors whose storage is smaller than "
+                   "this stay in place (default 1MiB)")
     add_observability_args(o)
 
 

@@ -112,13 +112,15 @@ class OffloadConfig:
         activation_host_budget: host buffers for activations: where they rest with
             ``activation_tier="host"``; with ``"nvme"``, the writes in flight (a forward
             that saves faster than the disk writes waits for them). ``"auto"`` (default):
-            64 MiB for ``"nvme"`` (four pieces in flight keep the disk busy; the pool holds
-            its buffers for the next step, so more would only raise RSS), 1 GiB for
-            ``"host"``; see ``activation_host_bytes()``.
+            64 MiB for ``"nvme"`` (four 16 MiB pieces in flight keep the disk busy, two of
+            them the copy buffers on an accelerator; the pool holds its buffers for the next
+            step, so more would only raise RSS), 1 GiB for ``"host"``; see
+            ``activation_host_bytes()``.
         activation_prefetch: bytes of offloaded activations read back ahead of backward (in
             the reverse of the order they were saved), in compute-device memory.
-        activation_min_bytes: saved tensors smaller than this stay in place (not worth a
-            transfer); they count toward ``offload.stats``' ``act_small_bytes``.
+        activation_min_bytes: saved tensors whose storage is smaller than this stay in place
+            (not worth a transfer); each such save counts toward ``offload.stats``'
+            ``act_small_bytes``.
     """
 
     device: str = "cuda"
