@@ -18,7 +18,7 @@ from ..accel import accelerator_for
 from .._units import format_size
 from ..config import OffloadConfig
 from ..store import Tier, create_store
-from ._offloader import CHUNK_BYTES, ActivationOffloader, on_device
+from ._offloader import CHUNK_BYTES, ActivationOffloader, figures, on_device
 from ._reader import ActivationCounts, ActivationOffloadError
 from ._saved import ModifiedSavedTensorError, SavedHandle, SavedState
 from ._writer import COPY_BUFFERS, DeviceWriter
@@ -30,9 +30,7 @@ __all__ = ["offloader_for", "ActivationOffloader", "ActivationCounts", "Activati
 log = logging.getLogger("offload")
 
 # what offload.stats reports for a model whose activations are not offloaded
-NO_ACTIVATION_STATS = {"act_written_bytes": 0, "act_read_bytes": 0, "act_stall_seconds": 0.0, "act_small_bytes": 0,
-                       "act_held_bytes": 0, "act_peak_bytes": 0, "act_offloaded_bytes": 0, "act_records": 0,
-                       "act_buffer_bytes": 0, "act_buffer_peak_bytes": 0}
+NO_ACTIVATION_STATS = figures(ActivationCounts(), [])
 
 
 def chunk_bytes(config: OffloadConfig) -> int:

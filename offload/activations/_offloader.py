@@ -33,9 +33,19 @@ from ._reader import ActivationCounts, ActivationOffloadError, ReadBack, note_st
 from ._saved import ModifiedSavedTensorError, SavedHandle, SavedRecord, SavedSource, SavedState
 from ._writer import DeviceWriter
 
-__all__ = ["ActivationOffloader", "CHUNK_BYTES", "on_device"]
+__all__ = ["ActivationOffloader", "CHUNK_BYTES", "on_device", "figures"]
 
 CHUNK_BYTES = 16 << 20  # a saved tensor moves in pieces of at most this (windows stay small)
+
+
+def figures(c: ActivationCounts, pools: list) -> dict[str, Any]:
+    """``offload.stats``' ``act_*`` keys from an offloader's counts and its buffer pools."""
+    return {"act_written_bytes": c.written_bytes, "act_read_bytes": c.read_bytes,
+            "act_stall_seconds": c.stall_seconds, "act_small_bytes": c.small_bytes,
+            "act_held_bytes": c.held_bytes, "act_peak_bytes": c.peak_bytes,
+            "act_offloaded_bytes": c.offloaded_bytes, "act_records": c.records,
+            "act_buffer_bytes": sum(p.held_bytes for p in pools),
+            "act_buffer_peak_bytes": sum(p.peak_bytes for p in pools)}
 
 
 def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -176,14 +186,7 @@ class ActivationOffloader:
     # -- reports --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         self.settle()
-        c = self.counts
-        pools = [self.store.staging] + ([self.writer.pool] if self.writer is not None else [])
-        return {"act_written_bytes": c.written_bytes, "act_read_bytes": c.read_bytes,
-                "act_stall_seconds": c.stall_seconds, "act_small_bytes": c.small_bytes,
-                "act_held_bytes": c.held_bytes, "act_peak_bytes": c.peak_bytes,
-                "act_offloaded_bytes": c.offloaded_bytes, "act_records": c.records,
-                "act_buffer_bytes": sum(p.held_bytes for p in pools),
-                "act_buffer_peak_bytes": sum(p.peak_bytes for p in pools)}
+        return figures(self.counts, [self.store.staging] + ([self.writer.pool] if self.writer is not None else []))
 
     def reset_peaks(self) -> None:
         self.counts.peak_bytes = self.counts.held_bytes + self.counts.window_bytes
