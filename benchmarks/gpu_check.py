@@ -72,12 +72,19 @@ def peak_tflops(name: str, given: float | None) -> float | None:
 
 
 # -- 1. the CUDA tests ---------------------------------------------------------------------------
-def cuda_tests(timeout: float) -> dict:
+def cuda_tests(timeout: float, output: str | None) -> dict:
+    """``pytest -m cuda``: its counts; its whole output written to ``output`` when given, and
+    the end of it logged when a test failed."""
     report = os.path.join(tempfile.mkdtemp(prefix="gpu-check-"), "junit.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", f"--junitxml={report}", "tests"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "--tb=short", "-m", "cuda", f"--junitxml={report}", "tests"]
     log.info("running the CUDA tests: %s", " ".join(cmd))
     try:
-        subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+        out = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+        if output:
+            with open(output, "w") as fh:
+                fh.write(out.stdout + out.stderr)
+        if out.returncode not in (0, 5):  # (5: none collected)
+            log.warning("the CUDA tests failed (exit %d):\n%s", out.returncode, out.stdout[-6000:])
         suite = ET.parse(report).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
@@ -228,6 +235,7 @@ def main() -> None:
                         "estimated to pass it are skipped (default 540)")
     parser.add_argument("--path", default=None, help="directory on the NVMe disk for models, swap files and "
                         f"the profile (default: {SCRATCH_HELP.format(name='gpu-check')})")
+    parser.add_argument("--tests-log", default=None, help="write the CUDA tests' whole output to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -251,7 +259,7 @@ def main() -> None:
             device = torch.device(args.device)
             name = torch.cuda.get_device_name(device)
             report["gpu"] = name
-            report.update(cuda_tests(timeout=max(60.0, min(180.0, deadline - time.monotonic() - 300))))
+            report.update(cuda_tests(max(60.0, min(180.0, deadline - time.monotonic() - 300)), args.tests_log))
             report.update(pool_copies(device, args.copy_size))
             _, profile, _ = profile_cli(args.path, "1GiB", os.path.join(args.path, "profile.json"),
                                         "--device", args.device)
@@ -261,6 +269,11 @@ def main() -> None:
             report["h2d_vs_link"] = report["h2d_gbps"] / link if link else None
             peak = peak_tflops(name, args.peak_tflops)
             report["peak_fp32_tflops"] = peak
+            log.info("links: host to device %.1f GB/s, device to host %.1f GB/s (pinned: %s); the profile's "
+                     "pinned copies %s GB/s", report["h2d_gbps"], report["d2h_gbps"], report["pinned"], link)
+            if args.json:  # (what is known before training, should training not finish)
+                with open(args.json, "w") as fh:
+                    json.dump(report, fh, indent=2)
         else:
             args.largest, peak = False, None
         report["runs"] = runs = train_ladder(args, deadline)

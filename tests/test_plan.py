@@ -141,6 +141,7 @@ def test_wrap_logs_the_plan(tmp_path, caplog, tiny_gpt2, offload_config, no_leak
     assert "offload memory plan: device cpu, param_tier nvme" in caplog.text
 
 
+@pytest.mark.cuda
 def test_cuda_plan_checks_device_memory(tmp_path, tiny_gpt2, offload_config):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -288,19 +288,27 @@ def test_grad_tier_auto_keeps_what_fits_and_host_refuses(tmp_path, tiny_gpt2, lm
     assert_same_weights(model, ref)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_update_during_backward_on_cuda(tmp_path, tiny_gpt2, lm_batches, train, offload_config, make_opt, assert_losses,
-                                        no_leaks):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["clipped_step", "update_during_backward"])
+def test_training_on_cuda(tmp_path, overlapped, tiny_gpt2, lm_batches, train, offload_config, make_opt,
+                          assert_losses, no_leaks):
     """On CUDA gradients are added on the drain worker; the queue advances from the gradient
-    hooks on backward's thread and step() finishes it: the same trajectory as torch's."""
+    hooks on backward's thread and step() finishes it (or, clipped, step() after
+    clip_grad_norm_): the same trajectory as torch's on the GPU."""
     ref, model = tiny_gpt2().cuda(), tiny_gpt2()
     batches = lm_batches(model.config.vocab_size, steps=3)
+    clip = None if overlapped else 2.0  # (the norms are 2.9, 1.9, 1.9: the first step clips)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
-    ref_losses = train(ref, ref_opt, [[ids.cuda() for ids in micro] for micro in batches])
+    ref_losses = train(ref, ref_opt, [[ids.cuda() for ids in micro] for micro in batches], clip=clip)
     offload.wrap(model, offload_config(tmp_path, device="cuda"))
     try:
         opt = make_opt("adamw", model.parameters(), True, shard_size=6000)
-        losses, _ = train_overlapped(model, opt, [[ids.cuda() for ids in micro] for micro in batches])
+        on_gpu = [[ids.cuda() for ids in micro] for micro in batches]
+        if overlapped:
+            losses, _ = train_overlapped(model, opt, on_gpu)
+        else:
+            losses = train(model, opt, on_gpu, clip=clip)
         assert_losses(losses, ref_losses, rtol=1e-4, atol=1e-5)  # GPU kernels against the CPU update
         opt.close()
     finally:
