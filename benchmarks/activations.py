@@ -50,7 +50,7 @@ from _common import SCRATCH_HELP, PeakRss, saved_gpt2, start  # noqa: E402
 log = logging.getLogger("bench.activations")
 
 OUT_OF_DEVICE_MEMORY = 3  # a worker's exit status when the device's allocator refused it
-MODES = ("none", "ckpt_ram", "ckpt_nvme", "all_nvme")
+MODES = ("none", "ckpt_ram", "ckpt_nvme", "all_nvme", "ckpt_host", "all_host")
 SHAPES = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "774M": (36, 1280, 20)}
 
 
@@ -75,9 +75,12 @@ def worker(args) -> dict:
     params = sum(p.numel() for p in model.parameters())
     swap = args.swap
     act = {}
-    if args.mode in ("ckpt_nvme", "all_nvme"):
-        act = dict(activation_tier="nvme", activation_budget=args.act_budget)
+    if args.mode.endswith(("_nvme", "_host")):
+        act = dict(activation_tier=args.mode.split("_")[1], activation_budget=args.act_budget,
+                   activation_host_budget=args.act_host_budget)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # (the per-process fraction wants an index)
     if device.type == "cuda" and args.device_cap:
         from offload._units import parse_size
 
@@ -177,7 +180,7 @@ def run(args, cap: MemoryCap, path: str, mode: str, batch: int) -> dict:
     swap = tempfile.mkdtemp(prefix="swap-", dir=args.path)  # (removed here: a worker the cap kills cannot)
     cmd = [sys.executable, __file__, "--worker", mode, "--model-path", path, "--batch", str(batch), "--seq",
            str(args.seq), "--steps", str(args.steps), "--path", args.path, "--host-budget", args.host_budget,
-           "--act-budget", args.act_budget, "--host-allocator", args.host_allocator, "--swap", swap,
+           "--act-budget", args.act_budget, "--act-host-budget", args.act_host_budget, "--host-allocator", args.host_allocator, "--swap", swap,
            "--device", args.device, *(["--device-cap", args.device_cap] if args.device_cap else [])]
     try:
         out = subprocess.run(cap.command(cmd), capture_output=True, text=True)
@@ -197,8 +200,10 @@ def run(args, cap: MemoryCap, path: str, mode: str, batch: int) -> dict:
                act_read_bytes=got["read_bytes"], stall_s=got["stall_s"], forward_s=got["forward_s"],
                backward_s=got["backward_s"], loss=got["loss"], act_peak_bytes=got["act_peak_bytes"],
                act_buffer_peak_bytes=got["act_buffer_peak_bytes"], peak_device_bytes=got["peak_device_bytes"])
-    log.info("%s batch %d: %.2f s/step, %.0f tokens/s, peak RSS %.2f GiB, activations %.2f GB written", mode,
-             batch, row["step_s"], row["tokens_per_s"], row["peak_rss_bytes"] / 2**30, row["act_written_bytes"] / 1e9)
+    log.info("%s batch %d: %.2f s/step, %.0f tokens/s, peak RSS %.2f GiB, activations %.2f GB written, stall %.2f s%s",
+             mode, batch, row["step_s"], row["tokens_per_s"], row["peak_rss_bytes"] / 2**30,
+             row["act_written_bytes"] / 1e9, row["stall_s"],
+             f", peak device {row['peak_device_bytes'] / 2**30:.2f} GiB" if row["peak_device_bytes"] else "")
     return row
 
 
@@ -217,12 +222,15 @@ def main() -> None:
                         "(torch's per-process fraction); a worker refused more does not fit")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes instead of doubling from 1 to "
                         "--max-batch")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--modes", default=",".join(MODES[:4]), help=f"comma-separated subset of {MODES} "
+                        f"(default the first four; the _host modes rest activations in host memory)")
     parser.add_argument("--max-batch", type=int, default=64, help="stop doubling here (default 64)")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per run, after one not timed (default 1)")
     parser.add_argument("--host-budget", default="2GiB", help="offload's host budget for parameters (default 2GiB)")
     parser.add_argument("--act-budget", default="256MiB",
                         help="activation_budget of the NVMe modes: saved bytes kept in RAM (default 256MiB)")
+    parser.add_argument("--act-host-budget", default="auto", help="activation_host_budget: the write buffers "
+                        "(nvme) or where activations rest (host); default 'auto'")
     parser.add_argument("--host-allocator", default="auto", choices=["auto", "lean", "system"],
                         help="OffloadConfig.host_allocator of every mode: 'lean' makes RSS follow the tensors "
                              "alive, 'system' (what 'auto' is on a CPU device) lets malloc keep freed memory "
