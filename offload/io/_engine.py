@@ -148,10 +148,12 @@ class FileEngine:
         _live_engines.add(self)
 
     # -- files ----------------------------------------------------------------------------
-    def open(self, path: str, *, create: bool = False, exclusive: bool = False) -> EngineFile:
-        """Open ``path`` for reading and writing (mode 0600 when created)."""
+    def open(self, path: str, *, create: bool = False, exclusive: bool = False,
+             readonly: bool = False) -> EngineFile:
+        """Open ``path`` for reading and writing (mode 0600 when created), or for reading
+        only (``readonly``: a file offload must never change, such as a checkpoint)."""
         self._check_open()
-        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | getattr(os, "O_CLOEXEC", 0)
         if create:
             flags |= os.O_CREAT | (os.O_EXCL if exclusive else 0)
         buffered_fd = self.backend.open(path, flags, 0o600)

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from .._signals import DEFER, wait as _wait
+from ._inplace import CheckpointSlot
 from ._records import lost_error
 from ._state import Residency, StoreError, Tier
 from ._tiers import Done, Pending
@@ -136,6 +137,7 @@ class Lending:
                 nvme = record.copies.get(Tier.NVME)
                 backend = self.tiers.get(Tier.NVME)
                 if nvme is None or not hasattr(backend, "view") or record.nbytes == 0 \
+                        or isinstance(nvme.slot, CheckpointSlot) \
                         or self._source(record, exclude=None) is not nvme or nvme.state is not Residency.RESIDENT:
                     return None
                 view = backend.view(nvme.slot, record.nbytes)
@@ -150,7 +152,8 @@ class Lending:
             record = self._record(key)
             nvme = record.copies.get(Tier.NVME)
             backend = self.tiers.get(Tier.NVME)
-            if nvme is None or not hasattr(backend, "advise") or nvme.state is not Residency.RESIDENT:
+            if nvme is None or not hasattr(backend, "advise") or nvme.state is not Residency.RESIDENT \
+                    or isinstance(nvme.slot, CheckpointSlot):
                 return
             backend.advise(nvme.slot, record.nbytes)
 

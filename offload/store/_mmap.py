@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from ..io import FileEngine, OffloadIOError
+from ._inplace import CheckpointSlot
 from ._nvme import Extent, SwapFiles
 from ._pagecache import advise_random, advise_willneed, drop_pages, mapping_address, page_span, resident_bytes
 from ._state import Tier
@@ -84,7 +85,9 @@ class MmapTier(SwapFileSlots):
         self.busy_seconds = 0.0  # worker time spent copying
 
     # -- slots ------------------------------------------------------------------------------
-    def free(self, slot: Extent) -> None:
+    def free(self, slot: Extent | CheckpointSlot) -> None:
+        if isinstance(slot, CheckpointSlot):
+            return
         with self._maps_lock:
             entry = self._recent.pop((slot.file.path, slot.offset), None)
             if entry is not None:
@@ -92,7 +95,10 @@ class MmapTier(SwapFileSlots):
         super().free(slot)
 
     # -- transfers --------------------------------------------------------------------------
-    def read_into(self, slot: Extent, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
+    def read_into(self, slot: Extent | CheckpointSlot, dest: torch.Tensor, nbytes: int, *,
+                  priority: int = 1) -> Pending:
+        if isinstance(slot, CheckpointSlot):  # (direct reads: a mapping of it would fault page by page)
+            return self.read_checkpoint(slot, dest, nbytes, priority)
         mapped = self._mapped(slot)
         self.advise(slot, nbytes)
         self._count(read=nbytes)
@@ -105,6 +111,8 @@ class MmapTier(SwapFileSlots):
         return self._submit(copy, priority)
 
     def write_from(self, slot: Extent, src: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
+        if isinstance(slot, CheckpointSlot):
+            self.refuse_write(slot)
         mapped = self._mapped(slot)
         self._count(write=nbytes)
 
@@ -167,6 +175,7 @@ class MmapTier(SwapFileSlots):
             self._recent.clear()
         for mapped in maps:
             mapped.close()
+        self.close_checkpoint()
         self.files.close()
         self.engine.close()
 

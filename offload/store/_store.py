@@ -35,6 +35,7 @@ import torch
 
 from .._signals import DEFER, wait as _wait
 from ..io import BufferPool
+from ._inplace import InPlaceHomes
 from ._lending import Lending
 from ._records import FASTEST_FIRST, StoredTensor, TierCopy, as_bytes
 from ._state import Residency, StoreError, Tier, TransferInterrupted, check_transition
@@ -46,7 +47,7 @@ __all__ = ["TensorStore", "StoredTensor"]
 log = logging.getLogger(__name__)
 
 
-class TensorStore(Lending, Transfers):
+class TensorStore(Lending, InPlaceHomes, Transfers):
     """Tensors in tiers under budgets. See the module docstring for the operations.
 
     Args:

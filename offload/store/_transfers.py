@@ -132,6 +132,7 @@ class Transfers:
             raise interrupt
 
     def _write_home(self, record: StoredTensor, copy: TierCopy) -> None:
+        self._move_out_of_checkpoint(record)
         home = record.copies[record.home]
         if home.stage is None and not self.tiers[home.tier].addressable \
                 and not self.tiers[copy.tier].addressable:

@@ -1,0 +1,296 @@
+"""Tensors read where a checkpoint already holds them: the NVMe tier's read-only slots.
+
+A ``CheckpointSlot`` is a list of byte ranges in checkpoint files (safetensors, one range
+per tensor) and where each lands in the stored tensor's bytes. It is a home that costs
+no swap space and was never written: ``TensorStore.adopt`` makes one, and the first
+write of the tensor moves it to a swap extent (copy on first write, in
+``TensorStore._write_home``).
+
+Note: why bounce buffers. A safetensors tensor starts at any multiple of 8 bytes, so its
+file offset and the page-aligned buffer it is read into disagree modulo the block size,
+and O_DIRECT cannot read it straight there. Each range is read in chunks: the covering
+aligned blocks go O_DIRECT into an aligned buffer of a small pool, and the tensor's
+bytes are copied out of it. That copy costs far less than a second home on the disk,
+and nothing passes through the page cache. A file system without O_DIRECT is read
+buffered, straight into place (the engine warns once).
+
+Note: a checkpoint that changes under a running model. Each file's size and
+modification time are taken when it is opened and checked before every read of it; a
+change raises ``CheckpointChangedError`` naming the file. A file replaced by a rename
+(how most writers save) is not a change here: the open descriptor keeps reading the
+bytes the model was built from.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._signals import DEFER
+from ..io import BufferPool, EngineFile, FileBackend, FileEngine, HostBuffer, round_up
+from ._completion import Pending
+from ._records import StoredTensor
+from ._state import Residency, StoreError, Tier
+
+__all__ = ["CheckpointSlot", "CheckpointRange", "CheckpointFiles", "CheckpointChangedError", "BOUNCE_BYTES",
+           "InPlaceHomes"]
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20  # bytes of a tensor per O_DIRECT read
+BOUNCE_BUFFERS = 16
+BOUNCE_BYTES = BOUNCE_BUFFERS * (CHUNK + 2 * 4096)  # the pool, counted by offload.plan
+
+
+class CheckpointChangedError(StoreError):
+    """A checkpoint file read in place changed (size or modification time) since it was opened."""
+
+
+@dataclass(frozen=True)
+class CheckpointRange:
+    """``length`` bytes at ``offset`` of ``file``, landing at ``dest`` of the tensor's bytes."""
+
+    file: EngineFile
+    offset: int
+    length: int
+    dest: int
+
+
+@dataclass(frozen=True, eq=False)
+class CheckpointSlot:
+    """A read-only home: the ranges of checkpoint files that make up a tensor's bytes."""
+
+    ranges: tuple[CheckpointRange, ...]
+    length: int
+
+
+@dataclass(frozen=True)
+class _Watched:
+    file: EngineFile
+    size: int
+    mtime_ns: int
+
+
+class _Read(Pending):
+    """One slot's read: done when its last chunk has landed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def chunk_done(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.error = self.error or error
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self._finish(self.error)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    read: _Read
+    file: EngineFile
+    begin: int  # the aligned file range read: [begin, end)
+    end: int
+    skip: int  # the tensor's first byte, in the bounce buffer
+    dest: torch.Tensor  # where the bytes go
+
+
+class CheckpointFiles:
+    """The checkpoint files a store reads in place: opened read-only by an engine of their
+    own, watched for change, read through a small pool of aligned bounce buffers."""
+
+    def __init__(self, *, threads: int = 16, direct: bool = True, backend: FileBackend | None = None):
+        self._threads, self._direct, self._backend = threads, direct, backend
+        self._engine: FileEngine | None = None
+        self._pool: BufferPool | None = None
+        self._files: dict[str, _Watched] = {}
+        self._waiting: list[tuple[int, int, _Chunk]] = []
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self.read_bytes = 0
+
+    def open(self, path: str) -> EngineFile:
+        """The engine's read-only handle of ``path`` (opened once)."""
+        path = os.path.realpath(path)
+        with self._lock:
+            watched = self._files.get(path)
+            if watched is None:
+                if self._engine is None:
+                    self._engine = FileEngine(threads=self._threads, queue_depth=self._threads, direct=self._direct,
+                                              backend=self._backend, name="offload-checkpoint")
+                    self._pool = BufferPool(BOUNCE_BYTES, name="checkpoint reads")
+                file = self._engine.open(path, readonly=True)
+                st = os.fstat(file.buffered_fd)
+                watched = self._files[path] = _Watched(file, st.st_size, st.st_mtime_ns)
+            return watched.file
+
+    @property
+    def files(self) -> list[str]:
+        return list(self._files)
+
+    def check(self, file: EngineFile) -> None:
+        """Raise ``CheckpointChangedError`` if ``file`` changed since it was opened."""
+        watched = self._files[file.path]
+        st = os.fstat(file.buffered_fd)
+        if (st.st_size, st.st_mtime_ns) != (watched.size, watched.mtime_ns):
+            raise CheckpointChangedError(
+                f"checkpoint file {file.path!r} changed while the model reads its weights in place (size "
+                f"{watched.size} -> {st.st_size} bytes, or its modification time): the parameters not yet "
+                "trained can no longer be read. Save checkpoints elsewhere (offload.save_checkpoint, or "
+                "save_pretrained to another directory), or wrap with OffloadConfig(read_in_place=False) to copy "
+                "the weights into swap files first")
+
+    def read(self, slot: CheckpointSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
+        """Start reading ``slot``'s first ``nbytes`` into host memory ``dest`` (uint8)."""
+        for file in {r.file for r in slot.ranges}:
+            self.check(file)
+        read = _Read()
+        chunks = []
+        for r in slot.ranges:
+            length = min(r.length, nbytes - r.dest)
+            if length <= 0:
+                continue
+            if not r.file.direct:  # (buffered throughout: read straight into place)
+                chunks.append((r.file, r.offset, length, dest[r.dest: r.dest + length]))
+                continue
+            for at in range(0, length, CHUNK):
+                size = min(CHUNK, length - at)
+                chunks.append((r.file, r.offset + at, size, dest[r.dest + at: r.dest + at + size]))
+        read.left = len(chunks)
+        if not chunks:
+            read._finish()
+            return read
+        direct = []
+        for file, offset, size, into in chunks:
+            if not file.direct:
+                handle = self._engine.read(file, offset, into, size, priority=priority)
+                handle.add_done_callback(lambda h, r=read, n=size: self._landed(r, h.exception(), n))
+                continue
+            begin = offset - offset % file.align
+            end = min(round_up(offset + size, file.align), self._files[file.path].size)
+            direct.append(_Chunk(read, file, begin, end, offset - begin, into))
+        with self._lock:
+            for chunk in direct:
+                heapq.heappush(self._waiting, (priority, next(self._seq), chunk))
+        self._pump()
+        return read
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        if self._pool is not None:
+            self._pool.close()
+        self._files.clear()
+
+    # -- the bounce buffers ---------------------------------------------------------------
+    def _pump(self) -> None:
+        """Issue waiting chunks while bounce buffers are free."""
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                buf = self._pool.try_acquire(CHUNK + 2 * 4096)
+                if buf is None:  # a chunk landing gives one back and pumps again
+                    return
+                _, _, chunk = heapq.heappop(self._waiting)
+            try:
+                handle = self._engine.read(chunk.file, chunk.begin, buf, chunk.end - chunk.begin)
+            except BaseException as err:
+                self._pool.release(buf)
+                self._landed(chunk.read, err, 0)
+                continue
+            handle.add_done_callback(lambda h, c=chunk, b=buf: self._unbounce(c, b, h.exception()))
+
+    def _unbounce(self, chunk: _Chunk, buf: HostBuffer, error: BaseException | None) -> None:
+        try:
+            if error is None:
+                size = chunk.dest.numel()
+                chunk.dest.copy_(buf.bytes[chunk.skip: chunk.skip + size])
+        except BaseException as err:
+            error = err
+        finally:
+            self._pool.release(buf)
+        self._landed(chunk.read, error, chunk.dest.numel())
+        self._pump()
+
+    def _landed(self, read: _Read, error: BaseException | None, nbytes: int) -> None:
+        if error is None:
+            with self._lock:
+                self.read_bytes += nbytes
+        read.chunk_done(error)
+
+
+class InPlaceHomes:
+    """The store's tensors whose home is a checkpoint's bytes (part of
+    :class:`~offload.store.TensorStore`, a mixin like ``Lending``)."""
+
+    moved_bytes = 0  # tensors written once and so moved to a swap extent
+
+    def open_checkpoint(self, path: str) -> EngineFile:
+        """A read-only handle of checkpoint file ``path``, for the ranges of ``adopt``."""
+        with DEFER, self._cond:
+            self._check_open()
+            return self._backend(Tier.NVME).checkpoint.open(path)
+
+    def adopt(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], ranges: list[CheckpointRange]) -> StoredTensor:
+        """Store ``key`` with its home in the NVMe tier where ``ranges`` already hold its
+        bytes: nothing is copied or written, and no NVMe budget is taken until its first
+        write moves it to a swap extent."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        with DEFER, self._cond:
+            self._check_open()
+            self._backend(Tier.NVME)
+            if key in self._tensors:
+                self._delete(self._tensors[key])
+            record = StoredTensor(key, dtype, tuple(shape), nbytes, Tier.NVME)
+            copy = record.copy(Tier.NVME)
+            copy.slot = CheckpointSlot(tuple(ranges), nbytes)
+            self._tensors[key] = record
+            self._move(record, copy, Residency.RESIDENT)
+            copy.valid = True
+            return record
+
+    def in_place(self, key: str) -> bool:
+        """Whether ``key``'s home is still the checkpoint's bytes."""
+        with DEFER, self._cond:
+            record = self._tensors.get(key)
+            copy = record.copies.get(record.home) if record is not None else None
+            return copy is not None and isinstance(copy.slot, CheckpointSlot)
+
+    def checkpoint_stats(self) -> dict[str, Any]:
+        """Bytes resting in checkpoint files, read from them, and moved out by a first write."""
+        with DEFER, self._cond:
+            held = 0
+            for record in self._tensors.values():
+                home = record.copies.get(record.home)
+                if home is not None and isinstance(home.slot, CheckpointSlot):
+                    held += record.nbytes
+            nvme = self.tiers.get(Tier.NVME)
+            files = nvme._checkpoint if nvme is not None and hasattr(nvme, "_checkpoint") else None
+            return {"in_place_bytes": held, "read_bytes": files.read_bytes if files is not None else 0,
+                    "moved_bytes": self.moved_bytes, "files": files.files if files is not None else []}
+
+    def _move_out_of_checkpoint(self, record: StoredTensor) -> None:
+        """Copy on first write: a swap extent becomes the home of ``record``, whose newest
+        bytes are in another copy about to be written home (lock held)."""
+        home = record.copies[record.home]
+        if not isinstance(home.slot, CheckpointSlot):
+            return
+        backend = self._backend(record.home)
+        home.slot = self._reserve_blocking(record, backend, stage=False)  # (the old slot claimed nothing)
+        home.valid = False
+        if self.moved_bytes == 0:
+            log.info("offload: %r written for the first time: it moves from the checkpoint to a swap file "
+                     "(copy on first write; the checkpoint is never written)", record.key)
+        self.moved_bytes += record.nbytes

@@ -1,0 +1,120 @@
+"""Homes in checkpoint files (TensorStore.adopt): bytes read where a file already holds
+them, at offsets no block size divides, the file never written, a first write moving the
+tensor to a swap extent, and a file that changes under the store refused by name."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import pathlib
+
+import pytest
+import torch
+
+from offload.store import CheckpointChangedError, CheckpointRange, Tier, create_store
+
+BACKENDS = pytest.mark.parametrize("io_backend", ["direct", "mmap"])
+
+
+def _store(path, **kw):
+    args = dict(device="cpu", device_budget="32MiB", host_budget="32MiB", nvme_path=os.path.join(path, "swap"),
+                file_size="4MiB", block_size="256KiB")
+    args.update(kw)
+    return create_store(**args)
+
+
+def _file(path, nbytes, seed=0) -> tuple[str, bytes]:
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    raw = data.numpy().tobytes()
+    with open(path, "wb") as fh:
+        fh.write(raw)
+    return str(path), raw
+
+
+def _digest(path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+@BACKENDS
+def test_ranges_read_in_place_and_moved_on_first_write(disk_dir, io_backend, no_leaks):
+    """Two files; a tensor of three ranges (one 9 MiB, crossing chunks, one of 24 bytes, one
+    ending at its file's unaligned end) lands whole in DEVICE and HOST; the swap directory
+    gets nothing until a changed copy is written home, and then the file is untouched."""
+    tmp_path = pathlib.Path(disk_dir)
+    a, raw_a = _file(tmp_path / "a.safetensors", (9 << 20) + 5000)
+    b, raw_b = _file(tmp_path / "b.safetensors", 70_001, seed=1)
+    pieces = [(a, 1000, 9 << 20), (b, 24, 24), (b, 70_001 - 4099, 4099)]
+    want, dest = bytearray(), 0
+    with _store(tmp_path, io_backend=io_backend) as store:
+        ranges = []
+        for path, offset, length in pieces:
+            raw = raw_a if path == a else raw_b
+            ranges.append(CheckpointRange(store.open_checkpoint(path), offset, length, dest))
+            want += raw[offset: offset + length]
+            dest += length
+        store.adopt("t", torch.uint8, (dest,), ranges)
+        assert store.in_place("t") and all(r.file.direct for r in ranges)  # (O_DIRECT, through bounce buffers)
+        expected = torch.frombuffer(want, dtype=torch.uint8)
+        for tier in (Tier.DEVICE, Tier.HOST):
+            got = store.wait("t", tier)
+            assert torch.equal(got, expected), tier
+            store.evict("t", tier)
+        assert not os.listdir(tmp_path / "swap") or all(not f.startswith("offload-swap")
+                                                        for f in os.listdir(tmp_path / "swap"))
+        assert store.checkpoint_stats()["in_place_bytes"] == dest
+        before = (_digest(a), _digest(b))
+        got = store.wait("t", Tier.DEVICE)
+        got.mul_(0).add_(7)
+        store.mark_dirty("t", Tier.DEVICE)
+        store.evict("t", Tier.DEVICE)
+        store.drain()
+        assert not store.in_place("t")
+        assert store.checkpoint_stats()["moved_bytes"] == dest
+        assert torch.equal(store.wait("t", Tier.HOST), torch.full((dest,), 7, dtype=torch.uint8))
+        assert (_digest(a), _digest(b)) == before
+    assert _digest(a) == hashlib.sha256(raw_a).hexdigest()
+
+
+def test_a_file_changed_under_the_store_is_refused_by_name(tmp_path, no_leaks):
+    path, _ = _file(tmp_path / "model.safetensors", 100_000)
+    with _store(tmp_path) as store:
+        store.adopt("t", torch.uint8, (5000,), [CheckpointRange(store.open_checkpoint(path), 100, 5000, 0)])
+        store.wait("t", Tier.DEVICE)
+        store.evict("t", Tier.DEVICE)
+        with open(path, "r+b") as fh:  # rewritten in place (a save to the same file)
+            fh.truncate(50_000)
+        with pytest.raises(CheckpointChangedError, match="model.safetensors.*changed"):
+            store.wait("t", Tier.DEVICE)
+
+
+def test_a_checkpoint_replaced_by_rename_keeps_the_bytes_read(tmp_path, no_leaks):
+    """Writers that save to a new file and rename it over the old one leave the open file
+    as it was: the store keeps reading the bytes it adopted."""
+    path, raw = _file(tmp_path / "model.safetensors", 100_000)
+    with _store(tmp_path) as store:
+        store.adopt("t", torch.uint8, (5000,), [CheckpointRange(store.open_checkpoint(path), 100, 5000, 0)])
+        _file(tmp_path / "new.safetensors", 100_000, seed=3)
+        os.replace(tmp_path / "new.safetensors", path)
+        got = store.wait("t", Tier.DEVICE)
+        assert bytes(got.numpy()) == raw[100:5100]
+
+
+def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_path, faulty, caplog, no_leaks):
+    """With a backend that refuses unaligned O_DIRECT calls as a 4 KiB-sector disk does,
+    every direct read of the checkpoint is aligned; a file system that refuses O_DIRECT
+    at open is read buffered, with a warning."""
+    path, raw = _file(tmp_path / "model.safetensors", 70_000)
+    backend = faulty(sector=4096)
+    with _store(tmp_path, file_backend=backend) as store:
+        store.adopt("t", torch.uint8, (60_000,), [CheckpointRange(store.open_checkpoint(path), 8, 60_000, 0)])
+        assert bytes(store.wait("t", Tier.DEVICE).numpy()) == raw[8:60_008]
+    assert any(direct for *_, direct in backend.calls)
+    refusing = faulty({"open_direct": [errno.EINVAL, errno.EINVAL]})
+    with _store(tmp_path, file_backend=refusing) as store, caplog.at_level(logging.WARNING, logger="offload"):
+        file = store.open_checkpoint(path)
+        store.adopt("t", torch.uint8, (9000,), [CheckpointRange(file, 8, 9000, 0)])
+        assert bytes(store.wait("t", Tier.DEVICE).numpy()) == raw[8:9008]
+    assert not file.direct and "O_DIRECT is not available" in caplog.text
