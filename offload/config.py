@@ -118,6 +118,13 @@ class OffloadConfig:
             ``activation_host_bytes()``.
         activation_prefetch: bytes of offloaded activations read back ahead of backward (in
             the reverse of the order they were saved), in compute-device memory.
+        read_in_place: with ``param_tier="nvme"`` and ``wrap(..., checkpoint=...)`` (safetensors),
+            parameter groups whose tensors the file holds as the model computes on them rest
+            in the checkpoint's files and are read from there (O_DIRECT, through 64 MiB of
+            aligned buffers): setup writes nothing, and a group moves to a swap file only on
+            its first write (copy on first write; the checkpoint is opened read-only and never
+            written). A checkpoint file changed while the model runs is refused at the next
+            read, naming it. ``False`` copies every group into swap files at ``wrap``.
         activation_min_bytes: saved tensors whose storage is smaller than this stay in place
             (not worth a transfer); each such save counts toward ``offload.stats``'
             ``act_small_bytes``.
@@ -149,8 +156,12 @@ class OffloadConfig:
     activation_host_budget: int | str = "auto"
     activation_prefetch: int | str = "64MiB"
     activation_min_bytes: int | str = "1MiB"
+    read_in_place: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.read_in_place, bool):
+            raise ValueError(f"read_in_place={self.read_in_place!r}: use True (read a checkpoint's weights where "
+                             "they are) or False (copy them into swap files at wrap)")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         for name in ("nvme_path", "log_path", "trace_path"):  # str or os.PathLike
             if getattr(self, name) is not None:

@@ -68,9 +68,13 @@ class CheckpointReader:
             torch.empty(entry.shape, dtype=entry.dtype)
 
     def tensor(self, slot) -> torch.Tensor:
+        return self.get(self.name_of(slot))
+
+    def name_of(self, slot) -> str:
+        """The checkpoint's name for ``slot``'s parameter (tied ones have several)."""
         for name in slot.names:
             if name in self.entries:
-                return self.get(name)
+                return name
         raise KeyError(f"none of {slot.names} is in the checkpoint {self.path!r}")
 
     def _check_against(self, model: nn.Module) -> None:

@@ -23,6 +23,7 @@ from ._from_store import StoreCopies
 from ._gathering import GatheredSlices
 from ._groups import ParamGroup, ParamSlot, point, slice_groups
 from ._hooks import ModuleHooks
+from ._inplace import adopt_groups, choose_in_place
 from ._loading import CheckpointReader
 from ._mapped import MappedViews
 from ._materializer import Materializer
@@ -236,7 +237,12 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                                   prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes)
         originals = Originals(store)
-        load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals)
+        in_place = choose_in_place(groups, reader, config, partitioned=partition is not None)
+        adopt_groups(in_place, reader, store)
+        load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals,
+                    frozenset(g.key for g in in_place.adopted))
+        if reader is not None:
+            log.info("offload: checkpoint %s: %s", checkpoint, in_place.describe())
         if partition is not None:  # after loading: it may have replaced meta parameters
             mine = slice_groups(groups, partition)
         move_buffers(model, device, reader)

@@ -22,15 +22,20 @@ log = logging.getLogger(__name__)
 
 def load_groups(model: nn.Module, groups: list[ParamGroup], store: TensorStore,
                  coordinator: Coordinator, home: Tier, reader: Any, partition: Any = None,
-                 originals: Originals | None = None) -> None:
+                 originals: Originals | None = None, in_place: frozenset[str] = frozenset()) -> None:
     """Each group's flat bytes into the store, one group in host memory at a time (with
     several ranks, only this rank's slice of it); the fp32 values of trained parameters
-    the compute dtype rounds into ``originals``."""
+    the compute dtype rounds into ``originals``. Groups in ``in_place`` are already in the
+    store (``adopt_groups``): their parameters only become placeholders."""
     rounded: list[str] = []
     for group in groups:
         for slot in group.slots:
             if slot.param.device.type == "meta":  # a meta tensor cannot take real .data
                 _replace_param(model, slot)
+        if group.key in in_place:
+            for slot in group.slots:
+                slot.param.data = coordinator.placeholder(slot.dtype, slot.shape)
+            continue
         flat = torch.empty(group.nbytes, dtype=torch.uint8)
         wide: dict[int, torch.Tensor] = {}
         for slot in group.slots:

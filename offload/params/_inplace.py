@@ -1,0 +1,98 @@
+"""Which parameter groups are read where the checkpoint holds them (``read_in_place``).
+
+A group rests in the checkpoint's files, one range per tensor, when its parameters rest
+on NVMe and every tensor is in the file as the model computes on it: the same dtype, the
+same bytes. The rest are copied into swap files at ``wrap``, as without the setting:
+groups that stay on the device (resident), tensors the file holds in another dtype
+(a bf16 model from an fp32 file: each is converted once), a rank's slices of a partitioned
+model. A group read in place moves to a swap file on its first write (the optimizer's
+update, ``load_state_dict``): the checkpoint is never written.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._units import format_size
+from ..store import CheckpointRange, TensorStore
+from ._groups import ParamGroup
+
+__all__ = ["InPlaceChoice", "choose_in_place", "adopt_groups"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InPlaceChoice:
+    """Groups read in place, and the ones copied with the reason for each."""
+
+    adopted: list[ParamGroup] = field(default_factory=list)
+    copied: dict[str, list[ParamGroup]] = field(default_factory=dict)  # reason -> groups
+
+    @property
+    def in_place_bytes(self) -> int:
+        return sum(g.nbytes for g in self.adopted)
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes read in place that an optimizer would write (and so copy on first write)."""
+        return sum(g.nbytes for g in self.adopted if any(s.param.requires_grad for s in g.slots))
+
+    @property
+    def copied_bytes(self) -> int:
+        return sum(g.nbytes for groups in self.copied.values() for g in groups)
+
+    def describe(self) -> str:
+        parts = [f"{len(self.adopted)} parameter groups ({format_size(self.in_place_bytes)}) read in place "
+                 "from the checkpoint, tensor by tensor"]
+        for reason, groups in self.copied.items():
+            parts.append(f"{len(groups)} copied ({format_size(sum(g.nbytes for g in groups))}: {reason})")
+        return "; ".join(parts)
+
+
+def choose_in_place(groups: list[ParamGroup], reader: Any, config: Any, *, partitioned: bool) -> InPlaceChoice:
+    """Sort ``groups`` into read in place and copied, as ``wrap`` would (``reader``: the
+    checkpoint's ``CheckpointReader``; None copies nothing and adopts nothing)."""
+    choice = InPlaceChoice()
+    if reader is None:
+        return choice
+    for group in groups:
+        if group.resident:
+            continue  # (on the device for the whole run: not read again)
+        reason = _why_copied(group, reader, config, partitioned)
+        if reason is None:
+            choice.adopted.append(group)
+        else:
+            choice.copied.setdefault(reason, []).append(group)
+    return choice
+
+
+def _why_copied(group: ParamGroup, reader: Any, config: Any, partitioned: bool) -> str | None:
+    if config.param_tier != "nvme":
+        return f"param_tier={config.param_tier!r} keeps them in memory"
+    if not config.read_in_place:
+        return "read_in_place=False"
+    if partitioned:
+        return "each rank keeps a slice of its own"
+    for slot in group.slots:
+        entry = reader.entries[reader.name_of(slot)]
+        if entry.dtype != slot.dtype:
+            return f"the checkpoint holds {str(entry.dtype).removeprefix('torch.')}, the model computes in " \
+                   f"{str(slot.dtype).removeprefix('torch.')}: converted once"
+        if entry.end - entry.start != slot.nbytes:
+            return "a tensor's size in the file differs from the parameter's"
+    return None
+
+
+def adopt_groups(choice: InPlaceChoice, reader: Any, store: TensorStore) -> None:
+    """Give each adopted group its home in the checkpoint files (nothing read or written)."""
+    for group in choice.adopted:
+        ranges = []
+        for slot in group.slots:
+            entry = reader.entries[reader.name_of(slot)]
+            ranges.append(CheckpointRange(store.open_checkpoint(entry.path), entry.start, slot.nbytes, slot.offset))
+        store.adopt(group.key, torch.uint8, (group.nbytes,), ranges)  # (groups are kept as bytes)

@@ -1,0 +1,162 @@
+"""Weights read where a safetensors checkpoint holds them (``read_in_place``): setup writes
+nothing, outputs and training equal the copying path's and the in-memory model's, frozen
+weights are never copied, the checkpoint is never written, and a checkpoint changed under
+the model is refused by name."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+
+import pytest
+import torch
+
+import offload
+from offload.store import CheckpointChangedError, Tier
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def _gpt2_config():
+    return transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=211, n_positions=64,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                   eos_token_id=0)
+
+
+def _saved(tmp_path, *, dtype=torch.float32, shards=False, build=None):
+    """A model with random weights (seed 0) saved with save_pretrained; (model, its directory)."""
+    torch.manual_seed(0)
+    model = (build or (lambda: transformers.GPT2LMHeadModel(_gpt2_config())))().to(dtype)
+    path = str(tmp_path / "ckpt")
+    model.save_pretrained(path, max_shard_size="60KB" if shards else "2GB")
+    return model.eval(), path
+
+
+def _wrapped(model_cls, config, path, tmp_path, name, **settings):
+    with offload.init_empty_weights():
+        model = model_cls(config)
+    args = dict(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / name),
+                device_budget="256KiB", host_budget="64MiB", resident_bytes="4KiB", file_size="16MiB")
+    args.update(settings)
+    return offload.wrap(model, offload.OffloadConfig(**args), checkpoint=path).eval()
+
+
+def _swap_files(path):
+    return glob.glob(os.path.join(path, "offload-swap-*"))
+
+
+def _digests(path):
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            out[f] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shards", [False, True], ids=["one_file", "sharded"])
+def test_outputs_equal_the_copying_path_and_the_model_in_memory(tmp_path, dtype, shards, no_leaks):
+    ref, path = _saved(tmp_path, dtype=dtype, shards=shards)
+    files = len(glob.glob(os.path.join(path, "*.safetensors")))
+    assert files > 1 if shards else files == 1
+    compute = {"compute_dtype": "bf16"} if dtype is torch.bfloat16 else {}
+    ids = torch.randint(0, 211, (2, 12), generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for name, in_place in (("inplace", True), ("copy", False)):
+        model = _wrapped(transformers.GPT2LMHeadModel, _gpt2_config(), path, tmp_path, name, read_in_place=in_place,
+                         **compute)
+        store = offload.params.manager_of(model).store
+        if in_place:
+            stats = store.checkpoint_stats()
+            assert stats["in_place_bytes"] > 0 and len(stats["files"]) == len(_digests(path))
+            assert store.tiers[Tier.NVME].write_bytes == 0 and not _swap_files(tmp_path / name)  # setup wrote nothing
+        with torch.no_grad():
+            outs[name] = (model(input_ids=ids).logits,
+                          model.generate(ids[:1, :4], max_new_tokens=8, do_sample=False, pad_token_id=0))
+        if in_place:
+            assert store.tiers[Tier.NVME].write_bytes == 0 and store.checkpoint_stats()["read_bytes"] > 0
+        offload.close(model)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits, ref.generate(ids[:1, :4], max_new_tokens=8, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(outs["inplace"][0], outs["copy"][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs["inplace"][0], want[0])
+    assert torch.equal(outs["inplace"][1], outs["copy"][1]) and torch.equal(outs["inplace"][1], want[1])
+
+
+def test_training_moves_groups_on_first_write_and_never_writes_the_checkpoint(tmp_path, no_leaks):
+    _, path = _saved(tmp_path, shards=True)
+    before = _digests(path)
+    batches = [torch.randint(0, 211, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    runs = {}
+    for name, in_place in (("inplace", True), ("copy", False)):
+        model = _wrapped(transformers.GPT2LMHeadModel, _gpt2_config(), path, tmp_path, name,
+                         read_in_place=in_place).train()
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for ids in batches:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        store = offload.params.manager_of(model).store
+        if in_place:
+            assert store.checkpoint_stats()["moved_bytes"] > 0 and store.checkpoint_stats()["in_place_bytes"] == 0
+        opt.close()
+        runs[name] = losses, {n: p.detach().clone() for n, p in offload.unwrap(model).named_parameters()}
+    assert runs["inplace"][0] == runs["copy"][0]
+    torch.testing.assert_close(runs["inplace"][1], runs["copy"][1], rtol=0, atol=0)
+    assert _digests(path) == before
+
+
+def test_lora_on_a_base_read_in_place_never_copies_the_base(tmp_path, no_leaks):
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+
+    def lora(model):
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          lora_dropout=0.0))
+
+    ref = lora(base.train())
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    model = lora(_wrapped(transformers.LlamaForCausalLM, config, path, tmp_path, "swap").train())
+    store = offload.params.manager_of(model.get_base_model()).store
+    held = store.checkpoint_stats()["in_place_bytes"]
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for i in range(3):
+        ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(i))
+        got, want = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(got, want)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            (got if m is model else want).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert held > 0 and store.checkpoint_stats()["in_place_bytes"] == held  # the base never left the files
+    assert store.checkpoint_stats()["moved_bytes"] == 0 and not _swap_files(tmp_path / "swap")
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if "lora" in n:
+            torch.testing.assert_close(p.detach(), q.detach(), msg=n)
+    opt.close()
+    offload.close(model.get_base_model())
+
+
+def test_a_checkpoint_changed_under_the_model_is_refused_by_name(tmp_path, no_leaks):
+    _, path = _saved(tmp_path)
+    model = _wrapped(transformers.GPT2LMHeadModel, _gpt2_config(), path, tmp_path, "swap")
+    ids = torch.randint(0, 211, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids)
+        file = glob.glob(os.path.join(path, "*.safetensors"))[0]
+        with open(file, "r+b") as fh:  # rewritten in place, as a save to the same file would
+            fh.seek(0, os.SEEK_END)
+            fh.write(b"\0" * 8)
+        with pytest.raises(CheckpointChangedError, match=r"model\.safetensors.*changed"):
+            model(input_ids=ids)
+    offload.close(model)
