@@ -33,7 +33,7 @@ import os
 import resource
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -47,9 +47,12 @@ from ._resolve import choose_io_backend
 from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
+from .store import BOUNCE_BYTES
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "PlanRow", "plan_groups", "param_staging", "host_param_bytes",
            "free_disk_bytes", "check_ram", "check_disk"]
+
+CHECKPOINT_BUFFERS = "checkpoint read buffers"  # a row with a pool of its own (read_in_place)
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +188,16 @@ class MemoryPlan:
 
 def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, world: int = 1,
                 room: int | None = None, optimizer: Callable[[list, OffloadConfig, int], list] | None = None,
-                activations: ActivationEstimate | None = None, grad_bytes: int = 0) -> MemoryPlan:
+                activations: ActivationEstimate | None = None, grad_bytes: int = 0,
+                in_place: Any = None) -> MemoryPlan:
     """The plan for parameter groups already built (``wrap`` calls this); with ``world``
     ranks, ``groups`` are this rank's slices. ``room``: what the device budget leaves for
     the prefetch window (offload.params.device_layout). ``optimizer(groups, config,
     param_staging)``: the optimizer's rows (``offload.optim.plan_rows``), given the host
     bytes the parameter reads stage through. ``activations``: the estimate for a batch
-    (``offload.plan(batch=...)``), ``grad_bytes`` the largest gradient autograd hands over."""
+    (``offload.plan(batch=...)``), ``grad_bytes`` the largest gradient autograd hands over.
+    ``in_place``: the groups read where a checkpoint holds them (an
+    ``offload.params.InPlaceChoice``), which take no disk until written."""
     cuda = config.torch_device.type == "cuda"
     if cuda and torch.cuda.is_available():
         torch.cuda.init()  # (the CUDA context's libraries are resident from here: part of the baseline)
@@ -223,8 +229,20 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     whole = [g.whole.nbytes for g in groups if g.whole is not None]  # several ranks: slices
     if streamed:
         home = config.param_tier
-        p.rows.append(PlanRow("parameters, streamed" if not whole else "parameters, this rank's slices", home,
-                              sum(streamed), f"{len(streamed)} groups, largest {format_size(largest)}"))
+        adopted = in_place.in_place_bytes if in_place is not None else 0
+        n_adopted = len(in_place.adopted) if in_place is not None else 0
+        if adopted:
+            p.rows.append(PlanRow("parameters, read in place", "checkpoint", adopted,
+                                  f"{len(in_place.adopted)} groups in the checkpoint's files; none copied"))
+            if optimizer is not None and in_place.trainable_bytes:
+                p.rows.append(PlanRow("parameters copied on first write", "nvme", in_place.trainable_bytes,
+                                      "the trainable groups leave the checkpoint at the optimizer's first step"))
+            p.rows.append(PlanRow(CHECKPOINT_BUFFERS, "host", BOUNCE_BYTES,
+                                  "aligned buffers of the O_DIRECT reads (a pool of their own)"))
+        if sum(streamed) > adopted:
+            p.rows.append(PlanRow("parameters, streamed" if not whole else "parameters, this rank's slices", home,
+                                  sum(streamed) - adopted, f"{len(streamed) - n_adopted} groups, largest "
+                                  f"{format_size(largest)}"))
         if whole:
             working = min(config.device_budget - (sum(streamed) if home == "device" else largest), sum(whole))
             p.rows.append(PlanRow("parameters gathered from all ranks", "device", working,
@@ -250,7 +268,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     # one host pool (host_budget) holds everything on the host tier, one device budget the rest;
     # offloaded activations have pools of their own (activation_host_budget, activation_prefetch)
     def pooled(tier: str, budget: int) -> int:
-        own = sum(r.nbytes for r in p.rows if r.tier == tier and r.item.startswith(ACTIVATION_ITEM))
+        own = sum(r.nbytes for r in p.rows if r.tier == tier and r.item.startswith((ACTIVATION_ITEM, CHECKPOINT_BUFFERS)))
         return min(budget, p.bytes_on(tier) - own) + own
 
     host_rows = pooled("host", config.host_budget)

@@ -4,8 +4,10 @@ for the device, ``offload.optim.plan_rows`` for the optimizer), allocating nothi
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import os
 from typing import Any, Mapping
+
+import torch.distributed as dist
 
 from torch import nn
 
@@ -14,13 +16,14 @@ from ._plan import MemoryPlan, host_param_bytes, plan_groups
 from .config import OffloadConfig
 from .distributed import Partition
 from .optim import plan_rows, state_rows
-from .params import device_layout, slice_groups
+from .params import CheckpointReader, choose_in_place, device_layout, slice_groups
 
 __all__ = ["plan"]
 
 
 def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "adamw",
-         batch: Mapping[str, Any] | None = None, moments: str = "fp32", master: str = "fp32") -> MemoryPlan:
+         batch: Mapping[str, Any] | None = None, moments: str = "fp32", master: str = "fp32",
+         checkpoint: str | os.PathLike | None = None) -> MemoryPlan:
     """The memory plan of ``offload.wrap(model, config)`` followed by an offloaded optimizer
     of kind ``optimizer`` (``"adamw"``, ``"adam"``, ``"sgd"`` with momentum, or ``None``)
     with its default settings, its moments stored as ``moments`` says (``"fp32"``,
@@ -33,6 +36,10 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     counts what a training step allocates beside the tiers (the tensors autograd saves,
     from a forward on the meta device; the largest gradient; the memory malloc keeps) and
     ``predicted_rss`` is the peak RSS of the run.
+
+    ``checkpoint``: the safetensors checkpoint ``wrap`` will be given; the plan then says
+    which groups are read in place from it (``read_in_place``: no disk until written) and
+    which are copied.
 
     With several ranks (``config.world_size``, or an initialised torch.distributed) it is
     the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
@@ -54,9 +61,11 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
                                                                            partitioned=world > 1, moments=moments,
                                                                            master_format=master))
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
+    reader = None if checkpoint is None else CheckpointReader(os.fspath(checkpoint), model)
+    in_place = choose_in_place(layout.groups, reader, config, partitioned=world > 1)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,
-                       grad_bytes=_largest_gradient(model, config))
+                       grad_bytes=_largest_gradient(model, config), in_place=in_place)
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:

@@ -220,9 +220,10 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     mine = groups if partition is None else slice_groups(groups, partition)
     if partition is not None:
         check_partitioned(groups, config, mine)
+    in_place = choose_in_place(groups, reader, config, partitioned=partition is not None)
     memory_plan = plan_groups(mine, config, ram_credit=host_param_bytes(model),
                               world=partition.world if partition is not None else 1,
-                              room=layout.room(config.device_budget))
+                              room=layout.room(config.device_budget), in_place=in_place)
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
     tune_allocator(resolve_allocator(config.host_allocator, device.type))
@@ -237,7 +238,6 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                                   prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes)
         originals = Originals(store)
-        in_place = choose_in_place(groups, reader, config, partitioned=partition is not None)
         adopt_groups(in_place, reader, store)
         load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals,
                     frozenset(g.key for g in in_place.adopted))

@@ -277,7 +277,7 @@ class InPlaceHomes:
                 if home is not None and isinstance(home.slot, CheckpointSlot):
                     held += record.nbytes
             nvme = self.tiers.get(Tier.NVME)
-            files = nvme._checkpoint if nvme is not None and hasattr(nvme, "_checkpoint") else None
+            files = getattr(nvme, "opened_checkpoint", None)
             return {"in_place_bytes": held, "read_bytes": files.read_bytes if files is not None else 0,
                     "moved_bytes": self.moved_bytes, "files": files.files if files is not None else []}
 

@@ -288,6 +288,11 @@ class SwapFileSlots(TierBackend):
             self._checkpoint = CheckpointFiles(backend=self.engine.backend)  # (a test's faulty one too)
         return self._checkpoint
 
+    @property
+    def opened_checkpoint(self) -> CheckpointFiles | None:
+        """The checkpoint files, once one was opened (None before)."""
+        return self._checkpoint
+
     def read_checkpoint(self, slot: CheckpointSlot, dest: torch.Tensor, nbytes: int, priority: int) -> Completion:
         self._count(read=nbytes)
         return self.checkpoint.read(slot, dest, nbytes, priority=priority)

@@ -160,3 +160,23 @@ def test_a_checkpoint_changed_under_the_model_is_refused_by_name(tmp_path, no_le
         with pytest.raises(CheckpointChangedError, match=r"model\.safetensors.*changed"):
             model(input_ids=ids)
     offload.close(model)
+
+
+def test_plan_and_setup_log_say_what_is_read_in_place(tmp_path, caplog):
+    _, path = _saved(tmp_path)
+    with offload.init_empty_weights():
+        model = transformers.GPT2LMHeadModel(_gpt2_config())
+    cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=str(tmp_path / "s"),
+                                device_budget="256KiB", host_budget="64MiB", resident_bytes="4KiB")
+    rows = {r.item: r for r in offload.plan(model, cfg, optimizer=None, checkpoint=path).rows}
+    streamed = sum(g.nbytes for g in offload.params.device_layout(model, cfg).groups if not g.resident)
+    assert rows["parameters, read in place"].nbytes == streamed and rows["parameters, read in place"].tier == "checkpoint"
+    assert "parameters, streamed" not in rows  # (nothing copied)
+    assert offload.plan(model, cfg, optimizer=None, checkpoint=path).disk_need == 0
+    training = offload.plan(model, cfg, checkpoint=path)
+    assert {r.item: r.nbytes for r in training.rows}["parameters copied on first write"] == streamed
+    copying = {r.item: r for r in offload.plan(model, cfg.replace(read_in_place=False), checkpoint=path).rows}
+    assert "parameters, read in place" not in copying and copying["parameters, streamed"].nbytes == streamed
+    with caplog.at_level("INFO", logger="offload"):
+        offload.close(offload.wrap(model, cfg, checkpoint=path))
+    assert "read in place from the checkpoint" in caplog.text
