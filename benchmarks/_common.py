@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -178,3 +180,46 @@ def _ram_file_system(path: str) -> str | None:
     except (OSError, AttributeError):  # no statfs here (not Linux)
         return None
     return {0x01021994: "tmpfs", 0x858458F6: "ramfs"}.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
+
+
+class Balloon:
+    """Hold all available RAM but ``reserve`` bytes in another process, locked.
+
+    What stays free is ``reserve`` beyond what the processes running already hold: room for
+    a run's own memory, too little for the page cache to keep a model of several GB.
+    """
+
+    def __init__(self, reserve: int):
+        self.reserve, self.proc = reserve, None
+
+    def __enter__(self):
+        import psutil
+
+        size = psutil.virtual_memory().available - self.reserve
+        if size <= 0:
+            return self
+        code = ("import mmap,ctypes,sys,time\n"
+                f"m=mmap.mmap(-1,{size},flags=mmap.MAP_PRIVATE|mmap.MAP_ANONYMOUS|getattr(mmap,'MAP_POPULATE',0))\n"
+                "a=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+                f"locked=ctypes.CDLL(None,use_errno=True).mlock(ctypes.c_void_p(a),ctypes.c_size_t({size}))==0\n"
+                "print('locked' if locked else 'populated',flush=True)\n"
+                "time.sleep(3600)\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        self.state = self.proc.stdout.readline().strip()
+        logging.getLogger("bench").info("balloon: holding %.1f GiB of RAM (%s); %.2f GiB left free for this run and the page cache",
+                 size / 2**30, self.state, self.reserve / 2**30)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+    except OSError:
+        logging.getLogger("bench").warning("could not drop the page cache (not root); the balloon alone keeps it small")

@@ -47,7 +47,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,7 @@ import shutil
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import SCRATCH_HELP, PeakRss, disk_bandwidth, disk_io_bytes, scratch_dir  # noqa: E402
+from _common import SCRATCH_HELP, Balloon, PeakRss, disk_bandwidth, disk_io_bytes, drop_caches, scratch_dir  # noqa: E402
 
 log = logging.getLogger("inference")
 PROMPT = 128
@@ -138,8 +137,8 @@ def worker_offload(path: str, args) -> dict:
         result = _timed_run(model, note + ", warm")
         after = offload.stats(model)
     else:
-        with _balloon(args.reserve):
-            _drop_caches()
+        with Balloon(args.reserve):
+            drop_caches()
             offload.reset_peak_stats(model)
             before = offload.stats(model)
             result = _timed_run(model, note)
@@ -172,8 +171,8 @@ def worker_accelerate(path: str, args) -> dict:
         result = _timed_run(model, "numpy memmap through the page cache, warm")
         result["read_bytes"] = disk_io_bytes()[0] - io_before
         return result
-    with _balloon(args.reserve):
-        _drop_caches()
+    with Balloon(args.reserve):
+        drop_caches()
         io_before = disk_io_bytes()[0]
         result = _timed_run(model, "numpy memmap through the page cache")
         result["read_bytes"] = disk_io_bytes()[0] - io_before
@@ -226,49 +225,6 @@ def extents_read_gbps(model) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-class _balloon:
-    """Hold all available RAM but ``reserve`` bytes in another process, locked.
-
-    What stays free is ``reserve`` beyond what the calling process already holds: room for
-    its activations and transient copies, too little to cache a 1.4 GB model.
-    """
-
-    def __init__(self, reserve: int):
-        self.reserve, self.proc = reserve, None
-
-    def __enter__(self):
-        import psutil
-
-        size = psutil.virtual_memory().available - self.reserve
-        if size <= 0:
-            return self
-        code = ("import mmap,ctypes,sys,time\n"
-                f"m=mmap.mmap(-1,{size},flags=mmap.MAP_PRIVATE|mmap.MAP_ANONYMOUS|getattr(mmap,'MAP_POPULATE',0))\n"
-                "a=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
-                f"locked=ctypes.CDLL(None,use_errno=True).mlock(ctypes.c_void_p(a),ctypes.c_size_t({size}))==0\n"
-                "print('locked' if locked else 'populated',flush=True)\n"
-                "time.sleep(3600)\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        self.state = self.proc.stdout.readline().strip()
-        log.info("balloon: holding %.1f GiB of RAM (%s); %.2f GiB left free for this run and the page cache",
-                 size / 2**30, self.state, self.reserve / 2**30)
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-
-def _drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("1\n")
-    except OSError:
-        log.warning("could not drop the page cache (not root); the balloon alone keeps it small")
-
-
 def run_worker(mode: str, path: str, args) -> dict:
     """Run ``mode`` in its own process: "memory", "bandwidth", "offload[_BACKEND][_warm]",
     "accelerate[_warm]"."""

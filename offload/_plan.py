@@ -47,12 +47,9 @@ from ._resolve import choose_io_backend
 from ._units import format_size
 from .config import OffloadConfig
 from .io import BudgetError
-from .store import BOUNCE_BYTES
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "PlanRow", "plan_groups", "param_staging", "host_param_bytes",
            "free_disk_bytes", "check_ram", "check_disk"]
-
-CHECKPOINT_BUFFERS = "checkpoint read buffers"  # a row with a pool of its own (read_in_place)
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +234,6 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
             if optimizer is not None and in_place.trainable_bytes:
                 p.rows.append(PlanRow("parameters copied on first write", "nvme", in_place.trainable_bytes,
                                       "the trainable groups leave the checkpoint at the optimizer's first step"))
-            p.rows.append(PlanRow(CHECKPOINT_BUFFERS, "host", BOUNCE_BYTES,
-                                  "aligned buffers of the O_DIRECT reads (a pool of their own)"))
         if sum(streamed) > adopted:
             p.rows.append(PlanRow("parameters, streamed" if not whole else "parameters, this rank's slices", home,
                                   sum(streamed) - adopted, f"{len(streamed) - n_adopted} groups, largest "
@@ -268,7 +263,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     # one host pool (host_budget) holds everything on the host tier, one device budget the rest;
     # offloaded activations have pools of their own (activation_host_budget, activation_prefetch)
     def pooled(tier: str, budget: int) -> int:
-        own = sum(r.nbytes for r in p.rows if r.tier == tier and r.item.startswith((ACTIVATION_ITEM, CHECKPOINT_BUFFERS)))
+        own = sum(r.nbytes for r in p.rows if r.tier == tier and r.item.startswith(ACTIVATION_ITEM))
         return min(budget, p.bytes_on(tier) - own) + own
 
     host_rows = pooled("host", config.host_budget)

@@ -16,7 +16,7 @@ from ._plan import MemoryPlan, host_param_bytes, plan_groups
 from .config import OffloadConfig
 from .distributed import Partition
 from .optim import plan_rows, state_rows
-from .params import CheckpointReader, choose_in_place, device_layout, slice_groups
+from .params import CheckpointReader, align_to_files, choose_in_place, device_layout, slice_groups
 
 __all__ = ["plan"]
 
@@ -63,6 +63,7 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
     reader = None if checkpoint is None else CheckpointReader(os.fspath(checkpoint), model)
     in_place = choose_in_place(layout.groups, reader, config, partitioned=world > 1)
+    align_to_files(in_place, reader)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,
                        grad_bytes=_largest_gradient(model, config), in_place=in_place)

@@ -2,7 +2,11 @@
 
 A group rests in the checkpoint's files, one range per tensor, when its parameters rest
 on NVMe and every tensor is in the file as the model computes on it: the same dtype, the
-same bytes. The rest are copied into swap files at ``wrap``, as without the setting:
+same bytes. Its tensors are then laid out in its buffer as in the file, modulo a block
+(``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more starts where its file
+offset does, modulo 4 KiB, so the file engine reads its aligned body with O_DIRECT
+straight into place (no bounce copy); smaller ones keep the usual alignment and are read
+buffered. The padding costs under 4 KiB per large tensor. The rest are copied into swap files at ``wrap``, as without the setting:
 groups that stay on the device (resident), tensors the file holds in another dtype
 (a bf16 model from an fp32 file: each is converted once), a rank's slices of a partitioned
 model. A group read in place moves to a swap file on its first write (the optimizer's
@@ -17,13 +21,16 @@ from typing import Any
 
 import torch
 
-from .._units import format_size
+from .._units import PARAM_ALIGN, format_size
 from ..store import CheckpointRange, TensorStore
 from ._groups import ParamGroup
 
-__all__ = ["InPlaceChoice", "choose_in_place", "adopt_groups"]
+__all__ = ["InPlaceChoice", "choose_in_place", "align_to_files", "adopt_groups"]
 
 log = logging.getLogger(__name__)
+
+BLOCK = 4096  # O_DIRECT's alignment on the disks offload runs on (a page; logical blocks are at most that)
+DIRECT_MIN = 64 << 10  # smaller tensors are read buffered in full: not worth a block of padding
 
 
 @dataclass
@@ -85,7 +92,24 @@ def _why_copied(group: ParamGroup, reader: Any, config: Any, partitioned: bool) 
                    f"{str(slot.dtype).removeprefix('torch.')}: converted once"
         if entry.end - entry.start != slot.nbytes:
             return "a tensor's size in the file differs from the parameter's"
+        if entry.start % slot.dtype.itemsize:
+            return "a tensor starts in the file at an offset its dtype cannot view"
     return None
+
+
+def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
+    """Lay each adopted group's tensors out as their file does, modulo ``BLOCK`` (see the
+    module's docstring); before anything sizes buffers from the groups."""
+    for group in choice.adopted:
+        end = 0
+        for slot in group.slots:
+            start = reader.entries[reader.name_of(slot)].start
+            if slot.nbytes >= DIRECT_MIN:
+                slot.offset = end + (start - end) % BLOCK
+            else:
+                slot.offset = -(-end // PARAM_ALIGN) * PARAM_ALIGN
+            end = slot.offset + slot.nbytes
+        group.nbytes = end
 
 
 def adopt_groups(choice: InPlaceChoice, reader: Any, store: TensorStore) -> None:

@@ -23,7 +23,7 @@ from ._from_store import StoreCopies
 from ._gathering import GatheredSlices
 from ._groups import ParamGroup, ParamSlot, point, slice_groups
 from ._hooks import ModuleHooks
-from ._inplace import adopt_groups, choose_in_place
+from ._inplace import adopt_groups, align_to_files, choose_in_place
 from ._loading import CheckpointReader
 from ._mapped import MappedViews
 from ._materializer import Materializer
@@ -217,10 +217,11 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     # several ranks: every group is partitioned, none stays whole on the device
     layout = device_layout(model, config, partitioned=partition is not None)
     groups, needs = layout.groups, layout.needs
+    in_place = choose_in_place(groups, reader, config, partitioned=partition is not None)
+    align_to_files(in_place, reader)
     mine = groups if partition is None else slice_groups(groups, partition)
     if partition is not None:
         check_partitioned(groups, config, mine)
-    in_place = choose_in_place(groups, reader, config, partitioned=partition is not None)
     memory_plan = plan_groups(mine, config, ram_credit=host_param_bytes(model),
                               world=partition.world if partition is not None else 1,
                               room=layout.room(config.device_budget), in_place=in_place)

@@ -13,7 +13,7 @@ import torch
 from .._units import parse_size
 from ..accel import accelerator_for, host_compute
 from ..io import BudgetError, BufferPool, FileBackend, FileEngine
-from ._inplace import BOUNCE_BYTES, CheckpointChangedError, CheckpointRange
+from ._inplace import CheckpointChangedError, CheckpointRange
 from ._mmap import MmapTier
 from ._nvme import DirectoryLockedError, Extent, SwapFiles
 from ._state import Residency, StoreError, Tier, TransferInterrupted
@@ -24,7 +24,7 @@ __all__ = [
     "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted",
     "BudgetError", "TierBackend", "HostMemoryTier", "DeviceTier", "NvmeTier", "Completion", "Done", "Pending",
     "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size",
-    "CheckpointRange", "CheckpointChangedError", "BOUNCE_BYTES",
+    "CheckpointRange", "CheckpointChangedError",
 ]
 
 

@@ -6,13 +6,14 @@ no swap space and was never written: ``TensorStore.adopt`` makes one, and the fi
 write of the tensor moves it to a swap extent (copy on first write, in
 ``TensorStore._write_home``).
 
-Note: why bounce buffers. A safetensors tensor starts at any multiple of 8 bytes, so its
-file offset and the page-aligned buffer it is read into disagree modulo the block size,
-and O_DIRECT cannot read it straight there. Each range is read in chunks: the covering
-aligned blocks go O_DIRECT into an aligned buffer of a small pool, and the tensor's
-bytes are copied out of it. That copy costs far less than a second home on the disk,
-and nothing passes through the page cache. A file system without O_DIRECT is read
-buffered, straight into place (the engine warns once).
+Note: alignment. O_DIRECT needs the file offset and the memory address to agree modulo
+the block size. A safetensors tensor starts at any multiple of its dtype's size, so a
+range is read by the file engine as any request is: the aligned body O_DIRECT, straight
+into place, and the unaligned head and tail (under a block each) buffered. That holds
+when the range's destination agrees with its file offset modulo the block size, which
+is for the caller to arrange (``offload.params`` lays the groups it adopts out so); a
+range that does not agree is read buffered in full, through the page cache. A file
+system without O_DIRECT is read buffered throughout (the engine warns once).
 
 Note: a checkpoint that changes under a running model. Each file's size and
 modification time are taken when it is opened and checked before every read of it; a
@@ -23,8 +24,6 @@ bytes the model was built from.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import threading
@@ -34,20 +33,14 @@ from typing import Any
 import torch
 
 from .._signals import DEFER
-from ..io import BufferPool, EngineFile, FileBackend, FileEngine, HostBuffer, round_up
+from ..io import EngineFile, FileBackend, FileEngine
 from ._completion import Pending
 from ._records import StoredTensor
 from ._state import Residency, StoreError, Tier
 
-__all__ = ["CheckpointSlot", "CheckpointRange", "CheckpointFiles", "CheckpointChangedError", "BOUNCE_BYTES",
-           "InPlaceHomes"]
+__all__ = ["CheckpointSlot", "CheckpointRange", "CheckpointFiles", "CheckpointChangedError", "InPlaceHomes"]
 
 log = logging.getLogger(__name__)
-
-CHUNK = 4 << 20  # bytes of a tensor per O_DIRECT read
-BOUNCE_BUFFERS = 16
-BOUNCE_BYTES = BOUNCE_BUFFERS * (CHUNK + 2 * 4096)  # the pool, counted by offload.plan
-
 
 class CheckpointChangedError(StoreError):
     """A checkpoint file read in place changed (size or modification time) since it was opened."""
@@ -96,27 +89,14 @@ class _Read(Pending):
             self._finish(self.error)
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    read: _Read
-    file: EngineFile
-    begin: int  # the aligned file range read: [begin, end)
-    end: int
-    skip: int  # the tensor's first byte, in the bounce buffer
-    dest: torch.Tensor  # where the bytes go
-
-
 class CheckpointFiles:
     """The checkpoint files a store reads in place: opened read-only by an engine of their
-    own, watched for change, read through a small pool of aligned bounce buffers."""
+    own and watched for change."""
 
     def __init__(self, *, threads: int = 16, direct: bool = True, backend: FileBackend | None = None):
         self._threads, self._direct, self._backend = threads, direct, backend
         self._engine: FileEngine | None = None
-        self._pool: BufferPool | None = None
         self._files: dict[str, _Watched] = {}
-        self._waiting: list[tuple[int, int, _Chunk]] = []
-        self._seq = itertools.count()
         self._lock = threading.Lock()
         self.read_bytes = 0
 
@@ -129,7 +109,6 @@ class CheckpointFiles:
                 if self._engine is None:
                     self._engine = FileEngine(threads=self._threads, queue_depth=self._threads, direct=self._direct,
                                               backend=self._backend, name="offload-checkpoint")
-                    self._pool = BufferPool(BOUNCE_BYTES, name="checkpoint reads")
                 file = self._engine.open(path, readonly=True)
                 st = os.fstat(file.buffered_fd)
                 watched = self._files[path] = _Watched(file, st.st_size, st.st_mtime_ns)
@@ -152,77 +131,29 @@ class CheckpointFiles:
                 "the weights into swap files first")
 
     def read(self, slot: CheckpointSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
-        """Start reading ``slot``'s first ``nbytes`` into host memory ``dest`` (uint8)."""
+        """Start reading ``slot``'s first ``nbytes`` into host memory ``dest`` (uint8): a
+        request per range, straight into place."""
         for file in {r.file for r in slot.ranges}:
             self.check(file)
         read = _Read()
-        chunks = []
-        for r in slot.ranges:
-            length = min(r.length, nbytes - r.dest)
-            if length <= 0:
-                continue
-            if not r.file.direct:  # (buffered throughout: read straight into place)
-                chunks.append((r.file, r.offset, length, dest[r.dest: r.dest + length]))
-                continue
-            for at in range(0, length, CHUNK):
-                size = min(CHUNK, length - at)
-                chunks.append((r.file, r.offset + at, size, dest[r.dest + at: r.dest + at + size]))
-        read.left = len(chunks)
-        if not chunks:
+        pieces = [(r, min(r.length, nbytes - r.dest)) for r in slot.ranges if r.dest < nbytes]
+        read.left = len(pieces)
+        if not pieces:
             read._finish()
             return read
-        direct = []
-        for file, offset, size, into in chunks:
-            if not file.direct:
-                handle = self._engine.read(file, offset, into, size, priority=priority)
-                handle.add_done_callback(lambda h, r=read, n=size: self._landed(r, h.exception(), n))
+        for r, length in pieces:
+            try:
+                handle = self._engine.read(r.file, r.offset, dest[r.dest: r.dest + length], length, priority=priority)
+            except Exception as err:  # (a request that cannot start fails the read like one that did)
+                self._landed(read, err, 0)
                 continue
-            begin = offset - offset % file.align
-            end = min(round_up(offset + size, file.align), self._files[file.path].size)
-            direct.append(_Chunk(read, file, begin, end, offset - begin, into))
-        with self._lock:
-            for chunk in direct:
-                heapq.heappush(self._waiting, (priority, next(self._seq), chunk))
-        self._pump()
+            handle.add_done_callback(lambda h, n=length: self._landed(read, h.exception(), n))
         return read
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
-        if self._pool is not None:
-            self._pool.close()
         self._files.clear()
-
-    # -- the bounce buffers ---------------------------------------------------------------
-    def _pump(self) -> None:
-        """Issue waiting chunks while bounce buffers are free."""
-        while True:
-            with self._lock:
-                if not self._waiting:
-                    return
-                buf = self._pool.try_acquire(CHUNK + 2 * 4096)
-                if buf is None:  # a chunk landing gives one back and pumps again
-                    return
-                _, _, chunk = heapq.heappop(self._waiting)
-            try:
-                handle = self._engine.read(chunk.file, chunk.begin, buf, chunk.end - chunk.begin)
-            except BaseException as err:
-                self._pool.release(buf)
-                self._landed(chunk.read, err, 0)
-                continue
-            handle.add_done_callback(lambda h, c=chunk, b=buf: self._unbounce(c, b, h.exception()))
-
-    def _unbounce(self, chunk: _Chunk, buf: HostBuffer, error: BaseException | None) -> None:
-        try:
-            if error is None:
-                size = chunk.dest.numel()
-                chunk.dest.copy_(buf.bytes[chunk.skip: chunk.skip + size])
-        except BaseException as err:
-            error = err
-        finally:
-            self._pool.release(buf)
-        self._landed(chunk.read, error, chunk.dest.numel())
-        self._pump()
 
     def _landed(self, read: _Read, error: BaseException | None, nbytes: int) -> None:
         if error is None:

@@ -40,27 +40,29 @@ def _digest(path) -> str:
 
 @BACKENDS
 def test_ranges_read_in_place_and_moved_on_first_write(disk_dir, io_backend, no_leaks):
-    """Two files; a tensor of three ranges (one 9 MiB, crossing chunks, one of 24 bytes, one
-    ending at its file's unaligned end) lands whole in DEVICE and HOST; the swap directory
-    gets nothing until a changed copy is written home, and then the file is untouched."""
+    """Two files; a tensor of three ranges (one of 9 MiB placed where its file offset
+    agrees modulo 4 KiB, one of 24 bytes, one ending at its file's unaligned end) lands
+    whole in DEVICE and HOST; the swap directory gets nothing until a changed copy is
+    written home, and then the files are untouched."""
     tmp_path = pathlib.Path(disk_dir)
     a, raw_a = _file(tmp_path / "a.safetensors", (9 << 20) + 5000)
     b, raw_b = _file(tmp_path / "b.safetensors", 70_001, seed=1)
-    pieces = [(a, 1000, 9 << 20), (b, 24, 24), (b, 70_001 - 4099, 4099)]
-    want, dest = bytearray(), 0
+    pieces = [(a, 1000, 9 << 20, 1000), (b, 24, 24, 1000 + (9 << 20)), (b, 70_001 - 4099, 4099, 1024 + (9 << 20))]
+    dest = pieces[-1][3] + pieces[-1][2]
+    want = bytearray(dest)
     with _store(tmp_path, io_backend=io_backend) as store:
         ranges = []
-        for path, offset, length in pieces:
+        for path, offset, length, at in pieces:
             raw = raw_a if path == a else raw_b
-            ranges.append(CheckpointRange(store.open_checkpoint(path), offset, length, dest))
-            want += raw[offset: offset + length]
-            dest += length
+            ranges.append(CheckpointRange(store.open_checkpoint(path), offset, length, at))
+            want[at: at + length] = raw[offset: offset + length]
         store.adopt("t", torch.uint8, (dest,), ranges)
         assert store.in_place("t") and all(r.file.direct for r in ranges)  # (O_DIRECT, through bounce buffers)
         expected = torch.frombuffer(want, dtype=torch.uint8)
         for tier in (Tier.DEVICE, Tier.HOST):
             got = store.wait("t", tier)
-            assert torch.equal(got, expected), tier
+            for _, _, length, at in pieces:  # (the gaps between ranges hold nothing in particular)
+                assert torch.equal(got[at: at + length], expected[at: at + length]), tier
             store.evict("t", tier)
         assert not os.listdir(tmp_path / "swap") or all(not f.startswith("offload-swap")
                                                         for f in os.listdir(tmp_path / "swap"))
@@ -73,7 +75,7 @@ def test_ranges_read_in_place_and_moved_on_first_write(disk_dir, io_backend, no_
         store.drain()
         assert not store.in_place("t")
         assert store.checkpoint_stats()["moved_bytes"] == dest
-        assert torch.equal(store.wait("t", Tier.HOST), torch.full((dest,), 7, dtype=torch.uint8))
+        assert torch.equal(store.wait("t", Tier.HOST), torch.full((dest,), 7, dtype=torch.uint8))  # (from swap)
         assert (_digest(a), _digest(b)) == before
     assert _digest(a) == hashlib.sha256(raw_a).hexdigest()
 
@@ -104,14 +106,21 @@ def test_a_checkpoint_replaced_by_rename_keeps_the_bytes_read(tmp_path, no_leaks
 
 def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_path, faulty, caplog, no_leaks):
     """With a backend that refuses unaligned O_DIRECT calls as a 4 KiB-sector disk does,
-    every direct read of the checkpoint is aligned; a file system that refuses O_DIRECT
-    at open is read buffered, with a warning."""
+    every direct read of the checkpoint is aligned, and a range placed where its file
+    offset agrees modulo 4 KiB has its body read direct; one that does not agree is read
+    buffered. A file system that refuses O_DIRECT at open is read buffered, with a warning."""
     path, raw = _file(tmp_path / "model.safetensors", 70_000)
     backend = faulty(sector=4096)
     with _store(tmp_path, file_backend=backend) as store:
-        store.adopt("t", torch.uint8, (60_000,), [CheckpointRange(store.open_checkpoint(path), 8, 60_000, 0)])
-        assert bytes(store.wait("t", Tier.DEVICE).numpy()) == raw[8:60_008]
-    assert any(direct for *_, direct in backend.calls)
+        file = store.open_checkpoint(path)
+        store.adopt("t", torch.uint8, (60_008,), [CheckpointRange(file, 8, 60_000, 8)])
+        assert bytes(store.wait("t", Tier.DEVICE).numpy()[8:]) == raw[8:60_008]
+        direct = [length for op, _, length, is_direct in backend.calls if is_direct]
+        assert sum(direct) == 60_008 // 4096 * 4096 - 4096  # (the body; head and tail buffered)
+        backend.calls.clear()
+        store.adopt("u", torch.uint8, (60_000,), [CheckpointRange(file, 8, 60_000, 0)])
+        assert bytes(store.wait("u", Tier.DEVICE).numpy()) == raw[8:60_008]
+        assert not any(is_direct for *_, is_direct in backend.calls)
     refusing = faulty({"open_direct": [errno.EINVAL, errno.EINVAL]})
     with _store(tmp_path, file_backend=refusing) as store, caplog.at_level(logging.WARNING, logger="offload"):
         file = store.open_checkpoint(path)

@@ -1,0 +1,302 @@
+"""Time to the first generated token, from process start, for a model larger than the RAM
+left free: offload reading the checkpoint in place, offload copying it first, Accelerate,
+and plain torch where the model fits.
+
+    python benchmarks/time_to_first_token.py --json ttft.json
+    python benchmarks/time_to_first_token.py --models gpt2-1.5B --rounds 2 --json ttft.json
+
+Models, built once from configs with random weights (seed 0) and saved with
+``save_pretrained(max_shard_size="2GB")`` under --path, kept for re-runs:
+
+  gpt2-1.5B   GPT-2 XL's layout (48 layers, hidden 1600), fp32 files (6.2 GB)
+  llama-3B    a Llama of 3.4B parameters (26 layers, hidden 3200, MLP 8640; OpenLLaMA 3B's
+              shape), bf16 files (6.9 GB), computed in bf16
+
+Modes, each a fresh process, interleaved (their order rotates per round):
+
+  inplace     ``offload.wrap(model, cfg, checkpoint=dir)`` with ``read_in_place=True`` (the
+              default): setup writes nothing; the first forward reads the weights from the
+              checkpoint's files
+  copy        the same with ``read_in_place=False``: every group copied into swap files
+              first (what wrap did before)
+  accelerate  ``from_pretrained(dir, device_map="auto", max_memory={"cpu": --device-budget},
+              offload_folder=...)``: the layers beyond the memory given go to "disk",
+              which for safetensors checkpoints Accelerate reads from the files themselves
+  memory      ``from_pretrained(dir)``, the whole model in RAM: run without the balloon
+              (it does not fit under it); the page cache is dropped first
+
+The three disk modes run while a balloon process holds all but --reserve of the available
+RAM (locked; this machine has no swap), after the page cache is dropped: the page cache
+cannot keep the weights, as for a model larger than RAM. Each worker generates 16 tokens
+greedily from a 128-token prompt; a streamer stamps each token on the system-wide
+monotonic clock, which the parent also read just before starting the worker.
+
+The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
+the interpreter's start and the imports (a process that imports torch, transformers and
+offload and exits), one read of the checkpoint's bytes at the disk's sustained O_DIRECT
+read of fresh data (``offload.profile``'s, on a 12 GiB test file it writes and removes,
+right before the modes: it also leaves the virtual disk's host cache holding other data
+than the checkpoint), and the prompt's forward with the weights in memory (timed in the
+memory mode, after its first forward).
+
+Per model in the JSON, for each mode in ``inplace``, ``copy``, ``accelerate``, ``memory``:
+``<mode>_ttft_s``, ``<mode>_16tok_s``, ``<mode>_setup_written_bytes`` (bytes the worker
+wrote to disk before its first token, /proc/self/io), ``<mode>_tok_s`` (tokens per second
+after the first), ``<mode>_peak_rss_bytes`` (the worker's, getrusage); null where a mode
+did not run; and ``bound_s`` with ``bound_imports_s``, ``bound_read_s``,
+``bound_compute_s``, ``read_gbps``, ``checkpoint_bytes``, the ratios to the bound and to
+the other modes, and whether every mode's tokens equal the memory mode's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import SCRATCH_HELP, Balloon, disk_bandwidth, disk_io_bytes, drop_caches, start  # noqa: E402
+
+log = logging.getLogger("bench.ttft")
+MODES = ("inplace", "copy", "accelerate", "memory")
+PROMPT, NEW_TOKENS = 128, 16
+MODELS = {
+    "gpt2-124M": dict(family="gpt2", dtype="float32",  # (a quick check of the script: not in the default list)
+                      config=dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    "gpt2-1.5B": dict(family="gpt2", dtype="float32",
+                      config=dict(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024)),
+    "llama-3B": dict(family="llama", dtype="bfloat16",
+                     config=dict(num_hidden_layers=26, hidden_size=3200, intermediate_size=8640,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                 max_position_embeddings=2048)),
+}
+
+
+def _model_class(family: str):
+    import transformers
+
+    return {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[family]
+
+
+def prepare(root: str, name: str) -> str:
+    """``root/NAME``: the model saved as safetensors shards (built once, kept)."""
+    import torch
+    import transformers
+
+    spec = MODELS[name]
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    log.info("building and saving %s in %s (once)", name, path)
+    config_cls = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[spec["family"]]
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, spec["dtype"]))  # (built in its dtype: no fp32 copy of 3B in RAM)
+    try:
+        model = _model_class(spec["family"])(config_cls(**spec["config"]))
+    finally:
+        torch.set_default_dtype(default)
+    model.save_pretrained(path, max_shard_size="2GB")
+    return path
+
+
+# -- the workers ------------------------------------------------------------------------------
+def worker(args) -> dict:
+    """One mode in this fresh process: load as the mode says, generate, stamp the tokens."""
+    import torch
+    import transformers
+    from transformers.generation.streamers import BaseStreamer
+
+    spec = MODELS[args.name]
+    path, cls = args.model_path, _model_class(spec["family"])
+    dtype = getattr(torch, spec["dtype"])
+    swap = os.path.join(args.path, f"swap-{args.mode}")
+    folder = os.path.join(args.path, "accelerate-offload")
+    if args.mode in ("inplace", "copy"):
+        import offload
+
+        config = transformers.AutoConfig.from_pretrained(path)
+        with offload.init_empty_weights():
+            model = cls(config).to(dtype)
+        cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=swap,
+                                    device_budget=args.device_budget, host_budget=args.host_budget,
+                                    read_in_place=args.mode == "inplace", io_backend="direct")
+        model = offload.wrap(model, cfg, checkpoint=path)
+    elif args.mode == "accelerate":
+        model = cls.from_pretrained(path, dtype=dtype, device_map="auto", max_memory={"cpu": args.device_budget},
+                                    offload_folder=folder)
+    else:
+        model = cls.from_pretrained(path, dtype=dtype)
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.stamps: list[float] = []
+            self.written: int | None = None
+
+        def put(self, value):
+            self.stamps.append(time.monotonic())
+            if len(self.stamps) == 2:  # (the first put is the prompt)
+                self.written = disk_io_bytes()[1]
+
+        def end(self):
+            pass
+
+    clock = Clock()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0, streamer=clock)
+        prefill_s = None
+        if args.mode == "memory":  # the prompt's forward with the weights in memory (a bound's part)
+            started = time.perf_counter()
+            model(input_ids=ids)
+            prefill_s = time.perf_counter() - started
+    first, last = clock.stamps[1], clock.stamps[NEW_TOKENS]
+    result = {"first_token_at": first, "last_token_at": last, "tok_s": (NEW_TOKENS - 1) / (last - first),
+              "setup_written_bytes": clock.written, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+              * 1024, "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
+    if args.mode in ("inplace", "copy"):
+        import offload
+
+        store = offload.params.manager_of(model).store
+        result.update({f"checkpoint_{k}": v for k, v in store.checkpoint_stats().items() if k != "files"})
+        offload.close(model)
+    return result
+
+
+def imports_seconds() -> float:
+    """Wall time of a process that imports what the modes import, and exits."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch, transformers, offload"], check=True)
+    return time.monotonic() - started
+
+
+def run_mode(args, name: str, path: str, mode: str) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--name", name, "--model-path", path,
+           "--path", args.path, "--device-budget", args.device_budget, "--host-budget", args.host_budget]
+    balloon = Balloon(args.reserve) if mode != "memory" else None
+    try:
+        if balloon is not None:
+            balloon.__enter__()
+        drop_caches()
+        started = time.monotonic()
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        if balloon is not None:
+            balloon.__exit__(None, None, None)
+        for scratch in (f"swap-{mode}", "accelerate-offload"):
+            shutil.rmtree(os.path.join(args.path, scratch), ignore_errors=True)
+    if out.returncode != 0:
+        log.warning("%s %s failed (exit %d):\n%s", name, mode, out.returncode, out.stderr[-3000:])
+        return None
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got.update(ttft_s=got["first_token_at"] - started, **{"16tok_s": got["last_token_at"] - started})
+    log.info("%s %s: first token %.1f s, 16 tokens %.1f s, %.2f tokens/s after the first, %.2f GB written before "
+             "the first token, peak RSS %.2f GiB", name, mode, got["ttft_s"], got["16tok_s"], got["tok_s"],
+             (got["setup_written_bytes"] or 0) / 1e9, got["peak_rss_bytes"] / 2**30)
+    return got
+
+
+def summarize(name: str, rounds: list[dict], checkpoint_bytes: int) -> dict:
+    def med(key, mode):
+        values = [r[mode][key] for r in rounds if r.get(mode) is not None and r[mode].get(key) is not None]
+        return statistics.median(values) if values else None
+
+    rep: dict = {"checkpoint_bytes": checkpoint_bytes, "rounds": len(rounds)}
+    for mode in MODES:
+        for key in ("ttft_s", "16tok_s", "setup_written_bytes", "tok_s", "peak_rss_bytes"):
+            rep[f"{mode}_{key}"] = med(key, mode)
+    parts = {"bound_imports_s": statistics.median(r["imports_s"] for r in rounds),
+             "read_gbps": statistics.median(r["read_gbps"] for r in rounds)}
+    parts["bound_read_s"] = checkpoint_bytes / parts["read_gbps"] / 1e9
+    parts["bound_compute_s"] = med("prefill_s", "memory")
+    rep.update(parts)
+    rep["bound_s"] = None if parts["bound_compute_s"] is None else \
+        parts["bound_imports_s"] + parts["bound_read_s"] + parts["bound_compute_s"]
+    ours = rep["inplace_ttft_s"]
+    rep["inplace_vs_bound"] = ours / rep["bound_s"] if ours and rep["bound_s"] else None
+    for other in ("copy", "accelerate", "memory"):
+        theirs = rep[f"{other}_ttft_s"]
+        rep[f"{other}_ttft_vs_inplace"] = theirs / ours if ours and theirs else None
+    last = rounds[-1]
+    want = last.get("memory") and last["memory"]["tokens"]
+    rep["tokens_equal_memory"] = {m: last[m]["tokens"] == want for m in MODES if last.get(m) and want}
+    return rep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--models", default="gpt2-1.5B,llama-3B", help=f"comma list of {', '.join(MODELS)} "
+                        "(default gpt2-1.5B,llama-3B)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians reported (default 1)")
+    parser.add_argument("--reserve", default="3GiB", help="RAM the balloon leaves free for a disk mode's process "
+                        "and the page cache (default 3GiB: less than either model)")
+    parser.add_argument("--device-budget", default="1GiB", help="offload's device_budget (the CPU's compute "
+                        "memory: groups in use, prefetch, cache) and Accelerate's max_memory for the CPU "
+                        "(default 1GiB)")
+    parser.add_argument("--host-budget", default="256MiB", help="offload's host_budget (default 256MiB)")
+    parser.add_argument("--path", default=None, help="directory on the disk for the models (kept), swap files and "
+                        f"Accelerate's folder (removed); needs ~35 GB (default: {SCRATCH_HELP.format(name='ttft')})")
+    parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--worker", choices=MODES, dest="mode", help=argparse.SUPPRESS)
+    parser.add_argument("--name", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode is not None:
+        logging.basicConfig(level=logging.WARNING)
+        print(json.dumps(worker(args)))
+        return
+    start(args, "ttft")
+    from offload._units import parse_size
+
+    args.reserve = parse_size(args.reserve, name="--reserve")
+    names, modes = args.models.split(","), args.modes.split(",")
+    for given, known, what in ((names, MODELS, "--models"), (modes, MODES, "--modes")):
+        if any(n not in known for n in given):
+            raise SystemExit(f"{what} {','.join(given)}: use a comma list of {', '.join(known)}")
+    report = {"command": " ".join(sys.argv), "reserve_bytes": args.reserve, "models": {}}
+    for name in names:
+        path = prepare(args.path, name)
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        rounds = []
+        for r in range(args.rounds):
+            row = {"imports_s": imports_seconds(), "read_gbps": disk_bandwidth(args.path, size)["read_gbps"]}
+            log.info("%s round %d: imports %.1f s, disk %.2f GB/s sustained O_DIRECT read", name, r + 1,
+                     row["imports_s"], row["read_gbps"])
+            order = modes[r % len(modes):] + modes[: r % len(modes)]
+            for mode in order:
+                row[mode] = run_mode(args, name, path, mode)
+            rounds.append(row)
+        report["models"][name] = rep = summarize(name, rounds, size)
+        print(f"\n{name}: checkpoint {size / 1e9:.2f} GB; lower bound {rep['bound_s'] or float('nan'):.1f} s = "
+              f"imports {rep['bound_imports_s']:.1f} + read {rep['bound_read_s']:.1f} (at {rep['read_gbps']:.2f} GB/s)"
+              f" + prompt {rep['bound_compute_s'] or float('nan'):.1f}")
+        print(f"{'mode':<11} {'first token s':>13} {'16 tokens s':>12} {'tok/s after':>12} {'written GB':>11} "
+              f"{'peak RSS GiB':>13}")
+        for mode in modes:
+            if rep[f"{mode}_ttft_s"] is None:
+                print(f"{mode:<11} {'did not run':>13}")
+                continue
+            print(f"{mode:<11} {rep[f'{mode}_ttft_s']:>13.1f} {rep[f'{mode}_16tok_s']:>12.1f} "
+                  f"{rep[f'{mode}_tok_s']:>12.2f} {(rep[f'{mode}_setup_written_bytes'] or 0) / 1e9:>11.2f} "
+                  f"{rep[f'{mode}_peak_rss_bytes'] / 2**30:>13.2f}")
+        print(f"inplace: {rep['inplace_vs_bound'] or float('nan'):.2f}x the lower bound; tokens equal the memory "
+              f"mode's: {rep['tokens_equal_memory']}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+        log.info("wrote %s", args.json)
+
+
+if __name__ == "__main__":
+    main()
