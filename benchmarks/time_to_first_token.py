@@ -42,7 +42,7 @@ memory mode, after its first forward).
 Per model in the JSON, for each mode in ``inplace``, ``copy``, ``accelerate``, ``memory``:
 ``<mode>_ttft_s``, ``<mode>_16tok_s``, ``<mode>_setup_written_bytes`` (bytes the worker
 wrote to disk before its first token, /proc/self/io), ``<mode>_tok_s`` (tokens per second
-after the first), ``<mode>_peak_rss_bytes`` (the worker's, getrusage); null where a mode
+after the first), ``<mode>_peak_rss_bytes`` (the worker's VmHWM); null where a mode
 did not run; and ``bound_s`` with ``bound_imports_s``, ``bound_read_s``,
 ``bound_compute_s``, ``read_gbps``, ``checkpoint_bytes``, the ratios to the bound and to
 the other modes, and whether every mode's tokens equal the memory mode's.
@@ -54,7 +54,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -161,8 +160,8 @@ def worker(args) -> dict:
             prefill_s = time.perf_counter() - started
     first, last = clock.stamps[1], clock.stamps[NEW_TOKENS]
     result = {"first_token_at": first, "last_token_at": last, "tok_s": (NEW_TOKENS - 1) / (last - first),
-              "setup_written_bytes": clock.written, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-              * 1024, "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
+              "setup_written_bytes": clock.written, "peak_rss_bytes": _peak_rss(),
+              "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
     if args.mode in ("inplace", "copy"):
         import offload
 
@@ -170,6 +169,15 @@ def worker(args) -> dict:
         result.update({f"checkpoint_{k}": v for k, v in store.checkpoint_stats().items() if k != "files"})
         offload.close(model)
     return result
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS (VmHWM; getrusage's ru_maxrss would carry the parent's over exec)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def imports_seconds() -> float:
