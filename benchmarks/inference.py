@@ -123,7 +123,8 @@ def worker_offload(path: str, args) -> dict:
                                 nvme_path=os.path.join(args.work, "swap"),
                                 device_budget=args.device_budget,
                                 host_budget="2GiB" if args.warm else "256MiB",
-                                group_bytes=args.group_bytes, io_backend=args.backend)
+                                group_bytes=args.group_bytes, io_backend=args.backend,
+                                read_in_place=False)  # (swap files: what the notes and the re-read measure)
     offload.wrap(model, cfg, checkpoint=path)
     store = offload.params.manager_of(model).store
     streamed = sum(g.nbytes for g in offload.params.manager_of(model).groups if not g.resident)

@@ -16,7 +16,7 @@ from ._plan import MemoryPlan, host_param_bytes, plan_groups
 from .config import OffloadConfig
 from .distributed import Partition
 from .optim import plan_rows, state_rows
-from .params import CheckpointReader, align_to_files, choose_in_place, device_layout, slice_groups
+from .params import CheckpointReader, InPlaceLayout, device_layout, slice_groups
 
 __all__ = ["plan"]
 
@@ -51,7 +51,9 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     world = config.world_size
     if world is None:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    layout = device_layout(model, config, partitioned=world > 1, check=False)
+    reader = None if checkpoint is None else CheckpointReader(os.fspath(checkpoint), model)
+    placing = InPlaceLayout(reader, config, partitioned=world > 1)
+    layout = device_layout(model, config, partitioned=world > 1, check=False, place=placing)
     groups = layout.groups
     if world > 1:
         groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
@@ -61,12 +63,9 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
                                                                            partitioned=world > 1, moments=moments,
                                                                            master_format=master))
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
-    reader = None if checkpoint is None else CheckpointReader(os.fspath(checkpoint), model)
-    in_place = choose_in_place(layout.groups, reader, config, partitioned=world > 1)
-    align_to_files(in_place, reader)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,
-                       grad_bytes=_largest_gradient(model, config), in_place=in_place)
+                       grad_bytes=_largest_gradient(model, config), in_place=placing.choice)
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:

@@ -120,8 +120,8 @@ class OffloadConfig:
             the reverse of the order they were saved), in compute-device memory.
         read_in_place: with ``param_tier="nvme"`` and ``wrap(..., checkpoint=...)`` (safetensors),
             parameter groups whose tensors the file holds as the model computes on them rest
-            in the checkpoint's files and are read from there (O_DIRECT, through 64 MiB of
-            aligned buffers): setup writes nothing, and a group moves to a swap file only on
+            in the checkpoint's files and are read from there (O_DIRECT, straight into
+            place): setup writes nothing, and a group moves to a swap file only on
             its first write (copy on first write; the checkpoint is opened read-only and never
             written). A checkpoint file changed while the model runs is refused at the next
             read, naming it. ``False`` copies every group into swap files at ``wrap``.

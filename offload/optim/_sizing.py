@@ -149,8 +149,17 @@ def check_machine(shards: list[Shard]) -> None:
     for s in shards:
         if s.nvme_bytes:
             by_path[s.store.tiers[Tier.NVME].files.path] += s.nvme_bytes
+    moved: dict[int, tuple[Any, int]] = {}  # groups read in place that the first step copies to swap
+    for s in shards:
+        for seg in s.segments if s.wrapped else ():
+            owner = seg.owner
+            if owner.manager is not None and id(owner.group) not in moved and owner.manager.store.in_place(owner.group.key):
+                moved[id(owner.group)] = (owner.manager.store, owner.group.nbytes)
+    for store, nbytes in moved.values():
+        by_path[store.tiers[Tier.NVME].files.path] += nbytes
     for path, need in by_path.items():
-        check_disk(path, need, "the optimizer states on NVMe",
+        check_disk(path, need, "the optimizer states on NVMe" + (" and the parameters its first step copies out of "
+                                                                  "the checkpoint" if moved else ""),
                    "free space there, point nvme_path at a larger disk, or set optimizer_tier='host'")
     for store in {id(s.store): s.store for s in shards if s.home is Tier.NVME}.values():
         tier = store.tiers[Tier.NVME]

@@ -65,7 +65,8 @@ class WriteBack:
             for seg in shard.segments:
                 covered[id(seg.owner.group)] += seg.length * seg.owner.slot.dtype.itemsize
         for key, entry in new.items():
-            if not entry.in_place and covered[key] < entry.group.nbytes:
+            # (the parameters' bytes, not the group's: padding between them needs no keeping)
+            if not entry.in_place and covered[key] < sum(hi - lo for lo, hi in (s.held for s in entry.group.slots)):
                 entry.data = entry.manager.group_bytes(entry.group)  # keep what this step does not update
         pending.update(new)
         return pending

@@ -3,10 +3,11 @@
 A group rests in the checkpoint's files, one range per tensor, when its parameters rest
 on NVMe and every tensor is in the file as the model computes on it: the same dtype, the
 same bytes. Its tensors are then laid out in its buffer as in the file, modulo a block
-(``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more starts where its file
-offset does, modulo 4 KiB, so the file engine reads its aligned body with O_DIRECT
-straight into place (no bounce copy); smaller ones keep the usual alignment and are read
-buffered. The padding costs under 4 KiB per large tensor. The rest are copied into swap files at ``wrap``, as without the setting:
+(``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more whose file offset is a
+multiple of 16 starts where its file offset does, modulo 4 KiB, so the file engine reads
+its aligned body with O_DIRECT straight into place (no bounce copy); the others keep the
+usual 256-byte slots and are read buffered. The padding costs under 4 KiB per large
+tensor, and those tensors are 16-byte aligned rather than 256. The rest are copied into swap files at ``wrap``, as without the setting:
 groups that stay on the device (resident), tensors the file holds in another dtype
 (a bf16 model from an fp32 file: each is converted once), a rank's slices of a partitioned
 model. A group read in place moves to a swap file on its first write (the optimizer's
@@ -25,12 +26,13 @@ from .._units import PARAM_ALIGN, format_size
 from ..store import CheckpointRange, TensorStore
 from ._groups import ParamGroup
 
-__all__ = ["InPlaceChoice", "choose_in_place", "align_to_files", "adopt_groups"]
+__all__ = ["InPlaceChoice", "InPlaceLayout", "choose_in_place", "align_to_files", "adopt_groups"]
 
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # O_DIRECT's alignment on the disks offload runs on (a page; logical blocks are at most that)
 DIRECT_MIN = 64 << 10  # smaller tensors are read buffered in full: not worth a block of padding
+MIN_ALIGN = 16  # a tensor placed as in its file keeps at least this alignment (vector loads, fp8 kernels)
 
 
 @dataclass
@@ -59,6 +61,20 @@ class InPlaceChoice:
         for reason, groups in self.copied.items():
             parts.append(f"{len(groups)} copied ({format_size(sum(g.nbytes for g in groups))}: {reason})")
         return "; ".join(parts)
+
+
+class InPlaceLayout:
+    """``device_layout``'s ``place`` hook: sorts the groups it builds (``choose_in_place``)
+    and lays the adopted ones out as their files (``align_to_files``) before they are
+    measured; ``choice`` is the last sorting."""
+
+    def __init__(self, reader: Any, config: Any, *, partitioned: bool):
+        self.reader, self.config, self.partitioned = reader, config, partitioned
+        self.choice = InPlaceChoice()
+
+    def __call__(self, groups: list[ParamGroup]) -> None:
+        self.choice = choose_in_place(groups, self.reader, self.config, partitioned=self.partitioned)
+        align_to_files(self.choice, self.reader)
 
 
 def choose_in_place(groups: list[ParamGroup], reader: Any, config: Any, *, partitioned: bool) -> InPlaceChoice:
@@ -104,7 +120,7 @@ def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
         end = 0
         for slot in group.slots:
             start = reader.entries[reader.name_of(slot)].start
-            if slot.nbytes >= DIRECT_MIN:
+            if slot.nbytes >= DIRECT_MIN and start % MIN_ALIGN == 0:
                 slot.offset = end + (start - end) % BLOCK
             else:
                 slot.offset = -(-end // PARAM_ALIGN) * PARAM_ALIGN

@@ -23,7 +23,7 @@ from ._from_store import StoreCopies
 from ._gathering import GatheredSlices
 from ._groups import ParamGroup, ParamSlot, point, slice_groups
 from ._hooks import ModuleHooks
-from ._inplace import adopt_groups, align_to_files, choose_in_place
+from ._inplace import InPlaceLayout, adopt_groups
 from ._loading import CheckpointReader
 from ._mapped import MappedViews
 from ._materializer import Materializer
@@ -215,10 +215,9 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
             raise ValueError(f"parameters {meta[:5]}{'...' if len(meta) > 5 else ''} are on the meta "
                              "device: pass checkpoint=PATH so wrap() can load their values")
     # several ranks: every group is partitioned, none stays whole on the device
-    layout = device_layout(model, config, partitioned=partition is not None)
-    groups, needs = layout.groups, layout.needs
-    in_place = choose_in_place(groups, reader, config, partitioned=partition is not None)
-    align_to_files(in_place, reader)
+    placing = InPlaceLayout(reader, config, partitioned=partition is not None)
+    layout = device_layout(model, config, partitioned=partition is not None, place=placing)
+    groups, needs, in_place = layout.groups, layout.needs, placing.choice
     mine = groups if partition is None else slice_groups(groups, partition)
     if partition is not None:
         check_partitioned(groups, config, mine)
@@ -228,13 +227,14 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     log.info("%s", memory_plan)
     memory_plan.check()  # before the store, its buffers or its files exist
     tune_allocator(resolve_allocator(config.host_allocator, device.type))
-    nvme_bytes = _nvme_bytes(mine, config)
+    nvme_bytes = _nvme_bytes(mine, config, in_place)
     store = _make_store(config, nvme_bytes)
     activations = None
     try:
         streamed = sorted(g.nbytes for g in groups if not g.resident)
         median = streamed[len(streamed) // 2] if streamed else 0
-        coordinator = Coordinator(store, groups, _materializer(store, config, partition, sum(streamed)),
+        coordinator = Coordinator(store, groups, _materializer(store, config, partition, sum(streamed),
+                                                               bool(in_place.adopted)),
                                   device=device, layout=layout,
                                   prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes)
@@ -363,21 +363,24 @@ def _release(model: nn.Module, manager: ParamManager) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def _materializer(store: TensorStore, config: OffloadConfig, partition: Any, streamed_bytes: int) -> Materializer:
-    """The one materializer of this model, for its whole life (see ``_materializer``)."""
+def _materializer(store: TensorStore, config: OffloadConfig, partition: Any, streamed_bytes: int,
+                  in_place: bool) -> Materializer:
+    """The one materializer of this model, for its whole life (see ``_materializer``).
+    Groups read in place from a checkpoint have no mapping to view: with any of them the
+    model copies (StoreCopies), which also prefetches and caches them."""
     home, budget = _HOME[config.param_tier], config.device_budget
     if partition is not None:
         return GatheredSlices(store, home, device_budget=budget, partition=partition)
-    if MappedViews.serves(store, config.torch_device, config.param_tier, streamed_bytes):
+    if not in_place and MappedViews.serves(store, config.torch_device, config.param_tier, streamed_bytes):
         return MappedViews(store, home, device_budget=budget)
     return StoreCopies(store, home, device_budget=budget)
 
 
-def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig) -> int:
-    """The parameters the store will keep on NVMe (what io_backend="auto" weighs: whether
-    an optimizer will add states is not known yet; one that does warns when they make an
-    mmap store outgrow its page-cache limit)."""
-    return sum(r.nbytes for r in plan_groups(groups, config).rows if r.tier == "nvme")
+def _nvme_bytes(groups: list[ParamGroup], config: OffloadConfig, in_place: Any) -> int:
+    """The parameters the store will keep in swap files (what io_backend="auto" weighs:
+    whether an optimizer will add states is not known yet; one that does warns when they
+    make an mmap store outgrow its page-cache limit)."""
+    return sum(r.nbytes for r in plan_groups(groups, config, in_place=in_place).rows if r.tier == "nvme")
 
 
 def _make_store(config: OffloadConfig, nvme_bytes: int = 0) -> TensorStore:

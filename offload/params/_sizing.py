@@ -17,7 +17,7 @@ instead until the rest fits. A value set explicitly is kept, and refused when it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -93,18 +93,20 @@ class DeviceLayout:
 
 
 def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool = False,
-                  check: bool = True) -> DeviceLayout:
+                  check: bool = True, place: Callable[[list[ParamGroup]], None] | None = None) -> DeviceLayout:
     """The groups ``wrap`` makes of ``model`` under ``config``, with the resident threshold
     chosen (``resident_bytes="auto"``) or checked (set explicitly) against the device budget.
-    With ``check`` a budget that cannot run is refused with the budget that would."""
+    With ``check`` a budget that cannot run is refused with the budget that would.
+    ``place(groups)`` may lay the groups out anew before anything is measured (the groups
+    read in place from a checkpoint: ``offload.params.InPlaceLayout``)."""
     fixed = config.param_tier == "device" or partitioned  # every group resident, or none
     explicit = config.resident_bytes != "auto"
     threshold = 0 if fixed else (int(config.resident_bytes) if explicit else AUTO_RESIDENT)
-    layout = _measure(model, config, threshold)
+    layout = _measure(model, config, threshold, place)
     if not fixed and not explicit:
         while layout.need > config.device_budget and layout.resident:
             threshold = max(g.nbytes for g in layout.groups if g.resident)  # it and larger stream
-            layout = _measure(model, config, threshold)
+            layout = _measure(model, config, threshold, place)
     if config.param_tier == "device" and not partitioned:
         for group in layout.groups:
             group.resident = True
@@ -115,9 +117,12 @@ def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool 
     return layout
 
 
-def _measure(model: nn.Module, config: OffloadConfig, threshold: int) -> DeviceLayout:
+def _measure(model: nn.Module, config: OffloadConfig, threshold: int,
+             place: Callable[[list[ParamGroup]], None] | None) -> DeviceLayout:
     groups, needs = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
                                  resident_bytes=threshold)
+    if place is not None:
+        place(groups)
     resident = sum(device_slot_size(config.device, g.nbytes) for g in groups if g.resident)
     nests = _nests(model, needs, config)
     held, where = nests.largest()

@@ -42,6 +42,7 @@ __all__ = ["CheckpointSlot", "CheckpointRange", "CheckpointFiles", "CheckpointCh
 
 log = logging.getLogger(__name__)
 
+
 class CheckpointChangedError(StoreError):
     """A checkpoint file read in place changed (size or modification time) since it was opened."""
 
@@ -72,7 +73,7 @@ class _Watched:
 
 
 class _Read(Pending):
-    """One slot's read: done when its last chunk has landed."""
+    """One slot's read: done when its last range has landed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,7 +81,7 @@ class _Read(Pending):
         self.error: BaseException | None = None
         self.lock = threading.Lock()
 
-    def chunk_done(self, error: BaseException | None) -> None:
+    def range_done(self, error: BaseException | None) -> None:
         with self.lock:
             self.error = self.error or error
             self.left -= 1
@@ -93,42 +94,48 @@ class CheckpointFiles:
     """The checkpoint files a store reads in place: opened read-only by an engine of their
     own and watched for change."""
 
-    def __init__(self, *, threads: int = 16, direct: bool = True, backend: FileBackend | None = None):
-        self._threads, self._direct, self._backend = threads, direct, backend
+    def __init__(self, *, threads: int = 16, queue_depth: int = 16, block_size: int = 8 << 20, direct: bool = True,
+                 backend: FileBackend | None = None):
+        self._settings = dict(threads=threads, queue_depth=queue_depth, block_size=block_size, direct=direct,
+                              backend=backend)
         self._engine: FileEngine | None = None
-        self._files: dict[str, _Watched] = {}
+        self._files: dict[str, _Watched] = {}  # by real path
+        self._by_file: dict[int, _Watched] = {}
         self._lock = threading.Lock()
         self.read_bytes = 0
 
     def open(self, path: str) -> EngineFile:
-        """The engine's read-only handle of ``path`` (opened once)."""
-        path = os.path.realpath(path)
+        """The engine's read-only handle of ``path`` (opened once per file, however named;
+        messages name it as first given)."""
+        real = os.path.realpath(path)
         with self._lock:
-            watched = self._files.get(path)
+            watched = self._files.get(real)
             if watched is None:
                 if self._engine is None:
-                    self._engine = FileEngine(threads=self._threads, queue_depth=self._threads, direct=self._direct,
-                                              backend=self._backend, name="offload-checkpoint")
+                    self._engine = FileEngine(**self._settings, name="offload-checkpoint")
                 file = self._engine.open(path, readonly=True)
                 st = os.fstat(file.buffered_fd)
-                watched = self._files[path] = _Watched(file, st.st_size, st.st_mtime_ns)
+                watched = self._files[real] = _Watched(file, st.st_size, st.st_mtime_ns)
+                self._by_file[id(file)] = watched
             return watched.file
 
     @property
     def files(self) -> list[str]:
-        return list(self._files)
+        return [w.file.path for w in self._files.values()]
 
     def check(self, file: EngineFile) -> None:
         """Raise ``CheckpointChangedError`` if ``file`` changed since it was opened."""
-        watched = self._files[file.path]
+        watched = self._by_file[id(file)]
         st = os.fstat(file.buffered_fd)
-        if (st.st_size, st.st_mtime_ns) != (watched.size, watched.mtime_ns):
-            raise CheckpointChangedError(
-                f"checkpoint file {file.path!r} changed while the model reads its weights in place (size "
-                f"{watched.size} -> {st.st_size} bytes, or its modification time): the parameters not yet "
-                "trained can no longer be read. Save checkpoints elsewhere (offload.save_checkpoint, or "
-                "save_pretrained to another directory), or wrap with OffloadConfig(read_in_place=False) to copy "
-                "the weights into swap files first")
+        if (st.st_size, st.st_mtime_ns) == (watched.size, watched.mtime_ns):
+            return
+        what = (f"its size went from {watched.size} to {st.st_size} bytes" if st.st_size != watched.size
+                else "it was modified (its modification time moved)")
+        raise CheckpointChangedError(
+            f"checkpoint file {file.path!r} changed while the model reads its weights in place: {what}, so the "
+            "parameters not yet trained can no longer be read. Save checkpoints elsewhere (offload.save_checkpoint, "
+            "or save_pretrained to another directory), or wrap with OffloadConfig(read_in_place=False) to copy the "
+            "weights into swap files first")
 
     def read(self, slot: CheckpointSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
         """Start reading ``slot``'s first ``nbytes`` into host memory ``dest`` (uint8): a
@@ -154,12 +161,13 @@ class CheckpointFiles:
         if self._engine is not None:
             self._engine.close()
         self._files.clear()
+        self._by_file.clear()
 
     def _landed(self, read: _Read, error: BaseException | None, nbytes: int) -> None:
         if error is None:
             with self._lock:
                 self.read_bytes += nbytes
-        read.chunk_done(error)
+        read.range_done(error)
 
 
 class InPlaceHomes:
@@ -221,6 +229,14 @@ class InPlaceHomes:
         backend = self._backend(record.home)
         home.slot = self._reserve_blocking(record, backend, stage=False)  # (the old slot claimed nothing)
         home.valid = False
+        self._count_moved(record, home_moved=True)
+
+    def _count_moved(self, record: StoredTensor, *, home_moved: bool = False) -> None:
+        """Count ``record`` as moved out of its checkpoint: its home just moved, or it is
+        about to be replaced by a ``put`` (lock held)."""
+        home = record.copies.get(record.home)
+        if not home_moved and (home is None or not isinstance(home.slot, CheckpointSlot)):
+            return
         if self.moved_bytes == 0:
             log.info("offload: %r written for the first time: it moves from the checkpoint to a swap file "
                      "(copy on first write; the checkpoint is never written)", record.key)

@@ -96,6 +96,7 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
             with self._cond:
                 self._check_open()
                 if key in self._tensors:
+                    self._count_moved(self._tensors[key])  # (a tensor read in place, written anew)
                     self._delete(self._tensors[key])
                 self._check_fits(record, home)
                 self._tensors[key] = record

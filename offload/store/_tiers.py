@@ -285,8 +285,14 @@ class SwapFileSlots(TierBackend):
     @property
     def checkpoint(self) -> CheckpointFiles:
         if self._checkpoint is None:
-            self._checkpoint = CheckpointFiles(backend=self.engine.backend)  # (a test's faulty one too)
+            self._checkpoint = CheckpointFiles(**self.checkpoint_settings())
         return self._checkpoint
+
+    def checkpoint_settings(self) -> dict:
+        """The checkpoint engine's settings: the swap engine's block size and system calls
+        (a test's faulty ones too); threads and O_DIRECT of its own where the swap engine
+        has none to give (the mmap backend's)."""
+        return dict(block_size=self.engine.block_size, backend=self.engine.backend)
 
     @property
     def opened_checkpoint(self) -> CheckpointFiles | None:
@@ -333,6 +339,10 @@ class NvmeTier(SwapFileSlots):
     def __init__(self, files: SwapFiles, engine: FileEngine, budget: int | None = None):
         super().__init__(Tier.NVME, budget if budget is not None else 1 << 62)
         self.files, self.engine = files, engine
+
+    def checkpoint_settings(self) -> dict:
+        e = self.engine
+        return dict(super().checkpoint_settings(), threads=e.threads, queue_depth=e.queue_depth, direct=e.direct)
 
     def read_into(self, slot: Extent | CheckpointSlot, dest: torch.Tensor, nbytes: int, *,
                   priority: int = 1) -> Completion:

@@ -57,7 +57,7 @@ def test_ranges_read_in_place_and_moved_on_first_write(disk_dir, io_backend, no_
             ranges.append(CheckpointRange(store.open_checkpoint(path), offset, length, at))
             want[at: at + length] = raw[offset: offset + length]
         store.adopt("t", torch.uint8, (dest,), ranges)
-        assert store.in_place("t") and all(r.file.direct for r in ranges)  # (O_DIRECT, through bounce buffers)
+        assert store.in_place("t") and all(r.file.direct for r in ranges)  # (O_DIRECT where the placement allows)
         expected = torch.frombuffer(want, dtype=torch.uint8)
         for tier in (Tier.DEVICE, Tier.HOST):
             got = store.wait("t", tier)
