@@ -3,8 +3,10 @@
     python examples/inference.py --model ./finetuned --prompt "17 plus 25 is" --max-new-tokens 16
 
 The model is built on the meta device (no memory for weights), and ``offload.wrap(...,
-checkpoint=DIR)`` streams its safetensors into the parameter tier; during generation
-each layer's weights are read from NVMe just ahead of use within ``--device-budget``.
+checkpoint=DIR)`` with ``--param-tier nvme`` reads the weights where the safetensors files
+hold them (nothing is copied or written; other tiers load them into memory); during
+generation each layer's weights are read from disk just ahead of use within
+``--device-budget``.
 ``--model`` is a local ``save_pretrained`` / ``offload.export`` directory (e.g. the output of
 ``examples/finetune.py``); without it a 355M-parameter GPT-2-style model with random
 weights is saved to ``--work-dir`` first. Text is tokenized as bytes unless the directory
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     model = offload.wrap(model, cfg, checkpoint=path)
     model.eval()
-    log.info("loaded %s into the %s tier in %.1f s", path, args.param_tier, time.perf_counter() - started)
+    log.info("wrapped %s (param_tier %s) in %.1f s", path, args.param_tier, time.perf_counter() - started)
     tokenizer = None
     if os.path.exists(os.path.join(path, "tokenizer.json")) or os.path.exists(os.path.join(path, "vocab.json")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)

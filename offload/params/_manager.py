@@ -238,6 +238,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                                   device=device, layout=layout,
                                   prefetch_limit=config.prefetch_limit(layout.room(config.device_budget), median),
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes)
+        coordinator.schedule.guess_from(needs)  # (a first pass without an order would read in series)
         originals = Originals(store)
         adopt_groups(in_place, reader, store)
         load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals,

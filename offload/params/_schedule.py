@@ -6,6 +6,13 @@ to keep on the device across passes. Bookkeeping only: no store, no device.
 A pass that acquires groups in another order than the recorded one is marked diverged (the
 coordinator then fetches on demand for the rest of it), logged once per kind, and its order
 replaces the recorded one when it ends.
+
+Before the first pass of a kind there is no recorded order, and a pass without one reads
+every group on demand: read and compute in series, which is most of the time to the first
+token of a model read from disk. So ``guess`` gives the first pass an order to prefetch
+by, the modules' registration order (``guess_from``); a first pass that
+departs from it falls back to demand fetches without a message, and its real order is
+recorded as usual.
 """
 
 from __future__ import annotations
@@ -34,6 +41,21 @@ class Schedule:
         self.traces: dict[str, list[ParamGroup]] = {}
         self.current: _Pass | None = None
         self._warned: set[str] = set()
+        self._guessed: set[str] = set()  # kinds whose trace is a guess, not yet a pass's order
+
+    def guess(self, key: str, order: list[ParamGroup]) -> None:
+        """Prefetch the first pass of kind ``key`` by ``order`` (no order recorded yet)."""
+        if key not in self.traces and order:
+            self.traces[key] = list(order)
+            self._guessed.add(key)
+
+    def guess_from(self, needs: dict[Any, list[ParamGroup]]) -> None:
+        """Guess the first forward and training passes: the streamed groups as the modules
+        that need them were registered (``needs``, in that order), and for training that
+        order again reversed (backward)."""
+        forward = [g for groups in needs.values() for g in groups if not g.resident]
+        self.guess("nograd", forward)
+        self.guess("grad", forward + forward[::-1])
 
     def open(self, key: str) -> None:
         """A pass of kind ``key`` is now the current one."""
@@ -55,9 +77,11 @@ class Schedule:
         if done is None or not done.actual:
             return None
         trace = self.traces.get(done.key)
+        guessed = done.key in self._guessed
+        self._guessed.discard(done.key)
         if trace == done.actual:
-            return None
-        if trace is not None and done.key not in self._warned and not done.diverged:
+            return list(done.actual) if guessed else None  # (a guess that held: now a recorded order)
+        if trace is not None and done.key not in self._warned and not done.diverged and not guessed:
             self._warned.add(done.key)
             log.info("the %s pass used %d groups where the recorded order had %d; re-recorded", done.key,
                      len(done.actual), len(trace))
@@ -80,7 +104,10 @@ class Schedule:
                 p.cursor += 1
             else:
                 p.diverged = departs = True
-                if p.key not in self._warned:
+                if p.key in self._guessed:
+                    log.debug("the first %s pass departs from the modules' order at step %d (expected %s, got %s)",
+                              p.key, len(p.actual), expected.key if expected else None, group.key)
+                elif p.key not in self._warned:
                     self._warned.add(p.key)
                     log.info("execution order of the %s pass changed at step %d (expected %s, got %s): fetching "
                              "on demand for this pass and re-recording", p.key, len(p.actual),

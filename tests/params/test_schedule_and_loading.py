@@ -59,6 +59,28 @@ def test_after_the_first_step_group_k_plus_1_is_fetched_before_group_k_runs(tmp_
         offload.unwrap(model)
 
 
+def test_the_first_passes_prefetch_in_the_modules_order(tmp_path, caplog, no_leaks, record_schedule):
+    """No order is recorded before the first pass; the modules' registration order stands
+    in for it, so only the first group is read on demand, in the first inference forward and
+    in the first training step (whose backward departs from the guess at its end, layer 0's
+    weight not being needed: silently, then recorded)."""
+    for grad in (False, True):
+        model = deep_mlp()
+        (tmp_path / str(grad)).mkdir()
+        offload.wrap(model, cfg(tmp_path / str(grad), device_budget="128KiB", prefetch_bytes="40KiB"))
+        events = record_schedule(model)
+        try:
+            with caplog.at_level(logging.INFO, logger="offload"), torch.set_grad_enabled(grad):
+                out = model(torch.randn(4, 64)).sum()
+                if grad:
+                    out.backward()
+            demand = [k for e, k, ph in events if e == "fetch" and ph == "demand"]
+            assert demand == ["0"], demand
+            assert "changed" not in caplog.text and "re-recorded" not in caplog.text
+        finally:
+            offload.unwrap(model)
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
