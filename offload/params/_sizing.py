@@ -113,12 +113,12 @@ def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool 
         layout.resident = sum(device_slot_size(config.device, g.nbytes) for g in layout.groups)
         layout.held, layout.held_at, layout.nests = 0, "", None
     if check and not partitioned:
-        _check(model, config, layout, explicit)
+        _check(model, config, layout, explicit, place)
     return layout
 
 
 def _measure(model: nn.Module, config: OffloadConfig, threshold: int,
-             place: Callable[[list[ParamGroup]], None] | None) -> DeviceLayout:
+             place: Callable[[list[ParamGroup]], None] | None = None) -> DeviceLayout:
     groups, needs = build_groups(model, dtype=config.dtype, group_bytes=config.group_bytes,
                                  resident_bytes=threshold)
     if place is not None:
@@ -157,7 +157,8 @@ def _checkpointed(module: nn.Module) -> bool:
         any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
-def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool) -> None:
+def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool,
+           place: Callable[[list[ParamGroup]], None] | None = None) -> None:
     budget = config.device_budget
     if config.param_tier == "device":
         if layout.resident > budget:
@@ -167,7 +168,7 @@ def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explic
     elif layout.need > budget:
         held = _describe_held(layout, config)
         if explicit and layout.resident:
-            least = _measure(model, config, 0).need
+            least = _measure(model, config, 0, place).need
             raise BudgetError(
                 f"device_budget {format_size(budget)} cannot hold the {format_size(layout.resident)} of parameters "
                 f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)})"
