@@ -32,8 +32,8 @@ greedily from a 128-token prompt; a streamer stamps each token on the system-wid
 monotonic clock, which the parent also read just before starting the worker.
 
 The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
-the interpreter's start and the imports (a process that imports torch, transformers and
-offload and exits), one read of the checkpoint's bytes at the disk's sustained O_DIRECT
+the interpreter's start and the imports (a process that imports torch, transformers,
+offload and the model's class, which transformers loads lazily, and exits), one read of the checkpoint's bytes at the disk's sustained O_DIRECT
 read of fresh data (``offload.profile``'s, on a 12 GiB test file it writes and removes,
 right before the modes: it also leaves the virtual disk's host cache holding other data
 than the checkpoint), and the prompt's forward with the weights in memory (timed in the
@@ -42,7 +42,10 @@ memory mode, after its first forward).
 Per model in the JSON, for each mode in ``inplace``, ``copy``, ``accelerate``, ``memory``:
 ``<mode>_ttft_s``, ``<mode>_16tok_s``, ``<mode>_setup_written_bytes`` (bytes the worker
 wrote to disk before its first token, /proc/self/io), ``<mode>_tok_s`` (tokens per second
-after the first), ``<mode>_peak_rss_bytes`` (the worker's VmHWM); null where a mode
+after the first), ``<mode>_peak_rss_bytes`` (the worker's VmHWM), and the first token's parts
+``<mode>_imports_s`` (process start to its imports done), ``<mode>_load_s`` (building or
+loading and wrapping the model), ``<mode>_first_forward_s`` (the prompt to the first
+token); null where a mode
 did not run; and ``bound_s`` with ``bound_imports_s``, ``bound_read_s``,
 ``bound_compute_s``, ``read_gbps``, ``checkpoint_bytes``, the ratios to the bound and to
 the other modes, and whether every mode's tokens equal the memory mode's.
@@ -113,6 +116,8 @@ def worker(args) -> dict:
     import transformers
     from transformers.generation.streamers import BaseStreamer
 
+    imported_at = time.monotonic()
+
     spec = MODELS[args.name]
     path, cls = args.model_path, _model_class(spec["family"])
     dtype = getattr(torch, spec["dtype"])
@@ -139,6 +144,7 @@ def worker(args) -> dict:
     else:
         model = cls.from_pretrained(path, dtype=dtype)
     model.eval()
+    loaded_at = time.monotonic()
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
 
     class Clock(BaseStreamer):
@@ -164,7 +170,7 @@ def worker(args) -> dict:
             model(input_ids=ids)
             prefill_s = time.perf_counter() - started
     first, last = clock.stamps[1], clock.stamps[NEW_TOKENS]
-    result = {"first_token_at": first, "last_token_at": last, "tok_s": (NEW_TOKENS - 1) / (last - first),
+    result = {"imported_at": imported_at, "loaded_at": loaded_at, "first_token_at": first, "last_token_at": last, "tok_s": (NEW_TOKENS - 1) / (last - first),
               "setup_written_bytes": clock.written, "peak_rss_bytes": _peak_rss(),
               "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
     if args.mode in ("inplace", "copy"):
@@ -185,10 +191,14 @@ def _peak_rss() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def imports_seconds() -> float:
-    """Wall time of a process that imports what the modes import, and exits."""
+def imports_seconds(name: str) -> float:
+    """Wall time of a process that imports what the modes import, and exits: torch,
+    transformers, offload and the model's class (transformers defers that import to first
+    use, and it is most of the time: a second or more)."""
+    cls = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[MODELS[name]["family"]]
     started = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch, transformers, offload"], check=True)
+    subprocess.run([sys.executable, "-c", f"import torch, transformers, offload; transformers.{cls}; "
+                    "from transformers.generation.streamers import BaseStreamer"], check=True)
     return time.monotonic() - started
 
 
@@ -211,9 +221,12 @@ def run_mode(args, name: str, path: str, mode: str) -> dict | None:
         log.warning("%s %s failed (exit %d):\n%s", name, mode, out.returncode, out.stderr[-3000:])
         return None
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    got.update(ttft_s=got["first_token_at"] - started, **{"16tok_s": got["last_token_at"] - started})
-    log.info("%s %s: first token %.1f s, 16 tokens %.1f s, %.2f tokens/s after the first, %.2f GB written before "
-             "the first token, peak RSS %.2f GiB", name, mode, got["ttft_s"], got["16tok_s"], got["tok_s"],
+    got.update(ttft_s=got["first_token_at"] - started, **{"16tok_s": got["last_token_at"] - started},
+               imports_s=got["imported_at"] - started, load_s=got["loaded_at"] - got["imported_at"],
+               first_forward_s=got["first_token_at"] - got["loaded_at"])
+    log.info("%s %s: first token %.1f s (imports %.1f, load %.1f, prompt to first token %.1f), 16 tokens %.1f s, "
+             "%.2f tokens/s after the first, %.2f GB written before the first token, peak RSS %.2f GiB", name, mode,
+             got["ttft_s"], got["imports_s"], got["load_s"], got["first_forward_s"], got["16tok_s"], got["tok_s"],
              (got["setup_written_bytes"] or 0) / 1e9, got["peak_rss_bytes"] / 2**30)
     return got
 
@@ -225,7 +238,8 @@ def summarize(name: str, rounds: list[dict], checkpoint_bytes: int) -> dict:
 
     rep: dict = {"checkpoint_bytes": checkpoint_bytes, "rounds": len(rounds)}
     for mode in MODES:
-        for key in ("ttft_s", "16tok_s", "setup_written_bytes", "tok_s", "peak_rss_bytes"):
+        for key in ("ttft_s", "16tok_s", "setup_written_bytes", "tok_s", "peak_rss_bytes", "imports_s", "load_s",
+                    "first_forward_s"):
             rep[f"{mode}_{key}"] = med(key, mode)
     parts = {"bound_imports_s": statistics.median(r["imports_s"] for r in rounds),
              "read_gbps": statistics.median(r["read_gbps"] for r in rounds)}
@@ -284,7 +298,7 @@ def main() -> None:
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
         rounds = []
         for r in range(args.rounds):
-            row = {"imports_s": imports_seconds(), "read_gbps": disk_bandwidth(args.path, size)["read_gbps"]}
+            row = {"imports_s": imports_seconds(name), "read_gbps": disk_bandwidth(args.path, size)["read_gbps"]}
             log.info("%s round %d: imports %.1f s, disk %.2f GB/s sustained O_DIRECT read", name, r + 1,
                      row["imports_s"], row["read_gbps"])
             order = modes[r % len(modes):] + modes[: r % len(modes)]
