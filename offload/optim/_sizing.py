@@ -155,12 +155,17 @@ def check_machine(shards: list[Shard]) -> None:
             owner = seg.owner
             if owner.manager is not None and id(owner.group) not in moved and owner.manager.store.in_place(owner.group.key):
                 moved[id(owner.group)] = (owner.manager.store, owner.group.nbytes)
+    copies: dict[str, int] = defaultdict(int)
     for store, nbytes in moved.values():
-        by_path[store.tiers[Tier.NVME].files.path] += nbytes
-    for path, need in by_path.items():
-        check_disk(path, need, "the optimizer states on NVMe" + (" and the parameters its first step copies out of "
-                                                                  "the checkpoint" if moved else ""),
-                   "free space there, point nvme_path at a larger disk, or set optimizer_tier='host'")
+        copies[store.tiers[Tier.NVME].files.path] += nbytes
+    for path in by_path.keys() | copies.keys():
+        what = [w for w, n in (("the optimizer states on NVMe", by_path[path]),
+                               ("the parameters its first step copies out of the checkpoint", copies[path])) if n]
+        fixes = ["free space there", "point nvme_path at a larger disk"]
+        fixes += ["set optimizer_tier='host'"] if by_path[path] else []
+        fixes += ["train fewer parameters (the checkpoint is never written: what the optimizer updates needs a "
+                  "swap file)"] if copies[path] else []
+        check_disk(path, by_path[path] + copies[path], " and ".join(what), ", ".join(fixes[:-1]) + ", or " + fixes[-1])
     for store in {id(s.store): s.store for s in shards if s.home is Tier.NVME}.values():
         tier = store.tiers[Tier.NVME]
         limit = getattr(tier, "cache_limit", None)

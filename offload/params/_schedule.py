@@ -51,11 +51,12 @@ class Schedule:
 
     def guess_from(self, needs: dict[Any, list[ParamGroup]]) -> None:
         """Guess the first forward and training passes: the streamed groups as the modules
-        that need them were registered (``needs``, in that order), and for training that
-        order again reversed (backward)."""
+        that need them were registered (``needs``, in that order), and for training the
+        modules again in reverse (backward)."""
         forward = [g for groups in needs.values() for g in groups if not g.resident]
+        backward = [g for groups in reversed(list(needs.values())) for g in groups if not g.resident]
         self.guess("nograd", forward)
-        self.guess("grad", forward + forward[::-1])
+        self.guess("grad", forward + backward)  # (modules in reverse; each its groups in order)
 
     def open(self, key: str) -> None:
         """A pass of kind ``key`` is now the current one."""

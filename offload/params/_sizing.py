@@ -168,7 +168,7 @@ def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explic
     elif layout.need > budget:
         held = _describe_held(layout, config)
         if explicit and layout.resident:
-            least = _measure(model, config, 0, place).need
+            least = _measure(model, config, 0, place).need  # (re-places the groups: fine, this raises)
             raise BudgetError(
                 f"device_budget {format_size(budget)} cannot hold the {format_size(layout.resident)} of parameters "
                 f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)})"

@@ -238,6 +238,6 @@ class InPlaceHomes:
         if not home_moved and (home is None or not isinstance(home.slot, CheckpointSlot)):
             return
         if self.moved_bytes == 0:
-            log.info("offload: %r written for the first time: it moves from the checkpoint to a swap file "
-                     "(copy on first write; the checkpoint is never written)", record.key)
+            log.info("offload: %r written for the first time: no longer read from the checkpoint, its new bytes "
+                     "rest in the store (copy on first write; the checkpoint is never written)", record.key)
         self.moved_bytes += record.nbytes

@@ -95,10 +95,10 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
         with DEFER:
             with self._cond:
                 self._check_open()
+                self._check_fits(record, home)
                 if key in self._tensors:
                     self._count_moved(self._tensors[key])  # (a tensor read in place, written anew)
                     self._delete(self._tensors[key])
-                self._check_fits(record, home)
                 self._tensors[key] = record
                 copy = record.copy(home)
                 if record.nbytes == 0:

@@ -207,3 +207,17 @@ def test_load_state_dict_moves_the_groups_it_writes(tmp_path, no_leaks):
         torch.testing.assert_close(model(input_ids=ids).logits, other(input_ids=ids).logits)
     offload.close(model)
     assert _digests(path) == before
+
+
+def test_an_optimizer_counts_the_first_steps_copies_against_free_disk(tmp_path, monkeypatch, no_leaks):
+    import offload._plan as plan
+
+    _, path = _saved(tmp_path)
+    model = _wrapped(transformers.GPT2LMHeadModel, _gpt2_config(), path, tmp_path, "swap", optimizer_tier="host")
+    monkeypatch.setattr(plan, "free_disk_bytes", lambda _: 4096)  # (a full disk under nvme_path)
+    try:
+        with pytest.raises(offload.MemoryPlanError, match=r"the parameters its first step copies out of the "
+                                                          r"checkpoint need .*train fewer parameters"):
+            offload.AdamW(model.parameters(), lr=1e-3)
+    finally:
+        offload.close(model)
