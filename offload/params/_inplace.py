@@ -51,10 +51,6 @@ class InPlaceChoice:
         """Bytes read in place that an optimizer would write (and so copy on first write)."""
         return sum(g.nbytes for g in self.adopted if any(s.param.requires_grad for s in g.slots))
 
-    @property
-    def copied_bytes(self) -> int:
-        return sum(g.nbytes for groups in self.copied.values() for g in groups)
-
     def describe(self) -> str:
         parts = [f"{len(self.adopted)} parameter groups ({format_size(self.in_place_bytes)}) read in place "
                  "from the checkpoint, tensor by tensor"]
