@@ -162,12 +162,38 @@ def _read_header(file: str) -> dict[str, _Entry]:
     return entries
 
 
+# In-place ops and initializers that only set values: on a meta tensor they do nothing but
+# cost the Python reference kernels' time (GPT-2 1.5B's initializers: 0.75 s of a 1 s
+# build). Known by name: transformers swaps torch.nn.init's functions for its own.
+_VALUES_ONLY = frozenset((
+    "normal_", "uniform_", "fill_", "zero_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_",
+    "clamp_min_", "clamp_max_", "erfinv_", "exponential_", "random_", "bernoulli_", "log_normal_",
+    "cauchy_", "geometric_", "masked_fill_", "fmod_", "abs_", "neg_", "sqrt_", "exp_", "log_",
+    "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"))
+
+
+class _SkipMetaValues(torch.overrides.TorchFunctionMode):
+    """Skips value-only in-place ops on meta tensors (initializers of parameters that the
+    checkpoint will fill): the shapes and dtypes they leave are the ones they found."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _VALUES_ONLY:
+            # (torch.nn.init passes its tensor by keyword)
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def init_empty_weights() -> Iterator[None]:
     """Build a model with parameters on the meta device and buffers real.
 
     Buffers computed at construction (rotary frequencies, attention masks) are often not
-    saved in checkpoints, so they must not be lost to the meta device.
+    saved in checkpoints, so they must not be lost to the meta device. Initializers that
+    only set a meta parameter's values are skipped: there are no values to set.
     """
     original = nn.Module.register_parameter
 
@@ -178,6 +204,7 @@ def init_empty_weights() -> Iterator[None]:
 
     nn.Module.register_parameter = register
     try:
-        yield
+        with _SkipMetaValues():
+            yield
     finally:
         nn.Module.register_parameter = original

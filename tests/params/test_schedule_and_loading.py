@@ -295,3 +295,25 @@ def test_cuda_forward_backward_match(tmp_path, no_leaks):
         assert torch.cuda.max_memory_allocated() - base <= bound
     finally:
         offload.unwrap(model)
+
+
+def test_init_empty_weights_skips_only_what_sets_a_meta_parameters_values():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+            torch.nn.init.trunc_normal_(self.lin.weight, std=0.02)
+            self.lin.bias.data.zero_()
+            self.register_buffer("scale", torch.ones(3).mul_(2.0))
+            self.register_buffer("table", torch.empty(5).uniform_(-1, 1))
+
+    torch.manual_seed(0)
+    table = torch.empty(5).uniform_(-1, 1)
+    torch.manual_seed(0)
+    with offload.init_empty_weights():
+        net = Net()
+    assert [(n, p.device.type, p.shape, p.dtype, p.requires_grad) for n, p in net.named_parameters()] == [
+        ("lin.weight", "meta", (4, 8), torch.float32, True), ("lin.bias", "meta", (4,), torch.float32, True)]
+    torch.testing.assert_close(net.scale, torch.full((3,), 2.0), rtol=0, atol=0)  # real tensors: ops run
+    torch.testing.assert_close(net.table, table, rtol=0, atol=0)  # and the meta ones drew nothing
+    assert torch.empty(2).normal_().device.type == "cpu"  # the context is gone
