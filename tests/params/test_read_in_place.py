@@ -221,3 +221,28 @@ def test_an_optimizer_counts_the_first_steps_copies_against_free_disk(tmp_path, 
             offload.AdamW(model.parameters(), lr=1e-3)
     finally:
         offload.close(model)
+
+
+def test_groups_of_the_same_tensors_get_one_buffer_size(tmp_path, no_leaks):
+    """Each layer's tensors sit at other offsets in the file (n_embd=120: sizes are not
+    whole pages), so each layer's group needs other padding; they still get one size, or
+    the pool would map new buffers every pass."""
+    config = transformers.GPT2Config(n_layer=4, n_embd=120, n_head=4, vocab_size=211, n_positions=64)
+    ref, path = _saved(tmp_path, build=lambda: transformers.GPT2LMHeadModel(config))
+    model = _wrapped(transformers.GPT2LMHeadModel, config, path, tmp_path, "eq", device_budget="4MiB")
+    try:
+        sizes: dict[tuple, set] = {}
+        for group in offload.params.manager_of(model).coordinator.groups:
+            shapes = tuple((s.dtype, tuple(s.shape)) for s in group.slots)
+            natural = max(s.offset + s.nbytes for s in group.slots)
+            sizes.setdefault(shapes, {"given": set(), "natural": set()})
+            sizes[shapes]["given"].add(group.nbytes)
+            sizes[shapes]["natural"].add(natural)
+            assert group.nbytes >= natural
+        assert any(len(s["natural"]) > 1 for s in sizes.values())  # paddings do differ by layer
+        assert all(len(s["given"]) == 1 for s in sizes.values())
+        ids = torch.randint(0, 211, (1, 9), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+    finally:
+        offload.close(model)
