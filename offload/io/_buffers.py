@@ -38,23 +38,24 @@ class HostBuffer:
     """``nbytes`` of page-aligned host memory (rounded up to whole pages).
 
     ``pin``: the accelerator to page-lock the memory for (its asynchronous copies need
-    it); ``pinned`` says whether that happened.
+    it); ``pinned`` says whether that happened. ``fault_in=False`` leaves the pages to be
+    faulted in by their first use (see BufferPool).
     """
 
-    def __init__(self, nbytes: int, *, pin: Accelerator | None = None):
+    def __init__(self, nbytes: int, *, pin: Accelerator | None = None, fault_in: bool = True):
         if nbytes < 0:
             raise ValueError(f"HostBuffer size must be >= 0, got {nbytes}")
         self.nbytes = round_up(max(nbytes, 1), PAGE_SIZE)
-        # Note: every page is faulted in now. A direct transfer from or into never-touched
-        # anonymous pages is much slower (measured: 2.0 against 2.7-3.1 GB/s for O_DIRECT
-        # writes here), and the budget counts these bytes anyway.
+        # Note: every page is faulted in now unless fault_in=False. A direct transfer from
+        # never-touched anonymous pages is much slower (measured: 2.0 against 2.7-3.1 GB/s
+        # for O_DIRECT writes here), and the budget counts these bytes anyway.
         # Note: buffers of 2 MiB and more ask for transparent huge pages first. A buffer
         # made of scattered 4 KiB pages needs many more DMA segments per request: reads into
         # optimizer slots allocated after model construction measured 1.1-1.3 GB/s, the same
         # slots on huge pages 2.8-2.9 GB/s (this VM's disk; docs/benchmarks.md).
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         huge = self.nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE")
-        if not huge:
+        if not huge and fault_in:
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         self._map = mmap.mmap(-1, self.nbytes, flags=flags)
         if huge:
@@ -62,7 +63,8 @@ class HostBuffer:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
             except OSError as err:  # THP disabled in this kernel: ordinary pages, same bytes
                 log.debug("no transparent huge pages for a %d-byte buffer: %s", self.nbytes, err)
-            torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()  # fault in
+            if fault_in:
+                torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
         self.pinned = bool(pin is not None and pin.pin(self.address, self.nbytes))
@@ -122,12 +124,19 @@ class BufferPool:
     The budget counts every byte the pool holds, buffers in use and buffers cached for
     reuse alike. Freed buffers are kept by exact size (groups of one model repeat sizes)
     and dropped when a request of another size needs their room.
+
+    ``fault_in=False``: new buffers are not faulted in by the thread that asks for them
+    but by their first use. For buffers a read fills first (the groups computed on in host
+    memory), that is the I/O thread's read, beside the compute rather than in its way:
+    a fresh page costs more than it moves when memory is short (compaction for huge
+    pages, reclaim under a full page cache; GPT-2 1.5B's first forward: 1.7 s of 8).
     """
 
-    def __init__(self, budget: int, *, pin: Accelerator | None = None, name: str = "host"):
+    def __init__(self, budget: int, *, pin: Accelerator | None = None, name: str = "host",
+                 fault_in: bool = True):
         if budget <= 0:
             raise ValueError(f"{name} buffer pool budget must be > 0 bytes, got {budget}")
-        self.budget, self.pin, self.name = budget, pin, name
+        self.budget, self.pin, self.name, self.fault_in = budget, pin, name, fault_in
         self._free: dict[int, list[HostBuffer]] = {}
         self._held = 0  # bytes of all live buffers: in use + cached
         self._cached = 0
@@ -243,7 +252,7 @@ class BufferPool:
             self._make_room(self._held + size - self.budget)
         if self._held + size > self.budget:
             return None
-        buf = HostBuffer(size, pin=self.pin)
+        buf = HostBuffer(size, pin=self.pin, fault_in=self.fault_in)
         self._held += buf.nbytes
         self.peak_bytes = max(self.peak_bytes, self._held)
         return buf

@@ -62,3 +62,28 @@ def test_pool_waits_for_release_and_times_out_clearly():
     releaser.start()
     assert pool.acquire(1, timeout=30) is held
     releaser.join()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * PAGE_SIZE
+
+
+def test_a_pool_that_leaves_faulting_to_first_use_holds_its_budget_but_not_its_pages():
+    """fault_in=False: the pages of a new buffer become resident as its first use writes
+    them (a read into it), not when the pool hands it out; the budget counts it either way."""
+    size = 64 << 20
+    eager, lazy = BufferPool(size, name="eager"), BufferPool(size, name="lazy", fault_in=False)
+    before = _rss()
+    a = eager.acquire(size)
+    grown = _rss() - before
+    before = _rss()
+    b = lazy.acquire(size)
+    assert grown >= size // 2 and _rss() - before < size // 4
+    assert lazy.held_bytes == eager.held_bytes == size
+    b.bytes.fill_(7)
+    assert _rss() - before >= size // 2 and bool((b.bytes == 7).all())
+    eager.release(a)
+    lazy.release(b)
+    eager.close()
+    lazy.close()
