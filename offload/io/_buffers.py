@@ -107,8 +107,9 @@ class HostBuffer:
 
 def pool_bytes() -> dict[str, int]:
     """Bytes held now by every open :class:`BufferPool` of this process, summed by pool
-    name ("host", "device", "checkpoint", ...): resident memory (each buffer is faulted in
-    when made), which ``offload.stats`` counts in the process's RSS."""
+    name ("host", "device", "checkpoint", ...), which ``offload.stats`` counts in the
+    process's RSS: resident memory, each buffer faulted in when made, or (a pool with
+    ``fault_in=False``) once its first use has written it."""
     out: dict[str, int] = {}
     with _POOLS_LOCK:
         pools = list(_POOLS)
