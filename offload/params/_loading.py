@@ -175,7 +175,8 @@ _VALUES_ONLY = frozenset((
 
 class _SkipMetaValues(torch.overrides.TorchFunctionMode):
     """Skips value-only in-place ops on meta tensors (initializers of parameters that the
-    checkpoint will fill): the shapes and dtypes they leave are the ones they found."""
+    checkpoint will fill): the shapes and dtypes they leave are the ones they found. What
+    such an op would raise on a meta tensor (a shape mismatch) is not raised."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -192,8 +193,10 @@ def init_empty_weights() -> Iterator[None]:
     """Build a model with parameters on the meta device and buffers real.
 
     Buffers computed at construction (rotary frequencies, attention masks) are often not
-    saved in checkpoints, so they must not be lost to the meta device. Initializers that
-    only set a meta parameter's values are skipped: there are no values to set.
+    saved in checkpoints, so they must not be lost to the meta device. Initializers and
+    in-place ops that only set a meta tensor's values are skipped: there are no values to
+    set. Every op in the block passes through that check, so build the model here and wrap
+    it outside.
     """
     original = nn.Module.register_parameter
 

@@ -69,7 +69,8 @@ def create_store(*, device: str | torch.device = "cpu", device_budget: int | str
     if accelerator is not None:
         tiers[Tier.DEVICE] = DeviceTier(accelerator, device_bytes)
     else:
-        # (groups are read into these before anything else touches them: BufferPool's fault_in)
+        # (groups, and the activations' copies, are written into these before anything reads
+        # them: their writer faults the pages in; BufferPool's fault_in)
         tiers[Tier.DEVICE] = HostMemoryTier(Tier.DEVICE, BufferPool(device_bytes, name="device", fault_in=False))
     if io_backend not in ("direct", "mmap"):
         raise ValueError(f"io_backend={io_backend!r}: use 'direct' or 'mmap'")

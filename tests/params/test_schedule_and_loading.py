@@ -307,11 +307,26 @@ def test_init_empty_weights_skips_only_what_sets_a_meta_parameters_values():
             self.register_buffer("scale", torch.ones(3).mul_(2.0))
             self.register_buffer("table", torch.empty(5).uniform_(-1, 1))
 
+    class Seen(torch.overrides.TorchFunctionMode):  # below init_empty_weights' own mode: sees what it lets run
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[str, str]] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor):
+                self.calls.append((getattr(func, "__name__", ""), target.device.type))
+            return func(*args, **kwargs)
+
     torch.manual_seed(0)
     table = torch.empty(5).uniform_(-1, 1)
     torch.manual_seed(0)
-    with offload.init_empty_weights():
+    with Seen() as seen, offload.init_empty_weights():
         net = Net()
+    ran = set(seen.calls)
+    assert ("uniform_", "cpu") in ran and ("mul_", "cpu") in ran
+    assert not {("trunc_normal_", "meta"), ("zero_", "meta"), ("kaiming_uniform_", "meta")} & ran
     assert [(n, p.device.type, p.shape, p.dtype, p.requires_grad) for n, p in net.named_parameters()] == [
         ("lin.weight", "meta", (4, 8), torch.float32, True), ("lin.bias", "meta", (4,), torch.float32, True)]
     torch.testing.assert_close(net.scale, torch.full((3,), 2.0), rtol=0, atol=0)  # real tensors: ops run
