@@ -33,8 +33,8 @@ monotonic clock, which the parent also read just before starting the worker.
 
 The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
 the interpreter's start and the imports (a process that imports torch, transformers,
-offload and the model's class, which transformers loads lazily, and exits), one read of the checkpoint's bytes at the disk's sustained O_DIRECT
-read of fresh data (``offload.profile``'s, on a 12 GiB test file it writes and removes,
+offload and the model's class, which transformers loads lazily, and exits), one read of
+the checkpoint's bytes at the disk's sustained O_DIRECT read of fresh data (``offload.profile``'s, on a 12 GiB test file it writes and removes,
 right before the modes: it also leaves the virtual disk's host cache holding other data
 than the checkpoint), and the prompt's forward with the weights in memory (timed in the
 memory mode, after its first forward).
@@ -170,7 +170,8 @@ def worker(args) -> dict:
             model(input_ids=ids)
             prefill_s = time.perf_counter() - started
     first, last = clock.stamps[1], clock.stamps[NEW_TOKENS]
-    result = {"imported_at": imported_at, "loaded_at": loaded_at, "first_token_at": first, "last_token_at": last, "tok_s": (NEW_TOKENS - 1) / (last - first),
+    result = {"imported_at": imported_at, "loaded_at": loaded_at, "first_token_at": first, "last_token_at": last,
+              "tok_s": (NEW_TOKENS - 1) / (last - first),
               "setup_written_bytes": clock.written, "peak_rss_bytes": _peak_rss(),
               "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
     if args.mode in ("inplace", "copy"):

@@ -8,10 +8,10 @@ multiple of 16 starts where its file offset does, modulo 4 KiB, so the file engi
 its aligned body with O_DIRECT straight into place (no bounce copy); the others keep the
 usual 256-byte slots and are read buffered. The padding costs under 4 KiB per large
 tensor, and those tensors are 16-byte aligned rather than 256; groups of the same tensors
-take the largest of their sizes, so that their buffers are reused across passes. The rest are copied into swap files at ``wrap``, as without the setting:
-groups that stay on the device (resident), tensors the file holds in another dtype
-(a bf16 model from an fp32 file: each is converted once), a rank's slices of a partitioned
-model. A group read in place moves to a swap file on its first write (the optimizer's
+take the largest of their sizes, so that their buffers are reused across passes. The rest
+are copied into swap files at ``wrap``, as without the setting: groups that stay on the
+device (resident), tensors the file holds in another dtype (a bf16 model from an fp32
+file: each is converted once), a rank's slices of a partitioned model. A group read in place moves to a swap file on its first write (the optimizer's
 update, ``load_state_dict``): the checkpoint is never written.
 """
 
@@ -129,13 +129,13 @@ def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
 def _equal_sizes(groups: list[ParamGroup]) -> None:
     """Give groups of the same tensors (a model's repeated layers) one size, the largest
     their paddings need: the buffer pool reuses freed buffers by exact size, and a few
-    bytes' difference per layer made every pass unmap and map buffers anew."""
+    bytes' difference per layer (up to 4 KiB per large tensor) made the pool map new buffers."""
+    keys = [tuple((slot.dtype, tuple(slot.shape)) for slot in group.slots) for group in groups]
     largest: dict[tuple, int] = {}
-    for group in groups:
-        shapes = tuple((slot.dtype, tuple(slot.shape)) for slot in group.slots)
-        largest[shapes] = max(largest.get(shapes, 0), group.nbytes)
-    for group in groups:
-        group.nbytes = largest[tuple((slot.dtype, tuple(slot.shape)) for slot in group.slots)]
+    for key, group in zip(keys, groups):
+        largest[key] = max(largest.get(key, 0), group.nbytes)
+    for key, group in zip(keys, groups):
+        group.nbytes = largest[key]
 
 
 def adopt_groups(choice: InPlaceChoice, reader: Any, store: TensorStore) -> None:
