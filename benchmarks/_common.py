@@ -76,6 +76,32 @@ def disk_bandwidth(path: str, size: int) -> dict:
             "setting": report["engine_choice"]}
 
 
+def evict_host_cache(directory: str, size: int = 12 << 30, chunk: int = 64 << 20) -> float:
+    """Write ``size`` bytes of random data to a scratch file in ``directory``, read them
+    back, O_DIRECT through offload's engine, and remove the file; returns the seconds it
+    took. This machine's disk is virtual, and its host caches what was recently written
+    or read: a file written a minute ago reads faster than one written days ago, so a
+    mode that has just copied the weights would read them from that cache. Moving more
+    data than the host keeps since then leaves other data in it (the guest's page cache
+    is untouched: O_DIRECT)."""
+    from offload.io import FileEngine, HostBuffer
+
+    started = time.perf_counter()
+    buffer = HostBuffer(chunk)
+    buffer.memoryview()[:chunk] = os.urandom(chunk)  # (not zeros: a virtual disk may store those as holes)
+    path = os.path.join(directory, f".evict-{os.getpid()}")
+    with FileEngine(name="evict") as engine:
+        file = engine.open(path, create=True)
+        try:
+            for op in (engine.write, engine.read):
+                for handle in [op(file, at, buffer) for at in range(0, size, chunk)]:
+                    handle.wait()
+        finally:
+            engine.close_file(file)
+            os.unlink(path)
+    return time.perf_counter() - started
+
+
 def profile_cli(path: str, size: str, report: str, *extra: str) -> tuple[float, dict, str]:
     """``offload-profile --quick`` on ``path`` in a subprocess, its report written to
     ``report``: (wall-clock seconds, the report, the printed table). Raises with its stderr
