@@ -3,16 +3,19 @@
 A group rests in the checkpoint's files, one range per tensor, when its parameters rest
 on NVMe and every tensor is in the file as the model computes on it: the same dtype, the
 same bytes. Its tensors are then laid out in its buffer as in the file, modulo a block
-(``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more whose file offset is a
-multiple of 16 starts where its file offset does, modulo 4 KiB, so the file engine reads
-its aligned body with O_DIRECT straight into place (no bounce copy); the others keep the
-usual 256-byte slots and are read buffered. The padding costs under 4 KiB per large
-tensor, and those tensors are 16-byte aligned rather than 256; groups of the same tensors
-take the largest of their sizes, so that their buffers are reused across passes. The rest
-are copied into swap files at ``wrap``, as without the setting: groups that stay on the
-device (resident), tensors the file holds in another dtype (a bf16 model from an fp32
-file: each is converted once), a rank's slices of a partitioned model. A group read in place moves to a swap file on its first write (the optimizer's
-update, ``load_state_dict``): the checkpoint is never written.
+(``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more starts where its file
+offset does, modulo 4 KiB, so the file engine reads its aligned body with O_DIRECT
+straight into place (no bounce copy). A file offset that is not a multiple of 16 (half of
+all safetensors files put every tensor 8 bytes off) is read that many bytes further on
+and moved down once it has landed (``CheckpointRange.shift``), so every tensor keeps 16
+bytes of alignment. The smaller tensors keep the usual 256-byte slots and are read
+buffered. The padding costs under 4 KiB per large tensor, and those tensors are 16-byte
+aligned rather than 256; groups of the same tensors take the largest of their sizes, so
+that their buffers are reused across passes. The rest are copied into swap files at
+``wrap``, as without the setting: groups that stay on the device (resident), tensors the
+file holds in another dtype (a bf16 model from an fp32 file: each is converted once), a
+rank's slices of a partitioned model. A group read in place moves to a swap file on its
+first write (the optimizer's update, ``load_state_dict``): the checkpoint is never written.
 """
 
 from __future__ import annotations
@@ -117,13 +120,20 @@ def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
         end = 0
         for slot in group.slots:
             start = reader.entries[reader.name_of(slot)].start
-            if slot.nbytes >= DIRECT_MIN and start % MIN_ALIGN == 0:
-                slot.offset = end + (start - end) % BLOCK
-            else:
+            shift = _shift(slot, start)
+            if shift is None:
                 slot.offset = -(-end // PARAM_ALIGN) * PARAM_ALIGN
-            end = slot.offset + slot.nbytes
+            else:  # (read to offset + shift, where the file's offset agrees; moved down to offset)
+                slot.offset = end + (start - shift - end) % BLOCK
+            end = slot.offset + slot.nbytes + (shift or 0)
         group.nbytes = end
     _equal_sizes(choice.adopted)
+
+
+def _shift(slot: Any, start: int) -> int | None:
+    """How far past its place a tensor at file offset ``start`` is read (its offset modulo
+    ``MIN_ALIGN``), or None for a tensor read buffered in full (a small one)."""
+    return start % MIN_ALIGN if slot.nbytes >= DIRECT_MIN else None
 
 
 def _equal_sizes(groups: list[ParamGroup]) -> None:
@@ -144,5 +154,6 @@ def adopt_groups(choice: InPlaceChoice, reader: Any, store: TensorStore) -> None
         ranges = []
         for slot in group.slots:
             entry = reader.entries[reader.name_of(slot)]
-            ranges.append(CheckpointRange(store.open_checkpoint(entry.path), entry.start, slot.nbytes, slot.offset))
+            ranges.append(CheckpointRange(store.open_checkpoint(entry.path), entry.start, slot.nbytes, slot.offset,
+                                          _shift(slot, entry.start) or 0))
         store.adopt(group.key, torch.uint8, (group.nbytes,), ranges)  # (groups are kept as bytes)

@@ -108,7 +108,8 @@ def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_p
     """With a backend that refuses unaligned O_DIRECT calls as a 4 KiB-sector disk does,
     every direct read of the checkpoint is aligned, and a range placed where its file
     offset agrees modulo 4 KiB has its body read direct; one that does not agree is read
-    buffered. A file system that refuses O_DIRECT at open is read buffered, with a warning."""
+    buffered, unless its shift makes it agree (it is then read direct and moved down). A
+    file system that refuses O_DIRECT at open is read buffered, with a warning."""
     path, raw = _file(tmp_path / "model.safetensors", 70_000)
     backend = faulty(sector=4096)
     with _store(tmp_path, file_backend=backend) as store:
@@ -121,6 +122,11 @@ def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_p
         store.adopt("u", torch.uint8, (60_000,), [CheckpointRange(file, 8, 60_000, 0)])
         assert bytes(store.wait("u", Tier.DEVICE).numpy()) == raw[8:60_008]
         assert not any(is_direct for *_, is_direct in backend.calls)
+        backend.calls.clear()
+        store.adopt("v", torch.uint8, (60_008,), [CheckpointRange(file, 8, 60_000, 0, shift=8)])
+        assert bytes(store.wait("v", Tier.DEVICE).numpy()[:60_000]) == raw[8:60_008]
+        direct = [length for op, _, length, is_direct in backend.calls if is_direct]
+        assert sum(direct) == 60_008 // 4096 * 4096 - 4096
     refusing = faulty({"open_direct": [errno.EINVAL, errno.EINVAL]})
     with _store(tmp_path, file_backend=refusing) as store, caplog.at_level(logging.WARNING, logger="offload"):
         file = store.open_checkpoint(path)
