@@ -76,26 +76,36 @@ def disk_bandwidth(path: str, size: int) -> dict:
             "setting": report["engine_choice"]}
 
 
-def evict_host_cache(directory: str, size: int = 12 << 30, chunk: int = 64 << 20) -> float:
+def evict_host_cache(directory: str, size: int = 12 << 30, chunk: int = 16 << 20, depth: int = 8) -> float:
     """Write ``size`` bytes of random data to a scratch file in ``directory``, read them
     back, O_DIRECT through offload's engine, and remove the file; returns the seconds it
     took. This machine's disk is virtual, and its host caches what was recently written
     or read: a file written a minute ago reads faster than one written days ago, so a
     mode that has just copied the weights would read them from that cache. Moving more
-    data than the host keeps since then leaves other data in it (the guest's page cache
-    is untouched: O_DIRECT)."""
+    data than the host keeps leaves other data in it. Every 4 KiB block written differs
+    (a host that stores equal blocks once would keep little otherwise), and the guest's
+    page cache is untouched where O_DIRECT is available."""
+    import torch
+
     from offload.io import FileEngine, HostBuffer
 
     started = time.perf_counter()
-    buffer = HostBuffer(chunk)
-    buffer.memoryview()[:chunk] = os.urandom(chunk)  # (not zeros: a virtual disk may store those as holes)
+    buffers = [HostBuffer(chunk) for _ in range(depth)]
+    words = [b.view(torch.int64, (chunk // 8,)) for b in buffers]
+    for i, w in enumerate(words):
+        w.random_(generator=torch.Generator().manual_seed(i))
     path = os.path.join(directory, f".evict-{os.getpid()}")
     with FileEngine(name="evict") as engine:
         file = engine.open(path, create=True)
         try:
             for op in (engine.write, engine.read):
-                for handle in [op(file, at, buffer) for at in range(0, size, chunk)]:
-                    handle.wait()
+                for base in range(0, size, chunk * depth):
+                    offsets = range(base, min(base + chunk * depth, size), chunk)
+                    if op == engine.write:
+                        for w in words:
+                            w[::512].add_(1)  # (one word of each 4 KiB block: no two blocks written alike)
+                    for handle in [op(file, at, buffer) for at, buffer in zip(offsets, buffers)]:
+                        handle.wait()
         finally:
             engine.close_file(file)
             os.unlink(path)

@@ -29,11 +29,12 @@ The three disk modes run while a balloon process holds all but --reserve of the 
 RAM (locked; this machine has no swap), after the page cache is dropped: the page cache
 cannot keep the weights, as for a model larger than RAM. Each worker generates 16 tokens
 greedily from a 128-token prompt; a streamer stamps each token on the system-wide
-monotonic clock, which the parent also read just before starting the worker. After the
-first token a disk mode pauses to write and read back --evict bytes of other data
-(O_DIRECT), left out of its times: the virtual disk's host caches recently written data,
-and without the pause the copy mode's tokens read the swap files it has just written
-from that cache (docs/benchmarks.md).
+monotonic clock, which the parent also read just before starting the worker. Between
+loading and the prompt each worker pauses to write and read back --evict bytes of other
+data (O_DIRECT), left out of its times and of its bytes written: the virtual disk's host
+caches recently written data, and without the pause the copy mode reads the swap files it
+has just written from that cache (docs/benchmarks.md). Nothing is read in that pause:
+offload reads nothing between ``wrap`` and the first forward.
 
 The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
 the interpreter's start and the imports (a process that imports torch, transformers,
@@ -150,20 +151,22 @@ def worker(args) -> dict:
         model = cls.from_pretrained(path, dtype=dtype)
     model.eval()
     loaded_at = time.monotonic()
+    pause, evict_written = 0.0, 0
+    if args.evict:  # (nothing is read between loading and the prompt: checked for offload's modes)
+        written = disk_io_bytes()[1]
+        evict_host_cache(args.path, args.evict)
+        pause, evict_written = time.monotonic() - loaded_at, disk_io_bytes()[1] - written
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
 
     class Clock(BaseStreamer):
         def __init__(self):
             self.stamps: list[float] = []
             self.written: int | None = None
-            self.evict_s = 0.0
 
         def put(self, value):
             self.stamps.append(time.monotonic())
             if len(self.stamps) == 2:  # (the first put is the prompt)
                 self.written = disk_io_bytes()[1]
-                if args.evict and args.mode != "memory":  # (the pause is left out of every time after)
-                    self.evict_s = evict_host_cache(args.path, args.evict)
 
         def end(self):
             pass
@@ -177,10 +180,10 @@ def worker(args) -> dict:
             started = time.perf_counter()
             model(input_ids=ids)
             prefill_s = time.perf_counter() - started
-    first, last = clock.stamps[1], clock.stamps[NEW_TOKENS] - clock.evict_s
+    first, last = clock.stamps[1] - pause, clock.stamps[NEW_TOKENS] - pause  # (the pause left out)
     result = {"imported_at": imported_at, "loaded_at": loaded_at, "first_token_at": first, "last_token_at": last,
-              "tok_s": (NEW_TOKENS - 1) / (last - first), "evict_s": clock.evict_s,
-              "setup_written_bytes": clock.written, "peak_rss_bytes": _peak_rss(),
+              "tok_s": (NEW_TOKENS - 1) / (last - first), "evict_s": pause,
+              "setup_written_bytes": clock.written - evict_written, "peak_rss_bytes": _peak_rss(),
               "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
     if args.mode in ("inplace", "copy"):
         import offload
@@ -284,24 +287,25 @@ def main() -> None:
     parser.add_argument("--host-budget", default="512MiB", help="offload's host_budget (default 512MiB: the copy "
                         "mode stages each group through it, GPT-2's 321 MB embedding the largest)")
     parser.add_argument("--path", default=None, help="directory on the disk for the models (kept), swap files and "
-                        f"Accelerate's folder (removed); needs ~35 GB (default: {SCRATCH_HELP.format(name='ttft')})")
-    parser.add_argument("--evict", default="12GiB", help="after the first token, a disk mode writes and reads "
-                        "back this much other data (O_DIRECT; the pause is left out of the times after it), so the "
-                        "tokens after the first do not read weights from the virtual disk's host cache, which holds "
-                        "what the copy mode has just written; 0 turns it off (default 12GiB)")
+                        f"Accelerate's folder (removed); needs ~35 GB: the models, a mode's swap files and a 12 GiB scratch file (default: {SCRATCH_HELP.format(name='ttft')})")
+    parser.add_argument("--evict", default="12GiB", help="after loading, before the prompt, each worker writes and "
+                        "reads back this much other data (O_DIRECT, a scratch file under --path; the pause is left "
+                        "out of its times), so that no mode reads weights from the virtual disk's host cache, which "
+                        "holds what the copy mode has just written; 0 turns it off (default 12GiB)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--worker", choices=MODES, dest="mode", help=argparse.SUPPRESS)
     parser.add_argument("--name", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from offload._units import parse_size
-
-    args.evict = parse_size(args.evict, name="--evict")
-    if args.mode is not None:
+    if args.mode is not None:  # (a worker imports offload only in offload's modes: its imports are timed)
+        args.evict = int(args.evict)
         logging.basicConfig(level=logging.WARNING)
         print(json.dumps(worker(args)))
         return
     start(args, "ttft")
+    from offload._units import parse_size
+
+    args.evict = parse_size(args.evict, name="--evict", allow_zero=True)
     args.reserve = parse_size(args.reserve, name="--reserve")
     names, modes = args.models.split(","), args.modes.split(",")
     for given, known, what in ((names, MODELS, "--models"), (modes, MODES, "--modes")):

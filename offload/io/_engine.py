@@ -76,6 +76,7 @@ class _Block:
 @dataclass
 class EngineStats:
     read_bytes: int = 0
+    buffered_read_bytes: int = 0  # of read_bytes, those read through the page cache (not O_DIRECT)
     write_bytes: int = 0
     read_requests: int = 0
     write_requests: int = 0
@@ -284,6 +285,8 @@ class FileEngine:
                 if error is None:
                     if block.op == "read":
                         self.stats.read_bytes += len(block.view)
+                        if not (block.direct and block.file.direct):
+                            self.stats.buffered_read_bytes += len(block.view)
                     else:
                         self.stats.write_bytes += len(block.view)
             block.handle._block_done(error)

@@ -6,9 +6,9 @@ same bytes. Its tensors are then laid out in its buffer as in the file, modulo a
 (``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more starts where its file
 offset does, modulo 4 KiB, so the file engine reads its aligned body with O_DIRECT
 straight into place (no bounce copy). A file offset that is not a multiple of 16 (half of
-all safetensors files put every tensor 8 bytes off) is read that many bytes further on
-and moved down once it has landed (``CheckpointRange.shift``), so every tensor keeps 16
-bytes of alignment. The smaller tensors keep the usual 256-byte slots and are read
+all safetensors files put every tensor 8 bytes off) starts that many bytes earlier: it is
+read to where the file's offset agrees and moved down once it has landed
+(``CheckpointRange.shift``), so every such tensor keeps 16 bytes of alignment. The smaller tensors keep the usual 256-byte slots and are read
 buffered. The padding costs under 4 KiB per large tensor, and those tensors are 16-byte
 aligned rather than 256; groups of the same tensors take the largest of their sizes, so
 that their buffers are reused across passes. The rest are copied into swap files at

@@ -147,7 +147,7 @@ class CheckpointFiles:
 
     def read(self, slot: CheckpointSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
         """Start reading ``slot``'s first ``nbytes`` into host memory ``dest`` (uint8): a
-        request per range, straight into place."""
+        request per range, straight into place (or ``shift`` bytes past it, then moved down)."""
         for file in {r.file for r in slot.ranges}:
             self.check(file)
         read = _Read()
@@ -157,8 +157,7 @@ class CheckpointFiles:
             read._finish()
             return read
         for r, length in pieces:
-            # (a range cut short by nbytes, or with no room for its shift in dest, lands in place)
-            shift = r.shift if length == r.length and r.dest + r.shift + length <= dest.numel() else 0
+            shift = r.shift if self._shifts(r, length, nbytes, dest.data_ptr()) else 0
             try:
                 at = r.dest + shift
                 handle = self._engine.read(r.file, r.offset, dest[at: at + length], length, priority=priority)
@@ -169,6 +168,20 @@ class CheckpointFiles:
                 read, h.exception(), n, dest, to, by))
         return read
 
+    @staticmethod
+    def _shifts(r: CheckpointRange, length: int, nbytes: int, address: int) -> bool:
+        """Whether ``r`` is read past its place (``address``: the destination's): only whole,
+        with the room within ``nbytes``, and where that agrees with the file for O_DIRECT
+        (else it lands in place, read buffered)."""
+        return bool(r.shift) and length == r.length and r.dest + r.shift + length <= nbytes and r.file.direct \
+            and (r.offset - address - r.dest - r.shift) % r.file.align == 0
+
+    @property
+    def buffered_read_bytes(self) -> int:
+        """Bytes read through the page cache (small tensors, a range's unaligned ends, a
+        range that does not agree with its file, a file system without O_DIRECT)."""
+        return self._engine.stats.buffered_read_bytes if self._engine is not None else 0
+
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
@@ -177,12 +190,14 @@ class CheckpointFiles:
 
     def _landed(self, read: _Read, error: BaseException | None, nbytes: int, dest: torch.Tensor | None = None,
                 to: int = 0, shift: int = 0) -> None:
-        if error is None:
-            if shift:  # (overlapping: memmove, which releases the GIL; on the I/O thread that finished it)
-                ctypes.memmove(dest.data_ptr() + to, dest.data_ptr() + to + shift, nbytes)
-            with self._lock:
-                self.read_bytes += nbytes
-        read.range_done(error)
+        try:
+            if error is None:
+                if shift:  # (overlapping: memmove, which releases the GIL; on the I/O thread that finished it)
+                    ctypes.memmove(dest.data_ptr() + to, dest.data_ptr() + to + shift, nbytes)
+                with self._lock:
+                    self.read_bytes += nbytes
+        finally:  # (the read must finish, whatever happened here)
+            read.range_done(error)
 
 
 class InPlaceHomes:
@@ -223,7 +238,8 @@ class InPlaceHomes:
             return copy is not None and isinstance(copy.slot, CheckpointSlot)
 
     def checkpoint_stats(self) -> dict[str, Any]:
-        """Bytes resting in checkpoint files, read from them, and moved out by a first write."""
+        """Bytes resting in checkpoint files, read from them (and of those, read through the
+        page cache), and moved out by a first write."""
         with DEFER, self._cond:
             held = 0
             for record in self._tensors.values():
@@ -233,6 +249,7 @@ class InPlaceHomes:
             nvme = self.tiers.get(Tier.NVME)
             files = getattr(nvme, "opened_checkpoint", None)
             return {"in_place_bytes": held, "read_bytes": files.read_bytes if files is not None else 0,
+                    "buffered_read_bytes": files.buffered_read_bytes if files is not None else 0,
                     "moved_bytes": self.moved_bytes, "files": files.files if files is not None else []}
 
     def _move_out_of_checkpoint(self, record: StoredTensor) -> None:
