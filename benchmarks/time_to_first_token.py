@@ -39,8 +39,9 @@ offload reads nothing between ``wrap`` and the first forward.
 The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
 the interpreter's start and the imports (a process that imports torch, transformers,
 offload and the model's class, which transformers loads lazily, and exits), one read of
-the checkpoint's bytes at the disk's sustained O_DIRECT read of fresh data (``offload.profile``'s, on a 12 GiB test file it writes and removes,
-right before the modes: it also leaves the virtual disk's host cache holding other data
+the checkpoint's bytes at the disk's sustained O_DIRECT read of fresh data
+(``offload.profile``'s, on a 12 GiB test file it writes and removes, right before the
+modes: it also leaves the virtual disk's host cache holding other data
 than the checkpoint), and the prompt's forward with the weights in memory (timed in the
 memory mode, after its first forward).
 
@@ -287,7 +288,8 @@ def main() -> None:
     parser.add_argument("--host-budget", default="512MiB", help="offload's host_budget (default 512MiB: the copy "
                         "mode stages each group through it, GPT-2's 321 MB embedding the largest)")
     parser.add_argument("--path", default=None, help="directory on the disk for the models (kept), swap files and "
-                        f"Accelerate's folder (removed); needs ~35 GB: the models, a mode's swap files and a 12 GiB scratch file (default: {SCRATCH_HELP.format(name='ttft')})")
+                        "Accelerate's folder (removed); needs ~35 GB: the models, a mode's swap files and a 12 GiB "
+                        f"scratch file (default: {SCRATCH_HELP.format(name='ttft')})")
     parser.add_argument("--evict", default="12GiB", help="after loading, before the prompt, each worker writes and "
                         "reads back this much other data (O_DIRECT, a scratch file under --path; the pause is left "
                         "out of its times), so that no mode reads weights from the virtual disk's host cache, which "

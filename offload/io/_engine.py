@@ -59,6 +59,12 @@ class EngineFile:
     def direct(self) -> bool:
         return self.direct_fd is not None
 
+    def agrees(self, offset: int, address: int) -> bool:
+        """Whether bytes at file ``offset`` and memory ``address`` can move O_DIRECT: the
+        file has a direct descriptor and the two agree modulo its alignment (the body of
+        such a request goes direct, its unaligned ends buffered)."""
+        return self.direct and (offset - address) % self.align == 0
+
     def __repr__(self) -> str:
         return f"EngineFile({self.path!r}, direct={self.direct}, align={self.align})"
 
@@ -259,7 +265,7 @@ class FileEngine:
         """(start, size, direct) pieces of a request, each at most one block."""
         align = file.align
         body_start, body_end = 0, 0
-        if file.direct and (offset - address) % align == 0:
+        if file.agrees(offset, address):
             body_start = min(length, (-offset) % align)
             body_end = body_start + (length - body_start) // align * align
         pieces: list[tuple[int, int, bool]] = []

@@ -8,10 +8,11 @@ offset does, modulo 4 KiB, so the file engine reads its aligned body with O_DIRE
 straight into place (no bounce copy). A file offset that is not a multiple of 16 (half of
 all safetensors files put every tensor 8 bytes off) starts that many bytes earlier: it is
 read to where the file's offset agrees and moved down once it has landed
-(``CheckpointRange.shift``), so every such tensor keeps 16 bytes of alignment. The smaller tensors keep the usual 256-byte slots and are read
-buffered. The padding costs under 4 KiB per large tensor, and those tensors are 16-byte
-aligned rather than 256; groups of the same tensors take the largest of their sizes, so
-that their buffers are reused across passes. The rest are copied into swap files at
+(``CheckpointRange.shift``), so every such tensor keeps 16 bytes of alignment. The smaller
+tensors keep the usual 256-byte slots and are read buffered. The padding costs under 4 KiB
+per large tensor, and those tensors are 16-byte aligned rather than 256; groups of the
+same tensors take the largest of their sizes, so that their buffers are reused across
+passes. The rest are copied into swap files at
 ``wrap``, as without the setting: groups that stay on the device (resident), tensors the
 file holds in another dtype (a bf16 model from an fp32 file: each is converted once), a
 rank's slices of a partitioned model. A group read in place moves to a swap file on its

@@ -173,8 +173,8 @@ class CheckpointFiles:
         """Whether ``r`` is read past its place (``address``: the destination's): only whole,
         with the room within ``nbytes``, and where that agrees with the file for O_DIRECT
         (else it lands in place, read buffered)."""
-        return bool(r.shift) and length == r.length and r.dest + r.shift + length <= nbytes and r.file.direct \
-            and (r.offset - address - r.dest - r.shift) % r.file.align == 0
+        return bool(r.shift) and length == r.length and r.dest + r.shift + length <= nbytes \
+            and r.file.agrees(r.offset, address + r.dest + r.shift)
 
     @property
     def buffered_read_bytes(self) -> int:
