@@ -1,6 +1,8 @@
 """What coding the optimizer's rows costs: ns per element to code and to decode one row of
 each ``offload.optim._formats.RowCode``, next to torch's fused AdamW over the same elements
-(the update the coding surrounds) and a plain copy (the memory bandwidth floor).
+(the update the coding surrounds) and a plain copy (the memory bandwidth floor). The 8-bit
+codes are timed twice: as the optimizer codes them (one compiled loop per row where
+``torch.compile`` works, ``offload.optim._coding``) and eagerly.
 
     python benchmarks/state_codes.py --json docs/results/state_codes.json
 
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures as JSON to this path")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    from offload.optim._coding import eager_coding
     from offload.optim._formats import BLOCK, Packing, RowCode
 
     n = args.elements // BLOCK * BLOCK
@@ -62,8 +65,10 @@ def main() -> None:
             packing.encode(rows, packed)
 
         encode_ns = best_ns(encode, n, args.reps) - copy  # (less the copy that refills the row)
+        with eager_coding():
+            eager_ns = best_ns(encode, n, args.reps) - copy if code.scaled else encode_ns
         decode_ns = best_ns(lambda: packing.decode(packed, rows), n, args.reps)
-        out["codes"][code.name] = {"encode_ns": encode_ns, "decode_ns": decode_ns,
+        out["codes"][code.name] = {"encode_ns": encode_ns, "eager_encode_ns": eager_ns, "decode_ns": decode_ns,
                                    "bytes_per_element": packing.nbytes / n}
     p, g, m, v = torch.randn(n), torch.randn(n), first.clone(), second.clone()
     step = torch.tensor(1.0)
@@ -86,9 +91,10 @@ def main() -> None:
         out["torchao_8bit_encode_ns"] = None
     print(f"{n} elements, {out['threads']} threads; a copy {copy:.2f} ns, torch's fused AdamW "
           f"{out['fused_adamw_ns']:.2f} ns per element")
-    print("code      bytes/el  encode ns  decode ns")
+    print("code      bytes/el  encode ns  eager encode ns  decode ns")
     for name, row in out["codes"].items():
-        print(f"{name:9s} {row['bytes_per_element']:8.3f} {row['encode_ns']:10.2f} {row['decode_ns']:10.2f}")
+        print(f"{name:9s} {row['bytes_per_element']:8.3f} {row['encode_ns']:10.2f} {row['eager_encode_ns']:16.2f} "
+              f"{row['decode_ns']:10.2f}")
     if out["torchao_8bit_encode_ns"] is not None:
         print(f"torchao 8-bit code, eager: {out['torchao_8bit_encode_ns']:.2f} ns per element")
     if args.json:

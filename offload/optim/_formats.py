@@ -26,7 +26,8 @@ fp32, or a conversion through it, resumes bit for bit. Rounding is to nearest (e
 Blocks start at each segment's first element (``_layout.cut`` aligns segments to ``BLOCK``
 in shards of these formats), so a checkpoint piece, one parameter's slice, carries its own
 scales. Coding and decoding run on a whole shard in an fp32 scratch buffer the optimizer
-holds (``ShardBook.scratch``): nothing wider than a shard is materialised.
+holds (``ShardBook.scratch``): nothing wider than a shard is materialised. Coding a row's
+elements runs as one compiled loop where it can (``_coding``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import enum
 from dataclasses import dataclass
 
 import torch
+
+from ._coding import block_peaks, code_blocks
 
 __all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece"]
 
@@ -228,19 +231,24 @@ def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: to
         values.copy_(x)
         return
     blocks = x.view(-1, BLOCK)
-    if code is RowCode.SIGNED8:
-        absmax = torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
-    else:
-        absmax = blocks.amax(1).sqrt_()  # (sqrt is monotone and correctly rounded: the root's maximum)
-        x.sqrt_()
+    unsigned = code is RowCode.SQRT8
+    absmax = block_peaks(unsigned, blocks)
+    if absmax is None:
+        absmax = blocks.amax(1) if unsigned else torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
+    if unsigned:  # the root's maximum (the root is monotone), rounded correctly as the compiled loop's
+        absmax = absmax.double().sqrt_().float()
     s = block_scales(absmax, _TOP[code])
     if not bool(torch.isfinite(absmax).all()):  # an inf or NaN moment: its block decodes to NaN
         s[~torch.isfinite(absmax)] = float("nan")
         x.nan_to_num_(0.0, 0.0, 0.0)  # (casting them to an integer code is undefined)
     scales.copy_(s)
     inverse = torch.where(s > 0, 1.0 / s.clamp(min=torch.finfo(torch.float32).tiny), 0.0)  # exact: powers of two
+    if code_blocks(unsigned, blocks, inverse, values.view(-1, BLOCK)):
+        return
+    if unsigned:
+        x.sqrt_()
     blocks.mul_(inverse[:, None]).round_()
-    if code is RowCode.SQRT8:
+    if unsigned:
         x.clamp_(min=1.0)  # no element codes to zero (a zero block decodes to zero through s = 0)
     values.copy_(x)
 
