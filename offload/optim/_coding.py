@@ -1,16 +1,18 @@
-"""The element pass of the 8-bit coding as one compiled loop per row.
+"""The 8-bit coding of a row as one compiled loop.
 
-Coding a row eagerly takes four to six passes over it (root, scale, round, clamp, cast), each
-at memory speed, and that time lands on the optimizer's step. ``torch.compile`` (inductor's
-C++ backend on the CPU) fuses them into one loop that reads fp32 and writes the codes, and
-the block maxima into one more (eager takes two for a signed row's). The scales' arithmetic,
-on one value per block, stays eager.
+Coding a row eagerly takes five to seven passes over it (block maxima, root, scale, round,
+clamp, cast), each at memory speed, and that time lands on the optimizer's step.
+``torch.compile`` (inductor's C++ backend on the CPU) fuses them: per block of ``BLOCK``
+elements, the maximum, the block's scale and the codes, in one loop over the row that reads
+fp32 and writes the codes.
 
-The compiled loop rounds to nearest even, as eager ``round_`` does, and its square root is
-correctly rounded; eager ``torch.sqrt`` on the CPU may be an ulp off, so where compiling is
-not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0``) an unsigned code exactly at a
-tie can come out one apart. Either way decoding is exact and decoded values code back to
-the same bytes.
+The scale here is computed from the bits of ``absmax / top`` (its exponent, one up unless
+the mantissa is zero): the same power of two as ``_formats.block_scales``'s ``frexp``,
+which inductor does not compile. Rounding is to nearest even, as eager ``round_``, and
+the square root is correctly rounded; eager ``torch.sqrt`` on the CPU may be an ulp off, so
+where compiling is not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0``) an unsigned
+code exactly at a tie can come out one apart. Either way decoding is exact and decoded
+values code back to the same bytes.
 """
 
 from __future__ import annotations
@@ -24,36 +26,42 @@ import time
 
 import torch
 
-__all__ = ["block_peaks", "code_blocks", "eager_coding"]
+__all__ = ["code_blocks", "eager_coding", "MIN_SCALE"]
 
 log = logging.getLogger(__name__)
 
-
-def _signed_peaks(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks.abs().amax(1)
-
-
-def _unsigned_peaks(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks.amax(1)
+MIN_SCALE = 2.0 ** -60  # smallest block scale: its square (a second moment) stays a normal fp32
+_MANTISSA, _EXPONENT, _ONE_UP = 0x007FFFFF, 0x7F800000, 0x00800000
 
 
-def _signed(blocks: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(torch.round(blocks * inverse[:, None]).to(torch.int8))
+def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``absmax / s <= top`` (0 for a zero block)."""
+    bits = (absmax / top).view(torch.int32)
+    exponent = bits & _EXPONENT
+    s = torch.where((bits & _MANTISSA) == 0, exponent, exponent + _ONE_UP).view(torch.float32)
+    return torch.where(absmax == 0, 0.0, torch.clamp(s, min=MIN_SCALE))
 
 
-def _unsigned(blocks: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
+def _signed(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    absmax = blocks.abs().amax(1)
+    s = _scales(absmax, 127.0)
+    out.copy_(torch.round(blocks * torch.where(s > 0, 1.0 / s, 0.0)[:, None]).to(torch.int8))
+    return absmax, s
+
+
+def _unsigned(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    root = torch.sqrt(blocks)
+    absmax = root.amax(1)
+    s = _scales(absmax, 255.0)
     # no element codes to zero (a block of zeros decodes to zero through its scale 0)
-    out.copy_(torch.clamp(torch.round(torch.sqrt(blocks) * inverse[:, None]), min=1.0).to(torch.uint8))
+    out.copy_(torch.clamp(torch.round(root * torch.where(s > 0, 1.0 / s, 0.0)[:, None]), min=1.0).to(torch.uint8))
+    return absmax, s
 
 
 class _State(enum.Enum):
     UNTRIED = "untried"
     COMPILED = "compiled"
     EAGER = "eager"  # compiling failed or is switched off: the caller codes eagerly
-
-
-_LOOPS = {("peaks", False): _signed_peaks, ("peaks", True): _unsigned_peaks,
-          ("code", False): _signed, ("code", True): _unsigned}
 
 
 class _Kernels:
@@ -64,34 +72,31 @@ class _Kernels:
     def __init__(self) -> None:
         self.state = _State.EAGER if os.environ.get("OFFLOAD_COMPILE_CODES", "1") == "0" else _State.UNTRIED
         self.lock = threading.Lock()
-        self.loops = {}
+        self.loops: dict[bool, object] = {}
 
-    def run(self, key: tuple[str, bool], *args: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-        """(whether the loop ran, what it returned)."""
+    def run(self, unsigned: bool, blocks: torch.Tensor, out: torch.Tensor):
         if self.state is _State.EAGER:
-            return False, None
+            return None
         if self.state is _State.COMPILED:
             try:
-                return True, self.loops[key](*args)
+                return self.loops[unsigned](blocks, out)
             except Exception as exc:  # (a recompile for a new kind of row failed before the loop ran)
                 self._give_up(exc)
-                return False, None
+                return None
         with self.lock:
             if self.state is _State.UNTRIED:
-                self._compile(args[0].shape[1])
-        return self.run(key, *args)
+                self._compile(blocks.shape[1])
+        return self.run(unsigned, blocks, out)
 
     def _compile(self, width: int) -> None:
+        log.info("8-bit moments: compiling the coding loops (once per process, a few seconds)")
         started = time.perf_counter()
         try:
-            self.loops = {key: torch.compile(fn, dynamic=True, fullgraph=True) for key, fn in _LOOPS.items()}
-            # each compiled on a small row of its own: a failure leaves the caller's untouched
-            probe = torch.ones(2, width)
-            for (name, unsigned), loop in self.loops.items():
-                if name == "peaks":
-                    loop(probe)
-                else:
-                    loop(probe, torch.ones(2), torch.empty(probe.shape, dtype=torch.uint8 if unsigned else torch.int8))
+            self.loops = {flag: torch.compile(fn, dynamic=True, fullgraph=True)
+                          for flag, fn in ((False, _signed), (True, _unsigned))}
+            probe = torch.ones(2, width)  # (each compiled on a row of its own: a failure leaves the caller's as it was)
+            for unsigned, loop in self.loops.items():
+                loop(probe, torch.empty(probe.shape, dtype=torch.uint8 if unsigned else torch.int8))
         except Exception as exc:  # (no C++ compiler, an unsupported platform: anything inductor raises)
             self._give_up(exc)
             return
@@ -109,17 +114,13 @@ class _Kernels:
 _KERNELS = _Kernels()
 
 
-def block_peaks(unsigned: bool, blocks: torch.Tensor) -> torch.Tensor | None:
-    """Each block's maximum (of the absolute values unless ``unsigned``) of ``blocks`` (fp32,
-    ``n x BLOCK``), in one compiled pass; None where compiling is not available."""
-    return _KERNELS.run(("peaks", unsigned), blocks)[1]
-
-
-def code_blocks(unsigned: bool, blocks: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> bool:
-    """Code ``blocks`` (fp32, ``n x BLOCK``, left as they are) by ``inverse`` (each block's
-    1 / scale) into ``out`` (int8, or uint8 and linear in the root when ``unsigned``), in
-    one compiled pass. False where compiling is not available: nothing was written."""
-    return _KERNELS.run(("code", unsigned), blocks, inverse, out)[0]
+def code_blocks(unsigned: bool, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Code ``blocks`` (fp32, ``n x BLOCK``, left as they are) into ``out`` (int8, or uint8
+    and linear in the root when ``unsigned``) in one compiled loop; returns each block's
+    maximum (of the root, or of the absolute values) and scale. The codes of a block whose
+    maximum is not finite are undefined: the caller codes such a row eagerly. None where
+    compiling is not available: nothing was written."""
+    return _KERNELS.run(unsigned, blocks, out)
 
 
 @contextlib.contextmanager

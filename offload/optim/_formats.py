@@ -26,23 +26,24 @@ fp32, or a conversion through it, resumes bit for bit. Rounding is to nearest (e
 Blocks start at each segment's first element (``_layout.cut`` aligns segments to ``BLOCK``
 in shards of these formats), so a checkpoint piece, one parameter's slice, carries its own
 scales. Coding and decoding run on a whole shard in an fp32 scratch buffer the optimizer
-holds (``ShardBook.scratch``): nothing wider than a shard is materialised. Coding a row's
-elements runs as one compiled loop where it can (``_coding``).
+holds (``ShardBook.scratch``): nothing wider than a shard is materialised. Coding a row runs
+as one compiled loop where it can (``_coding``).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ._coding import block_peaks, code_blocks
+from ._coding import MIN_SCALE, code_blocks
 
 __all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece"]
 
 BLOCK = 256  # elements per block scale: 4 bytes of scale per 256 one-byte codes
-_MIN_EXP = -60  # smallest block scale 2**-60: its square (a second moment) stays a normal fp32
+_MIN_EXP = round(math.log2(MIN_SCALE))
 
 
 class StateFormat(enum.Enum):
@@ -232,19 +233,20 @@ def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: to
         return
     blocks = x.view(-1, BLOCK)
     unsigned = code is RowCode.SQRT8
-    absmax = block_peaks(unsigned, blocks)
-    if absmax is None:
-        absmax = blocks.amax(1) if unsigned else torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
+    coded = code_blocks(unsigned, blocks, values.view(-1, BLOCK))
+    if coded is not None and bool(torch.isfinite(coded[0]).all()):
+        scales.copy_(coded[1])
+        return
+    # eagerly: no compiled loop, or an inf or NaN moment (its block decodes to NaN)
+    absmax = blocks.amax(1) if unsigned else torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
     if unsigned:  # the root's maximum (the root is monotone), rounded correctly as the compiled loop's
         absmax = absmax.double().sqrt_().float()
     s = block_scales(absmax, _TOP[code])
-    if not bool(torch.isfinite(absmax).all()):  # an inf or NaN moment: its block decodes to NaN
+    if not bool(torch.isfinite(absmax).all()):
         s[~torch.isfinite(absmax)] = float("nan")
         x.nan_to_num_(0.0, 0.0, 0.0)  # (casting them to an integer code is undefined)
     scales.copy_(s)
     inverse = torch.where(s > 0, 1.0 / s.clamp(min=torch.finfo(torch.float32).tiny), 0.0)  # exact: powers of two
-    if code_blocks(unsigned, blocks, inverse, values.view(-1, BLOCK)):
-        return
     if unsigned:
         x.sqrt_()
     blocks.mul_(inverse[:, None]).round_()

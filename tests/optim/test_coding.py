@@ -1,6 +1,8 @@
-"""The 8-bit coding's compiled loops (``offload.optim._coding``): the codes they write equal
-the paper's formulas exactly (ties included) and the eager path's, and a failure to compile
-falls back to eager with a warning that names the cause and the fix."""
+"""The 8-bit coding's compiled loop (``offload.optim._coding``): the codes and scales it
+writes equal the paper's formulas exactly (ties, scales at exact powers of two, the
+smallest scale, subnormals included) and the eager path's, a row with an inf or NaN moment
+is coded as the eager path codes it, and a failure to compile falls back to eager with a
+warning that names the cause and the fix."""
 
 from __future__ import annotations
 
@@ -43,7 +45,15 @@ def with_ties(n: int, unsigned: bool) -> torch.Tensor:
     k = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(4)).double() + 0.5
     root = k * torch.from_numpy(scales).repeat_interleave(BLOCK)
     tied = (root * root if unsigned else root * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)).float()
-    return torch.where(half & (root > 0), tied, x)
+    x = torch.where(half & (root > 0), tied, x)
+    top = 255.0 if unsigned else 127.0
+    specials = [top * 2.0 ** -20, top * 2.0 ** -70, 1e-40, 3e4]  # a peak exactly a power of two times top;
+    for i, peak in enumerate(specials):  # below the smallest scale; subnormal; large
+        block = x[(2 + i) * BLOCK: (3 + i) * BLOCK]
+        block.copy_(torch.linspace(0, 1, BLOCK) * peak)
+        if unsigned:
+            block.mul_(block.clone())  # (the root's peak is then the one above)
+    return x
 
 
 @pytest.mark.parametrize("code", [RowCode.SIGNED8, RowCode.SQRT8])
@@ -95,3 +105,17 @@ def test_a_failure_to_compile_codes_eagerly_and_says_why(monkeypatch, caplog):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("OFFLOAD_COMPILE_CODES", "0")
     assert _coding._Kernels().state is _coding._State.EAGER
+
+
+@pytest.mark.parametrize("code", [RowCode.SIGNED8, RowCode.SQRT8])
+def test_a_row_with_inf_or_nan_codes_as_eagerly(code):
+    n = 8 * BLOCK
+    m, v = moments(n, 6)
+    x = v if code is RowCode.SQRT8 else m
+    x[BLOCK + 3], x[3 * BLOCK] = float("inf"), float("nan")
+    got = coded(code, x)
+    want = coded(code, x, eager=True)
+    assert np.isnan(got[1][[1, 3]]).all() and np.isfinite(np.delete(got[1], [1, 3])).all()
+    assert np.array_equal(got[1], want[1], equal_nan=True)
+    keep = np.repeat(np.isfinite(want[1]), BLOCK)
+    assert np.array_equal(got[0][keep], want[0][keep])
