@@ -64,6 +64,7 @@ class PlanRow:
     tier: str  # "device", "host", "nvme"
     nbytes: int
     note: str = ""
+    pooled: bool = True  # held within the tier's budget (False: beside it, as the process's own memory)
 
 
 @dataclass
@@ -263,7 +264,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     # one host pool (host_budget) holds everything on the host tier, one device budget the rest;
     # offloaded activations have pools of their own (activation_host_budget, activation_prefetch)
     def pooled(tier: str, budget: int) -> int:
-        own = sum(r.nbytes for r in p.rows if r.tier == tier and r.item.startswith(ACTIVATION_ITEM))
+        own = sum(r.nbytes for r in p.rows if r.tier == tier and (r.item.startswith(ACTIVATION_ITEM) or not r.pooled))
         return min(budget, p.bytes_on(tier) - own) + own
 
     host_rows = pooled("host", config.host_budget)

@@ -10,9 +10,14 @@ The scale here is computed from the bits of ``absmax / top`` (its exponent, one 
 the mantissa is zero): the same power of two as ``_formats.block_scales``'s ``frexp``,
 which inductor does not compile. Rounding is to nearest even, as eager ``round_``, and
 the square root is correctly rounded; eager ``torch.sqrt`` on the CPU may be an ulp off, so
-where compiling is not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0``) an unsigned
-code exactly at a tie can come out one apart. Either way decoding is exact and decoded
-values code back to the same bytes.
+where compiling is not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0`` when offload
+is imported) an unsigned code exactly at a tie can come out one apart. Either way decoding
+is exact and decoded values code back to the same bytes.
+
+Each loop is compiled the first time a row of its code is coded, and checked against a
+float64 reference on a row with a tie, a peak exactly a power of two, a subnormal, a zero
+block and a NaN before it is used: a compiler whose flags lose any of those (a fast-math
+build dropping NaN) leaves the coding eager, with a warning.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 
 import torch
 
-__all__ = ["code_blocks", "eager_coding", "MIN_SCALE"]
+__all__ = ["code_blocks", "compile_bytes", "eager_coding", "MIN_SCALE"]
 
 log = logging.getLogger(__name__)
 
 MIN_SCALE = 2.0 ** -60  # smallest block scale: its square (a second moment) stays a normal fp32
 _MANTISSA, _EXPONENT, _ONE_UP = 0x007FFFFF, 0x7F800000, 0x00800000
+_TOP = {False: 127.0, True: 255.0}
 
 
 def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
@@ -44,7 +51,7 @@ def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
 
 def _signed(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = blocks.abs().amax(1)
-    s = _scales(absmax, 127.0)
+    s = _scales(absmax, _TOP[False])
     out.copy_(torch.round(blocks * torch.where(s > 0, 1.0 / s, 0.0)[:, None]).to(torch.int8))
     return absmax, s
 
@@ -52,66 +59,119 @@ def _signed(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torc
 def _unsigned(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     root = torch.sqrt(blocks)
     absmax = root.amax(1)
-    s = _scales(absmax, 255.0)
+    s = _scales(absmax, _TOP[True])
     # no element codes to zero (a block of zeros decodes to zero through its scale 0)
     out.copy_(torch.clamp(torch.round(root * torch.where(s > 0, 1.0 / s, 0.0)[:, None]), min=1.0).to(torch.uint8))
     return absmax, s
 
 
+def _reference(unsigned: bool, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of finite ``blocks`` in float64, from the formulas (the check); the
+    root rounded to fp32, as the loop keeps it."""
+    x = blocks.double().sqrt().float().double() if unsigned else blocks.double()
+    absmax = x.abs().amax(1)
+    mantissa, exp = torch.frexp(absmax / _TOP[unsigned])
+    s = torch.ldexp(torch.ones_like(absmax), exp - (mantissa == 0.5).long()).clamp(min=MIN_SCALE)
+    s = torch.where(absmax == 0, 0.0, s)
+    codes = torch.round(x / torch.where(s > 0, s, 1.0)[:, None])
+    return (codes.clamp(min=1.0) if unsigned else codes), s
+
+
+def _probe(width: int, rows: int, unsigned: bool) -> torch.Tensor:
+    """Blocks with ties, a peak exactly a power of two times the top code and, given a
+    second row, subnormals and zeros."""
+    peak = torch.linspace(0, 1, width, dtype=torch.float64) * _TOP[unsigned] * 2.0 ** -20
+    peak[1] = 2.5 * 2.0 ** -20  # a tie: 2.5 codes (linspace's halves are more)
+    probe = torch.zeros(rows, width)
+    probe[0] = (peak * peak if unsigned else peak).float()  # (the unsigned code's root is the peak row)
+    if rows > 1:
+        probe[1, :3] = torch.tensor([1e-40, 3e-41 if unsigned else -3e-41, 0.0])
+    return probe
+
+
 class _State(enum.Enum):
     UNTRIED = "untried"
     COMPILED = "compiled"
-    EAGER = "eager"  # compiling failed or is switched off: the caller codes eagerly
+    EAGER = "eager"  # compiling failed, was refused by the check or is switched off: the caller codes eagerly
 
 
-class _Kernels:
-    """The compiled loops, made on first use (under a lock: a shard may be coded on
-    autograd's device thread); one failure switches to eager for the process, with a warning
-    that names the cause."""
+class _Loop:
+    """One code's compiled loop, made on first use under a lock (a shard may be coded on
+    autograd's device thread); a failure leaves that code eager for the process, with one
+    warning that names the cause."""
 
-    def __init__(self) -> None:
+    def __init__(self, unsigned: bool, lock: threading.Lock) -> None:
+        self.unsigned = unsigned
+        self.lock = lock
         self.state = _State.EAGER if os.environ.get("OFFLOAD_COMPILE_CODES", "1") == "0" else _State.UNTRIED
-        self.lock = threading.Lock()
-        self.loops: dict[bool, object] = {}
+        self.compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def run(self, unsigned: bool, blocks: torch.Tensor, out: torch.Tensor):
-        if self.state is _State.EAGER:
+    def run(self, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.state is _State.UNTRIED:
+            with self.lock:
+                if self.state is _State.UNTRIED:
+                    self._compile(blocks.shape[1])
+        if self.state is not _State.COMPILED:
             return None
-        if self.state is _State.COMPILED:
-            try:
-                return self.loops[unsigned](blocks, out)
-            except Exception as exc:  # (a recompile for a new kind of row failed before the loop ran)
-                self._give_up(exc)
-                return None
-        with self.lock:
-            if self.state is _State.UNTRIED:
-                self._compile(blocks.shape[1])
-        return self.run(unsigned, blocks, out)
+        try:
+            return self.compiled(blocks, out)
+        except Exception as exc:  # (a recompile, say after torch._dynamo.reset(), failed; the caller's
+            # eager path then rewrites every code and scale of the row, whatever the loop had written)
+            self._give_up(exc, "the compiled coding loop failed")
+            return None
 
     def _compile(self, width: int) -> None:
-        log.info("8-bit moments: compiling the coding loops (once per process, a few seconds)")
+        log.info("8-bit moments: compiling the coding loop (once per process, a few seconds)")
         started = time.perf_counter()
+        fn = _unsigned if self.unsigned else _signed
         try:
-            self.loops = {flag: torch.compile(fn, dynamic=True, fullgraph=True)
-                          for flag, fn in ((False, _signed), (True, _unsigned))}
-            probe = torch.ones(2, width)  # (each compiled on a row of its own: a failure leaves the caller's as it was)
-            for unsigned, loop in self.loops.items():
-                loop(probe, torch.empty(probe.shape, dtype=torch.uint8 if unsigned else torch.int8))
-        except Exception as exc:  # (no C++ compiler, an unsupported platform: anything inductor raises)
-            self._give_up(exc)
+            import torch._inductor.config as inductor
+
+            # one compile worker: a pool the size of the machine would stay for the whole process
+            with inductor.patch(compile_threads=1):
+                self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+                for rows in (2, 1):  # (the general shape, then the one dynamo specialises: 1 block)
+                    self._check(rows, width)
+        except Exception as exc:  # (no C++ compiler, an unsupported platform, the check: anything raised)
+            self._give_up(exc, "could not compile the coding loop")
             return
         self.state = _State.COMPILED
-        log.info("8-bit moments: coding loops compiled in %.1f s", time.perf_counter() - started)
+        log.info("8-bit moments: coding loop compiled in %.1f s", time.perf_counter() - started)
 
-    def _give_up(self, exc: Exception) -> None:
+    def _check(self, rows: int, width: int) -> None:
+        probe = _probe(width, rows, self.unsigned)
+        out = torch.empty(probe.shape, dtype=torch.uint8 if self.unsigned else torch.int8)
+        absmax, s = self.compiled(probe, out)
+        codes, scales = _reference(self.unsigned, probe)
+        if not (torch.equal(out.double(), codes) and torch.equal(s.double(), scales)):
+            raise RuntimeError("its codes differ from the float64 reference's")
+        poisoned = probe.clone()
+        poisoned[0, 5] = float("nan")
+        if bool(torch.isfinite(self.compiled(poisoned, out)[0][0])):
+            raise RuntimeError("a block holding a NaN came out with a finite maximum (a fast-math build?)")
+
+    def _give_up(self, exc: Exception, what: str) -> None:
         self.state = _State.EAGER
         cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        log.warning("8-bit moments: could not compile the coding loop (%s: %s); coding eagerly, which "
-                    "takes a few more passes over each row. A C++ compiler (gcc or clang) on the PATH "
-                    "enables it; OFFLOAD_COMPILE_CODES=0 skips trying.", type(exc).__name__, cause)
+        log.warning("8-bit moments: %s (%s: %s); coding eagerly, which takes a few more passes over each "
+                    "row. A working C++ compiler (gcc or clang) on the PATH lets it compile; "
+                    "OFFLOAD_COMPILE_CODES=0 skips trying.", what, type(exc).__name__, cause)
 
 
-_KERNELS = _Kernels()
+_LOCK = threading.Lock()
+_LOOPS = {flag: _Loop(flag, _LOCK) for flag in (False, True)}
+
+
+# what the first compile adds to the process's RSS: dynamo's and inductor's modules and caches
+# (measured: docs/benchmarks.md, "One compiled loop per row"); the plan counts it
+_COMPILE_RSS = 320 << 20
+
+
+def compile_bytes() -> int:
+    """The RSS compiling the coding loops will add: 0 once one is compiled (what it took is
+    then in the process's baseline) or where the coding stays eager."""
+    states = {loop.state for loop in _LOOPS.values()}
+    return _COMPILE_RSS if states == {_State.UNTRIED} else 0
 
 
 def code_blocks(unsigned: bool, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -119,17 +179,20 @@ def code_blocks(unsigned: bool, blocks: torch.Tensor, out: torch.Tensor) -> tupl
     and linear in the root when ``unsigned``) in one compiled loop; returns each block's
     maximum (of the root, or of the absolute values) and scale. The codes of a block whose
     maximum is not finite are undefined: the caller codes such a row eagerly. None where
-    compiling is not available: nothing was written."""
-    return _KERNELS.run(unsigned, blocks, out)
+    compiling is not available: the caller codes the row eagerly."""
+    return _LOOPS[unsigned].run(blocks, out)
 
 
 @contextlib.contextmanager
 def eager_coding():
-    """Code eagerly inside the block, as where compiling is not possible (the tests and
-    ``benchmarks/state_codes.py`` compare the two paths)."""
-    saved = _KERNELS.state
-    _KERNELS.state = _State.EAGER
+    """Code eagerly inside the block, as where compiling is not possible. For tests and
+    ``benchmarks/state_codes.py``, which compare the two paths: it changes a process-wide
+    setting, so no other thread should be coding meanwhile."""
+    saved = {flag: loop.state for flag, loop in _LOOPS.items()}
+    for loop in _LOOPS.values():
+        loop.state = _State.EAGER
     try:
         yield
     finally:
-        _KERNELS.state = saved
+        for flag, loop in _LOOPS.items():
+            loop.state = saved[flag]

@@ -166,7 +166,7 @@ class Packing:
             _decode_row(span.code, *self._views(packed, span), out[r])
 
     def encode(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
-        """``rows`` (fp32, ``rows x numel``; overwritten) into ``packed``. A master row is
+        """``rows`` (fp32, ``rows x numel``; coded rows may be overwritten) into ``packed``. A master row is
         rounded to nearest here (its initial values, a load: the parameters' own rounding);
         an update rounds it stochastically first (``round_in_place``)."""
         for r, span in enumerate(self.spans()):

@@ -18,6 +18,7 @@ from .._units import format_size
 from ..accel import host_compute
 from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
+from ._coding import compile_bytes
 from ._formats import BLOCK, StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
@@ -228,6 +229,11 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
     if scratch:
         out.append(PlanRow("optimizer: decode scratch", "host", scratch,
                            "the coded rows of one shard as fp32 while it is updated; held"))
+    compiling = compile_bytes() if fmt is StateFormat.INT8 else 0
+    if compiling:
+        out.append(PlanRow("optimizer: compiling the 8-bit coding", "host", compiling,
+                           "torch.compile's modules and caches, once per process, beside host_budget; "
+                           "OFFLOAD_COMPILE_CODES=0 codes eagerly without them", pooled=False))
     if home is Tier.NVME or any(s.group_copy_bytes(param_home) for s in shards):
         in_flight = sorted((s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards),
                            reverse=True)[:SHARDS_IN_FLIGHT]
