@@ -26,6 +26,7 @@ import contextlib
 import enum
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -92,6 +93,7 @@ def _probe(width: int, rows: int, unsigned: bool) -> torch.Tensor:
 class _State(enum.Enum):
     UNTRIED = "untried"
     COMPILED = "compiled"
+    SWITCHED_OFF = "switched off"  # OFFLOAD_COMPILE_CODES=0: said once at the first row, then EAGER
     EAGER = "eager"  # compiling failed, was refused by the check or is switched off: the caller codes eagerly
 
 
@@ -103,14 +105,22 @@ class _Loop:
     def __init__(self, unsigned: bool, lock: threading.Lock) -> None:
         self.unsigned = unsigned
         self.lock = lock
-        self.state = _State.EAGER if os.environ.get("OFFLOAD_COMPILE_CODES", "1") == "0" else _State.UNTRIED
+        off = os.environ.get("OFFLOAD_COMPILE_CODES", "1") == "0"
+        self.state = _State.SWITCHED_OFF if off else _State.UNTRIED
         self.compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    @property
+    def name(self) -> str:
+        return "unsigned code (second moments)" if self.unsigned else "signed code (first moments, momentum)"
+
     def run(self, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.state is _State.UNTRIED:
+        if self.state in (_State.UNTRIED, _State.SWITCHED_OFF):
             with self.lock:
                 if self.state is _State.UNTRIED:
                     self._compile(blocks.shape[1])
+                elif self.state is _State.SWITCHED_OFF:
+                    log.info("8-bit moments: coding the %s eagerly (OFFLOAD_COMPILE_CODES=0)", self.name)
+                    self.state = _State.EAGER
         if self.state is not _State.COMPILED:
             return None
         try:
@@ -121,9 +131,13 @@ class _Loop:
             return None
 
     def _compile(self, width: int) -> None:
-        log.info("8-bit moments: compiling the coding loop (once per process, a few seconds)")
+        log.info("8-bit moments: compiling the coding loop of the %s (once per process)", self.name)
         started = time.perf_counter()
         fn = _unsigned if self.unsigned else _signed
+        # (torch's notice that a CPU machine has no CUDA runtime, logged while it builds: not news here)
+        quiet = logging.getLogger("torch.utils.cpp_extension")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
         try:
             import torch._inductor.config as inductor
 
@@ -133,10 +147,15 @@ class _Loop:
                 for rows in (2, 1):  # (the general shape, then the one dynamo specialises: 1 block)
                     self._check(rows, width)
         except Exception as exc:  # (no C++ compiler, an unsupported platform, the check: anything raised)
+            # the other code's loop would fail the same way: neither is tried again
+            for loop in _LOOPS.values():
+                loop.state = _State.EAGER
             self._give_up(exc, "could not compile the coding loop")
             return
+        finally:
+            quiet.setLevel(level)
         self.state = _State.COMPILED
-        log.info("8-bit moments: coding loop compiled in %.1f s", time.perf_counter() - started)
+        log.info("8-bit moments: coding loop of the %s compiled in %.1f s", self.name, time.perf_counter() - started)
 
     def _check(self, rows: int, width: int) -> None:
         probe = _probe(width, rows, self.unsigned)
@@ -152,26 +171,35 @@ class _Loop:
 
     def _give_up(self, exc: Exception, what: str) -> None:
         self.state = _State.EAGER
-        cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        log.warning("8-bit moments: %s (%s: %s); coding eagerly, which takes a few more passes over each "
-                    "row. A working C++ compiler (gcc or clang) on the PATH lets it compile; "
-                    "OFFLOAD_COMPILE_CODES=0 skips trying.", what, type(exc).__name__, cause)
+        log.warning("8-bit moments: %s (%s); coding eagerly, which takes a few more passes over each row. "
+                    "A working C++ compiler (gcc or clang) on the PATH lets it compile; "
+                    "OFFLOAD_COMPILE_CODES=0 skips trying.", what, _cause(exc))
+
+
+def _cause(exc: BaseException) -> str:
+    """The exception that stopped the compile, in a line: inductor wraps the compiler's own
+    (``BackendCompilerFailed``: "backend='inductor' raised:", the cause on the next line)."""
+    inner = exc.__cause__ if exc.__cause__ is not None else exc
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {' '.join(lines[:2])[:300]}"
 
 
 _LOCK = threading.Lock()
 _LOOPS = {flag: _Loop(flag, _LOCK) for flag in (False, True)}
 
 
-# what the first compile adds to the process's RSS: dynamo's and inductor's modules and caches
+# what the first compile adds to the process's RSS at its peak: dynamo's and inductor's modules
+# and caches, less where something (transformers does) imported those modules already
 # (measured: docs/benchmarks.md, "One compiled loop per row"); the plan counts it
-_COMPILE_RSS = 320 << 20
+_COMPILE_RSS, _COMPILE_RSS_IMPORTED = 288 << 20, 128 << 20
 
 
 def compile_bytes() -> int:
     """The RSS compiling the coding loops will add: 0 once one is compiled (what it took is
     then in the process's baseline) or where the coding stays eager."""
-    states = {loop.state for loop in _LOOPS.values()}
-    return _COMPILE_RSS if states == {_State.UNTRIED} else 0
+    if {loop.state for loop in _LOOPS.values()} != {_State.UNTRIED}:
+        return 0
+    return _COMPILE_RSS_IMPORTED if "torch._inductor.compile_fx" in sys.modules else _COMPILE_RSS
 
 
 def code_blocks(unsigned: bool, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -98,18 +98,25 @@ def fresh_loops(monkeypatch) -> dict:
 def test_a_failure_to_compile_codes_eagerly_and_says_why(monkeypatch, caplog):
     loops = fresh_loops(monkeypatch)
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("Compiler: cc is not found")
+    class InvalidCxxCompiler(RuntimeError):
+        pass
+
+    def no_compiler(*args, **kwargs):  # as inductor raises it: the cause on the wrapper's second line
+        try:
+            raise InvalidCxxCompiler("No working C++ compiler found in torch._inductor.config.cpp.cxx")
+        except InvalidCxxCompiler as exc:
+            raise RuntimeError(f"backend='inductor' raised:\nInvalidCxxCompiler: {exc}") from exc
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    m, _ = moments(8 * BLOCK, 5)
+    m, v = moments(8 * BLOCK, 5)
     with caplog.at_level(logging.WARNING, logger="offload.optim._coding"):
         codes, scales = coded(RowCode.SIGNED8, m)
         again = coded(RowCode.SIGNED8, m)
-    assert loops[False].state is _coding._State.EAGER and loops[True].state is _coding._State.UNTRIED
+        coded(RowCode.SQRT8, v)  # (the other code's loop is not tried again)
+    assert loops[False].state is _coding._State.EAGER and loops[True].state is _coding._State.EAGER
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, warnings  # said once, not per row
-    assert "cc is not found" in warnings[0] and "C++ compiler" in warnings[0]
+    assert len(warnings) == 1, warnings  # said once, not per row or per code
+    assert "No working C++ compiler found" in warnings[0] and "gcc or clang" in warnings[0]
     want_codes, want_scales = ref_code(m.double().numpy(), False)
     assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
     assert np.array_equal(again[0], codes)
@@ -137,9 +144,16 @@ def test_a_loop_that_disagrees_with_the_reference_is_not_used(monkeypatch, caplo
     assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
 
 
-def test_switched_off_by_the_environment(monkeypatch):
+def test_switched_off_by_the_environment(monkeypatch, caplog):
     monkeypatch.setenv("OFFLOAD_COMPILE_CODES", "0")
-    assert _coding._Loop(False, threading.Lock()).state is _coding._State.EAGER
+    loop = _coding._Loop(False, threading.Lock())
+    blocks = torch.ones(2, BLOCK)
+    with caplog.at_level(logging.INFO, logger="offload.optim._coding"):
+        assert loop.run(blocks, torch.empty(2, BLOCK, dtype=torch.int8)) is None
+        assert loop.run(blocks, torch.empty(2, BLOCK, dtype=torch.int8)) is None
+    assert loop.state is _coding._State.EAGER
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "OFFLOAD_COMPILE_CODES=0" in said[0]  # said once, and nothing compiled
 
 
 @pytest.mark.parametrize("code", [RowCode.SIGNED8, RowCode.SQRT8])
