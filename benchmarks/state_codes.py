@@ -96,7 +96,8 @@ def main() -> None:
     print("code      bytes/el  encode ns  eager encode ns  decode ns")
     for name, row in out["codes"].items():
         eager = "-" if row["eager_encode_ns"] is None else f"{row['eager_encode_ns']:.2f}"
-        print(f"{name:9s} {row['bytes_per_element']:8.3f} {row['encode_ns']:10.2f} {eager:>16s} {row['decode_ns']:10.2f}")
+        print(f"{name:9s} {row['bytes_per_element']:8.3f} {row['encode_ns']:10.2f} {eager:>16s} "
+              f"{row['decode_ns']:10.2f}")
     if out["torchao_8bit_encode_ns"] is not None:
         print(f"torchao 8-bit code, eager: {out['torchao_8bit_encode_ns']:.2f} ns per element")
     if args.json:
