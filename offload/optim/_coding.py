@@ -7,7 +7,7 @@ elements, the maximum, the block's scale and the codes, in one loop over the row
 fp32 and writes the codes.
 
 The scale here is computed from the bits of ``absmax / top`` (its exponent, one up unless
-the mantissa is zero): the same power of two as ``_formats.block_scales``'s ``frexp``,
+the mantissa is zero): the same power of two as ``block_scales``' ``frexp``,
 which inductor does not compile. Rounding is to nearest even, as eager ``round_``, and
 the square root is correctly rounded; eager ``torch.sqrt`` on the CPU may be an ulp off, so
 where compiling is not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0`` when offload
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import os
 import sys
 import threading
@@ -33,13 +34,24 @@ from typing import Callable
 
 import torch
 
-__all__ = ["code_blocks", "compile_bytes", "eager_coding", "MIN_SCALE"]
+__all__ = ["block_scales", "code_blocks", "compile_bytes", "eager_coding", "MIN_SCALE", "TOP"]
 
 log = logging.getLogger(__name__)
 
 MIN_SCALE = 2.0 ** -60  # smallest block scale: its square (a second moment) stays a normal fp32
 _MANTISSA, _EXPONENT, _ONE_UP = 0x007FFFFF, 0x7F800000, 0x00800000
-_TOP = {False: 127.0, True: 255.0}
+TOP = {False: 127.0, True: 255.0}  # the top code: signed (first moments, momentum), unsigned (second moments)
+
+
+def block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest power of two ``s`` with ``absmax / s <= top`` per block (0 for a block
+    of zeros); exact powers of two stay where they are, so decoded values code back to
+    the same scale. (The eager path's and the check's; the loop computes it from bits.)"""
+    mantissa, exp = torch.frexp(absmax / top)
+    exp -= (mantissa == 0.5).to(exp.dtype)
+    exp.clamp_(min=round(math.log2(MIN_SCALE)))
+    scales = torch.ldexp(torch.ones_like(absmax), exp)
+    return scales.masked_fill_(absmax == 0, 0.0)
 
 
 def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
@@ -52,7 +64,7 @@ def _scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
 
 def _signed(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     absmax = blocks.abs().amax(1)
-    s = _scales(absmax, _TOP[False])
+    s = _scales(absmax, TOP[False])
     out.copy_(torch.round(blocks * torch.where(s > 0, 1.0 / s, 0.0)[:, None]).to(torch.int8))
     return absmax, s
 
@@ -60,7 +72,7 @@ def _signed(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torc
 def _unsigned(blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     root = torch.sqrt(blocks)
     absmax = root.amax(1)
-    s = _scales(absmax, _TOP[True])
+    s = _scales(absmax, TOP[True])
     # no element codes to zero (a block of zeros decodes to zero through its scale 0)
     out.copy_(torch.clamp(torch.round(root * torch.where(s > 0, 1.0 / s, 0.0)[:, None]), min=1.0).to(torch.uint8))
     return absmax, s
@@ -70,10 +82,7 @@ def _reference(unsigned: bool, blocks: torch.Tensor) -> tuple[torch.Tensor, torc
     """Codes and scales of finite ``blocks`` in float64, from the formulas (the check); the
     root rounded to fp32, as the loop keeps it."""
     x = blocks.double().sqrt().float().double() if unsigned else blocks.double()
-    absmax = x.abs().amax(1)
-    mantissa, exp = torch.frexp(absmax / _TOP[unsigned])
-    s = torch.ldexp(torch.ones_like(absmax), exp - (mantissa == 0.5).long()).clamp(min=MIN_SCALE)
-    s = torch.where(absmax == 0, 0.0, s)
+    s = block_scales(x.abs().amax(1), TOP[unsigned])
     codes = torch.round(x / torch.where(s > 0, s, 1.0)[:, None])
     return (codes.clamp(min=1.0) if unsigned else codes), s
 
@@ -81,7 +90,7 @@ def _reference(unsigned: bool, blocks: torch.Tensor) -> tuple[torch.Tensor, torc
 def _probe(width: int, rows: int, unsigned: bool) -> torch.Tensor:
     """Blocks with ties, a peak exactly a power of two times the top code and, given a
     second row, subnormals and zeros."""
-    peak = torch.linspace(0, 1, width, dtype=torch.float64) * _TOP[unsigned] * 2.0 ** -20
+    peak = torch.linspace(0, 1, width, dtype=torch.float64) * TOP[unsigned] * 2.0 ** -20
     peak[1] = 2.5 * 2.0 ** -20  # a tie: 2.5 codes (linspace's halves are more)
     probe = torch.zeros(rows, width)
     probe[0] = (peak * peak if unsigned else peak).float()  # (the unsigned code's root is the peak row)

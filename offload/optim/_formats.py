@@ -33,17 +33,15 @@ as one compiled loop where it can (``_coding``).
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ._coding import MIN_SCALE, code_blocks
+from ._coding import TOP, block_scales, code_blocks
 
 __all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece"]
 
 BLOCK = 256  # elements per block scale: 4 bytes of scale per 256 one-byte codes
-_MIN_EXP = round(math.log2(MIN_SCALE))
 
 
 class StateFormat(enum.Enum):
@@ -194,7 +192,6 @@ _TORCH = {RowCode.FP32: torch.float32, RowCode.BF16: torch.bfloat16, RowCode.BF1
 _PERIOD = 1 << 16
 _DITHER = torch.randint(0, 1 << 16, (_PERIOD,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
 _DITHER = torch.cat([_DITHER, _DITHER])  # (a window may wrap around: read as one slice)
-_TOP = {RowCode.SIGNED8: 127.0, RowCode.SQRT8: 255.0}
 
 
 def packing_for(names: list[str], fmt: StateFormat, numel: int, master: StateFormat = StateFormat.FP32) -> Packing:
@@ -216,17 +213,6 @@ def _dithered(x: torch.Tensor, seed: int) -> torch.Tensor:
     return bits
 
 
-def block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
-    """The smallest power of two ``s`` with ``absmax / s <= top`` per block (0 for a block
-    of zeros); exact powers of two stay where they are, so decoded values code back to
-    the same scale."""
-    mantissa, exp = torch.frexp(absmax / top)
-    exp -= (mantissa == 0.5).to(exp.dtype)
-    exp.clamp_(min=_MIN_EXP)
-    scales = torch.ldexp(torch.ones_like(absmax), exp)
-    return scales.masked_fill_(absmax == 0, 0.0)
-
-
 def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None) -> None:
     if not code.scaled:
         values.copy_(x)
@@ -241,7 +227,7 @@ def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: to
     absmax = blocks.amax(1) if unsigned else torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
     if unsigned:  # the root's maximum (the root is monotone), rounded correctly as the compiled loop's
         absmax = absmax.double().sqrt_().float()
-    s = block_scales(absmax, _TOP[code])
+    s = block_scales(absmax, TOP[unsigned])
     if not bool(torch.isfinite(absmax).all()):
         s[~torch.isfinite(absmax)] = float("nan")
         x.nan_to_num_(0.0, 0.0, 0.0)  # (casting them to an integer code is undefined)
