@@ -14,7 +14,9 @@ where compiling is not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0`` wh
 is imported) an unsigned code exactly at a tie can come out one apart. Either way decoding
 is exact and decoded values code back to the same bytes.
 
-Each loop is compiled the first time a row of its code is coded, and checked against a
+The loop is compiled for any number of blocks of the fixed width, and as a parallel loop
+over the blocks (inductor's ``cpp.dynamic_threads``: otherwise it would keep the one thread
+it picks for the two blocks it is first compiled with, and code on one core). Each loop is compiled the first time a row of its code is coded, and checked against a
 float64 reference on a row with a tie, a peak exactly a power of two, a subnormal, a zero
 block and a NaN before it is used: a compiler whose flags lose any of those (a fast-math
 build dropping NaN) leaves the coding eager, with a warning.
@@ -151,9 +153,16 @@ class _Loop:
             import torch._inductor.config as inductor
 
             # one compile worker: a pool the size of the machine would stay for the whole process
-            with inductor.patch(compile_threads=1):
-                self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-                for rows in (2, 1):  # (the general shape, then the one dynamo specialises: 1 block)
+            settings = {"compile_threads": 1}
+            if hasattr(inductor.cpp, "dynamic_threads"):
+                # a parallel loop over the blocks, whatever the number of blocks it was compiled
+                # with (the probe's two would otherwise get one thread)
+                settings["cpp.dynamic_threads"] = True
+            with inductor.patch(**settings):
+                # any number of blocks (marked dynamic in the check), each of the fixed width: a
+                # loop over a known width is unrolled, one over any width takes masked tails
+                self.compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+                for rows in (2, 1):  # (any number of blocks, then the one dynamo specialises: 1 block)
                     self._check(rows, width)
         except Exception as exc:  # (no C++ compiler, an unsupported platform, the check: anything raised)
             # the other code's loop would fail the same way: neither is tried again
@@ -169,6 +178,9 @@ class _Loop:
     def _check(self, rows: int, width: int) -> None:
         probe = _probe(width, rows, self.unsigned)
         out = torch.empty(probe.shape, dtype=torch.uint8 if self.unsigned else torch.int8)
+        if rows > 1:
+            torch._dynamo.mark_dynamic(probe, 0)
+            torch._dynamo.mark_dynamic(out, 0)
         absmax, s = self.compiled(probe, out)
         codes, scales = _reference(self.unsigned, probe)
         if not (torch.equal(out.double(), codes) and torch.equal(s.double(), scales)):

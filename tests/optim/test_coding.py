@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from offload.optim import BLOCK
 from offload.optim import _coding
@@ -77,6 +78,11 @@ def test_compiled_codes_equal_the_formulas_ties_included(code):
     assert (np.abs(np.modf(scaled)[0]) == 0.5).sum() >= n // 20  # the ties are there
     one = coded(code, x[:BLOCK])  # a row of one block (dynamo compiles that shape apart)
     assert np.array_equal(one[0], want_codes[:BLOCK]) and np.array_equal(one[1], want_scales[:1])
+    graphs = counters["stats"]["unique_graphs"]
+    for blocks in (3, 17, 40):  # rows of other lengths: the loop compiled for any number of blocks
+        part = coded(code, x[: blocks * BLOCK])
+        assert np.array_equal(part[0], want_codes[: blocks * BLOCK])
+    assert counters["stats"]["unique_graphs"] == graphs, "the loop was compiled again for another row length"
     eager_codes, eager_scales = coded(code, x, eager=True)
     assert np.array_equal(eager_scales, scales)
     # eager torch.sqrt may be an ulp off the root: a code exactly at a tie may move by one, no other
