@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from .._signals import DEFER, wait as _wait
+from .._tensors import lasting
 from ..accel import Accelerator
 from ._errors import BudgetError
 
@@ -63,9 +64,10 @@ class HostBuffer:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
             except OSError as err:  # THP disabled in this kernel: ordinary pages, same bytes
                 log.debug("no transparent huge pages for a %d-byte buffer: %s", self.nbytes, err)
-            if fault_in:
+        with lasting():  # (a buffer made during an inference-mode forward serves later steps)
+            if huge and fault_in:
                 torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
         self.pinned = bool(pin is not None and pin.pin(self.address, self.nbytes))
         self._finalizer = weakref.finalize(self, HostBuffer._release, pin if self.pinned else None, self.address)
@@ -96,13 +98,13 @@ class HostBuffer:
         return memoryview(self._map)[: self.nbytes if nbytes is None else nbytes]
 
     def close(self) -> None:
-        """Unpin and unmap now. Views handed out keep the pages alive until they die."""
+        """Unpin now; unmapped with the last reference: at once unless a tensor made from the
+        buffer is still alive, then with that tensor. (A tensor from ``torch.frombuffer``
+        references the mapping object but does not lock it: closing the mapping under a live
+        one would leave it pointing at unmapped memory, a crash at its next use.)"""
         self._finalizer()
         self._bytes = None
-        try:
-            self._map.close()
-        except BufferError:  # nothing leaks: the mapping is unmapped when the last view dies
-            log.debug("a view still exports a %d-byte buffer; unmapped with the view", self.nbytes)
+        self._map = None
 
 
 def pool_bytes() -> dict[str, int]:

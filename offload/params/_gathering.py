@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._tensors import lasting
 from ..io import BudgetError
 from ..store import TensorStore, Tier
 from ._from_store import StoreCopies
@@ -110,7 +111,8 @@ class GatheredSlices(StoreCopies):
                         "holds %d of %d bytes now (pool rounding or copies still loading); further cases "
                         "are counted in stats()['gather_over_budget_bytes']", group.key, size,
                         device.used_bytes, self.device_budget)
-        return None, torch.empty(size, dtype=torch.uint8, device=self.coordinator.device)
+        with lasting():
+            return None, torch.empty(size, dtype=torch.uint8, device=self.coordinator.device)
 
     def give_back(self, group: ParamGroup, record: GroupRecord) -> bool:
         if record.lease is not None:  # (its kernels are recorded on it: _buffer)

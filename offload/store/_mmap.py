@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from .._tensors import lasting
 from ..io import FileEngine, OffloadIOError
 from ._inplace import CheckpointSlot
 from ._nvme import Extent, SwapFiles
@@ -57,15 +58,15 @@ class _Mapped:
         self.fd, self.size = fd, size
         self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         advise_random(self.mm)  # no fault-around readahead: the tier says what it will read
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        with lasting():  # (mapped during an inference-mode forward, written after it)
+            self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.address = mapping_address(self.mm)
 
     def close(self) -> None:
+        """Unmapped with the last reference: at once unless a view handed out is alive, then
+        with it (closing the mapping under a live tensor would leave it dangling)."""
         self.tensor = None
-        try:
-            self.mm.close()
-        except BufferError:  # nothing leaks: a view handed out is alive, the mapping goes with it
-            log.debug("a view of %d-byte mapping is alive; unmapped with the view", self.size)
+        self.mm = None
 
 
 class MmapTier(SwapFileSlots):
@@ -141,7 +142,8 @@ class MmapTier(SwapFileSlots):
         self._check_size(slot, mapped, "read", nbytes)
         self._touched(slot, dirty=False)
         self._count(read=nbytes)  # served to compute, from the page cache or the disk
-        return torch.frombuffer(mapped.mm, dtype=torch.uint8, count=nbytes, offset=slot.offset)
+        with lasting():
+            return torch.frombuffer(mapped.mm, dtype=torch.uint8, count=nbytes, offset=slot.offset)
 
     def advise(self, slot: Extent, nbytes: int) -> None:
         """Start reading the extent into the page cache (``MADV_WILLNEED``); returns at once."""

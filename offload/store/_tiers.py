@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._tensors import lasting
 from ..accel import Accelerator, Event
 from ..io import BufferPool, FileEngine, HostBuffer, round_up
 from ._completion import Completion, Done, Pending
@@ -220,7 +221,7 @@ class DeviceTier(TierBackend):
         size = self.slot_size(nbytes)
         if not self._claim(size):
             return None
-        with self.accelerator.using(self.h2d_stream):
+        with self.accelerator.using(self.h2d_stream), lasting():
             slot = _DeviceSlot(self.accelerator.empty(size))
         # (its memory may be a freed slot's whose copy in still runs on h2d_stream: a stream
         # other than h2d_stream that uses it first, a gather into it, waits for that work)

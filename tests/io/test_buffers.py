@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -97,3 +99,19 @@ def test_a_cpu_devices_pool_leaves_faulting_to_the_read_and_the_host_pool_does_n
         assert store.tiers[Tier.DEVICE].pool.fault_in is False and store.tiers[Tier.HOST].pool.fault_in is True
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("nbytes", [4096, 4 << 20])  # (ordinary pages; huge pages asked for)
+def test_a_closed_buffer_stays_mapped_while_a_tensor_views_it(nbytes):
+    """A view that outlives close() (a traceback's frame, a caller's reference) reads its
+    bytes, not unmapped memory; the mapping goes when the last view does."""
+    buf = HostBuffer(nbytes)
+    view = buf.view(torch.int32, (16,))
+    view.copy_(torch.arange(16, dtype=torch.int32))
+    mapping = weakref.ref(buf._map)
+    buf.close()
+    assert torch.equal(view, torch.arange(16, dtype=torch.int32))
+    assert mapping() is not None
+    del view
+    gc.collect()
+    assert mapping() is None  # unmapped with the last view

@@ -288,3 +288,34 @@ def test_two_optimizers_over_one_model(tmp_path, tiny_gpt2, lm_batches, decay_gr
             o.close()
     finally:
         offload.close(model)
+
+
+@pytest.mark.parametrize("shard_size", [None, 30000])
+def test_an_inference_mode_forward_between_steps(tmp_path, shard_size, tiny_gpt2, lm_batches, offload_config,
+                                                 assert_same_weights, no_leaks):
+    """An evaluation under torch.inference_mode() after step(): the owed update runs in it, and
+    what it allocates there (pool buffers, staging) serves the steps, state dicts and
+    checkpoints after it, outside inference mode. Weights equal the same run's without the
+    evaluation."""
+    batches = lm_batches(211, steps=3, micro=1)
+    runs = []
+    for evaluate in (False, True):
+        model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / str(evaluate)))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, shard_size=shard_size)
+        try:
+            for (ids,) in batches:
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if evaluate:
+                    with torch.inference_mode():
+                        model(input_ids=ids)
+                    offload.state_dict(model)
+                    opt.state_dict()
+            opt.synchronize()
+            runs.append({k: v.clone() for k, v in model.state_dict().items()})
+        finally:
+            opt.close()
+            offload.close(model)
+    for k, v in runs[0].items():
+        assert torch.equal(runs[1][k], v), k

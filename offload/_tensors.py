@@ -1,0 +1,23 @@
+"""Tensors that outlive the call that made them are made outside inference mode.
+
+A pool's buffer, a device slot or a mapping's tensor may first be made while the user runs
+a forward under ``torch.inference_mode()`` (the first evaluation, or an optimizer update
+owed to the next forward); torch then marks it an inference tensor, and every later
+in-place write to it outside inference mode (the next training step's reads, a state dict)
+is refused. Made inside :func:`lasting`, such a tensor is an ordinary one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["lasting"]
+
+
+def lasting() -> contextlib.AbstractContextManager:
+    """A context in which new tensors are ordinary ones, even within inference mode."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
