@@ -14,12 +14,14 @@ where compiling is not possible (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0`` wh
 is imported) an unsigned code exactly at a tie can come out one apart. Either way decoding
 is exact and decoded values code back to the same bytes.
 
-The loop is compiled for any number of blocks of the fixed width, and as a parallel loop
-over the blocks (inductor's ``cpp.dynamic_threads``: otherwise it would keep the one thread
-it picks for the two blocks it is first compiled with, and code on one core). Each loop is compiled the first time a row of its code is coded, and checked against a
-float64 reference on a row with a tie, a peak exactly a power of two, a subnormal, a zero
-block and a NaN before it is used: a compiler whose flags lose any of those (a fast-math
-build dropping NaN) leaves the coding eager, with a warning.
+The loop is compiled for any number of blocks of the fixed width, as a parallel loop over
+the blocks (inductor's ``cpp.dynamic_threads``: otherwise it would keep the one thread it
+picks for the two blocks it is first compiled with). It is always called outside inference
+mode, without grad or autocast, so that an update owed to an evaluation, or a step under
+autocast, does not compile it again. Each loop is compiled the first time a row of its code
+is coded, and checked against a float64 reference on a row with a tie, a peak exactly a
+power of two, a subnormal, a zero block and a NaN before it is used: a compiler whose flags
+lose any of those (a fast-math build dropping NaN) leaves the coding eager, with a warning.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import time
 from typing import Callable
 
 import torch
+
+from .._tensors import lasting
 
 __all__ = ["block_scales", "code_blocks", "compile_bytes", "eager_coding", "MIN_SCALE", "TOP"]
 
@@ -134,32 +138,51 @@ class _Loop:
                     self.state = _State.EAGER
         if self.state is not _State.COMPILED:
             return None
+        from torch._dynamo.utils import counters  # (imported by the compile already)
+
+        graphs = counters["stats"]["unique_graphs"]
+        started = time.perf_counter()
         try:
-            return self.compiled(blocks, out)
-        except Exception as exc:  # (a recompile, say after torch._dynamo.reset(), failed; the caller's
+            with _as_compiled():
+                return self._call(blocks, out)
+        except Exception as exc:  # (a recompile failed, or dynamo's limit on them was reached; the caller's
             # eager path then rewrites every code and scale of the row, whatever the loop had written)
-            self._give_up(exc, "the compiled coding loop failed")
+            self._give_up(exc, "torch.compile gave up on the coding loop", _RERUN)
             return None
+        finally:
+            if counters["stats"]["unique_graphs"] != graphs:
+                log.info("8-bit moments: the coding loop of the %s was compiled again, in %.1f s (dynamo "
+                         "compiles anew when a global setting of torch's, such as the thread count, changes)",
+                         self.name, time.perf_counter() - started)
+
+    def _call(self, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loop, called in the state it was compiled in. Dynamo's guards compare grad mode,
+        inference mode and autocast with the compile's, and a call in another state (an update
+        owed to an evaluation under no_grad or inference_mode, a step under autocast) would
+        compile the loop anew: so it runs outside inference mode, without grad or autocast,
+        and with the dynamic number of blocks marked, should the thread count change."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(lasting())
+            stack.enter_context(torch.no_grad())
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            for tensor in (blocks, out) if blocks.shape[0] > 1 else ():
+                torch._dynamo.mark_dynamic(tensor, 0)  # (any number of blocks; one block is specialised)
+            return self.compiled(blocks, out)
 
     def _compile(self, width: int) -> None:
+        if torch._dynamo.config.disable:  # (torch.compile would hand back the function as it is)
+            log.info("8-bit moments: torch.compile is disabled (TORCHDYNAMO_DISABLE); coding the %s eagerly",
+                     self.name)
+            self.state = _State.EAGER
+            return
         log.info("8-bit moments: compiling the coding loop of the %s (once per process)", self.name)
         started = time.perf_counter()
         fn = _unsigned if self.unsigned else _signed
-        # (torch's notice that a CPU machine has no CUDA runtime, logged while it builds: not news here)
-        quiet = logging.getLogger("torch.utils.cpp_extension")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
         try:
-            import torch._inductor.config as inductor
-
-            # one compile worker: a pool the size of the machine would stay for the whole process
-            settings = {"compile_threads": 1}
-            if hasattr(inductor.cpp, "dynamic_threads"):
-                # a parallel loop over the blocks, whatever the number of blocks it was compiled
-                # with (the probe's two would otherwise get one thread)
-                settings["cpp.dynamic_threads"] = True
-            with inductor.patch(**settings):
-                # any number of blocks (marked dynamic in the check), each of the fixed width: a
+            with _as_compiled():
+                # any number of blocks (marked dynamic at each call), each of the fixed width: a
                 # loop over a known width is unrolled, one over any width takes masked tails
                 self.compiled = torch.compile(fn, dynamic=False, fullgraph=True)
                 for rows in (2, 1):  # (any number of blocks, then the one dynamo specialises: 1 block)
@@ -168,32 +191,54 @@ class _Loop:
             # the other code's loop would fail the same way: neither is tried again
             for loop in _LOOPS.values():
                 loop.state = _State.EAGER
-            self._give_up(exc, "could not compile the coding loop")
+            self._give_up(exc, "could not compile the coding loop", _COMPILER)
             return
-        finally:
-            quiet.setLevel(level)
         self.state = _State.COMPILED
         log.info("8-bit moments: coding loop of the %s compiled in %.1f s", self.name, time.perf_counter() - started)
 
     def _check(self, rows: int, width: int) -> None:
         probe = _probe(width, rows, self.unsigned)
         out = torch.empty(probe.shape, dtype=torch.uint8 if self.unsigned else torch.int8)
-        for tensor in (probe, out) if rows > 1 else ():
-            torch._dynamo.mark_dynamic(tensor, 0)  # (any number of blocks; one block is specialised)
-        absmax, s = self.compiled(probe, out)
+        absmax, s = self._call(probe, out)
         codes, scales = _reference(self.unsigned, probe)
         if not (torch.equal(out.double(), codes) and torch.equal(s.double(), scales)):
             raise RuntimeError("its codes differ from the float64 reference's")
         poisoned = probe.clone()
         poisoned[0, 5] = float("nan")
-        if bool(torch.isfinite(self.compiled(poisoned, out)[0][0])):
+        if bool(torch.isfinite(self._call(poisoned, out)[0][0])):
             raise RuntimeError("a block holding a NaN came out with a finite maximum (a fast-math build?)")
 
-    def _give_up(self, exc: Exception, what: str) -> None:
+    def _give_up(self, exc: Exception, what: str, fix: str) -> None:
         self.state = _State.EAGER
         log.warning("8-bit moments: %s (%s); coding eagerly, which takes a few more passes over each row. "
-                    "A working C++ compiler (gcc or clang) on the PATH lets it compile; "
-                    "OFFLOAD_COMPILE_CODES=0 skips trying.", what, _cause(exc))
+                    "%s", what, _cause(exc), fix)
+
+
+_COMPILER = ("A working C++ compiler (gcc or clang) on the PATH lets it compile; "
+             "OFFLOAD_COMPILE_CODES=0 skips trying.")
+_RERUN = "The results stay right; a new process compiles the loop again."
+
+
+@contextlib.contextmanager
+def _as_compiled():
+    """Inductor's settings for the loop, at its compile and at any recompile: one compile
+    worker (a pool the size of the machine would stay for the whole process) and, where
+    this torch has it, ``cpp.dynamic_threads``: a parallel loop over the blocks whatever the
+    number of blocks it was compiled with (the probe's two would otherwise get one thread).
+    Torch's notice that a CPU machine has no CUDA runtime, logged while it builds, is held."""
+    import torch._inductor.config as inductor
+
+    settings = {"compile_threads": 1}
+    if hasattr(inductor.cpp, "dynamic_threads"):
+        settings["cpp.dynamic_threads"] = True
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with inductor.patch(**settings):
+            yield
+    finally:
+        quiet.setLevel(level)
 
 
 def _cause(exc: BaseException) -> str:

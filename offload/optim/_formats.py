@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._tensors import lasting
 from ._coding import TOP, block_scales, code_blocks
 
 __all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece"]
@@ -166,9 +167,12 @@ class Packing:
     def encode(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
         """``rows`` (fp32, ``rows x numel``; coded rows may be overwritten) into ``packed``. A master row is
         rounded to nearest here (its initial values, a load: the parameters' own rounding);
-        an update rounds it stochastically first (``round_in_place``)."""
-        for r, span in enumerate(self.spans()):
-            _encode_row(span.code, rows[r], *self._views(packed, span))
+        an update rounds it stochastically first (``round_in_place``). (Views made outside
+        inference mode: the compiled loop's guards would take one made in it for another
+        kind of tensor, and compile the loop again.)"""
+        with lasting():
+            for r, span in enumerate(self.spans()):
+                _encode_row(span.code, rows[r], *self._views(packed, span))
 
     def round_in_place(self, rows: torch.Tensor, seed: int) -> None:
         """Round the stochastically rounded rows of ``rows`` (fp32) to the values they will

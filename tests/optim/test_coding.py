@@ -150,6 +150,53 @@ def test_a_loop_that_disagrees_with_the_reference_is_not_used(monkeypatch, caplo
     assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
 
 
+
+@pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler: the loop cannot be compiled here")
+def test_the_loop_is_not_compiled_again_under_the_callers_modes(caplog):
+    """An update owed to an evaluation under no_grad or inference_mode, or a step under
+    autocast, codes with the loop as compiled (dynamo guards on those modes); a new thread
+    count compiles it again, once, with a log line, and it stays general."""
+    m, _ = moments(16 * BLOCK, 8)
+    want = coded(RowCode.SIGNED8, m)
+    packing = Packing((RowCode.SIGNED8,), m.numel())
+    graphs = counters["stats"]["unique_graphs"]
+    for mode in (torch.no_grad, torch.inference_mode, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        rows, packed = m.clone().view(1, -1), torch.empty(packing.nbytes, dtype=torch.uint8)  # (the pools' are
+        with mode():  # ordinary tensors, made outside any mode: _tensors.lasting)
+            packing.encode(rows, packed)
+        assert torch.equal(packed[: m.numel()].view(torch.int8).double(), torch.from_numpy(want[0]))
+    assert counters["stats"]["unique_graphs"] == graphs
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        with caplog.at_level(logging.INFO, logger="offload.optim._coding"):
+            for blocks in (16, 5):
+                got = coded(RowCode.SIGNED8, m[: blocks * BLOCK])
+                assert np.array_equal(got[0], want[0][: blocks * BLOCK])
+    finally:
+        torch.set_num_threads(threads)
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # (one compile, for any number of blocks)
+    assert sum("compiled again" in r.getMessage() for r in caplog.records) == 1
+    assert _coding._LOOPS[False].state is _coding._State.COMPILED
+
+
+def test_a_loop_given_up_after_compiling_says_so_without_blaming_the_compiler(monkeypatch, caplog):
+    loops = fresh_loops(monkeypatch)
+    loops[False].state = _coding._State.COMPILED
+
+    def limit(blocks, out):
+        raise RuntimeError("Unsupported: Dynamo recompile limit exceeded")
+
+    loops[False].compiled = limit
+    m, _ = moments(8 * BLOCK, 9)
+    with caplog.at_level(logging.WARNING, logger="offload.optim._coding"):
+        codes, scales = coded(RowCode.SIGNED8, m)
+    assert loops[False].state is _coding._State.EAGER
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "recompile limit" in warning and "gave up" in warning and "compiler" not in warning.split(")")[-1]
+    want_codes, want_scales = ref_code(m.double().numpy(), False)
+    assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
+
 def test_switched_off_by_the_environment(monkeypatch, caplog):
     monkeypatch.setenv("OFFLOAD_COMPILE_CODES", "0")
     loop = _coding._Loop(False, threading.Lock())

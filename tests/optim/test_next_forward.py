@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import offload
 from offload.optim import OptimizerPhase
@@ -290,18 +291,19 @@ def test_two_optimizers_over_one_model(tmp_path, tiny_gpt2, lm_batches, decay_gr
         offload.close(model)
 
 
-@pytest.mark.parametrize("shard_size", [None, 30000])
-def test_an_inference_mode_forward_between_steps(tmp_path, shard_size, tiny_gpt2, lm_batches, offload_config,
-                                                 assert_same_weights, no_leaks):
+@pytest.mark.parametrize("shard_size,moments", [(None, "fp32"), (30000, "fp32"), (30000, "int8")])
+def test_an_inference_mode_forward_between_steps(tmp_path, shard_size, moments, tiny_gpt2, lm_batches,
+                                                 offload_config, no_leaks):
     """An evaluation under torch.inference_mode() after step(): the owed update runs in it, and
-    what it allocates there (pool buffers, staging) serves the steps, state dicts and
-    checkpoints after it, outside inference mode. Weights equal the same run's without the
-    evaluation."""
+    what it allocates there (pool buffers, staging) serves the steps and state dicts after it,
+    outside inference mode; the 8-bit coding loop is not compiled again for it. Weights equal
+    the same run's without the evaluation."""
     batches = lm_batches(211, steps=3, micro=1)
     runs = []
     for evaluate in (False, True):
         model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / str(evaluate)))
-        opt = offload.AdamW(model.parameters(), lr=1e-2, shard_size=shard_size)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, shard_size=shard_size, moments=moments)
+        graphs = counters["stats"]["unique_graphs"]  # (the coding loop compiles as the states are laid out)
         try:
             for (ids,) in batches:
                 model(input_ids=ids, labels=ids).loss.backward()
@@ -313,6 +315,7 @@ def test_an_inference_mode_forward_between_steps(tmp_path, shard_size, tiny_gpt2
                     offload.state_dict(model)
                     opt.state_dict()
             opt.synchronize()
+            assert counters["stats"]["unique_graphs"] == graphs
             runs.append({k: v.clone() for k, v in model.state_dict().items()})
         finally:
             opt.close()
