@@ -197,6 +197,19 @@ def test_a_loop_given_up_after_compiling_says_so_without_blaming_the_compiler(mo
     want_codes, want_scales = ref_code(m.double().numpy(), False)
     assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
 
+
+def test_torch_compile_disabled_is_said_and_codes_eagerly(monkeypatch, caplog):
+    loops = fresh_loops(monkeypatch)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # (TORCHDYNAMO_DISABLE=1)
+    m, _ = moments(8 * BLOCK, 10)
+    with caplog.at_level(logging.INFO, logger="offload.optim._coding"):
+        codes, scales = coded(RowCode.SIGNED8, m)
+    assert loops[False].state is _coding._State.EAGER
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "TORCHDYNAMO_DISABLE" in said[0] and "eagerly" in said[0]
+    want_codes, want_scales = ref_code(m.double().numpy(), False)
+    assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
+
 def test_switched_off_by_the_environment(monkeypatch, caplog):
     monkeypatch.setenv("OFFLOAD_COMPILE_CODES", "0")
     loop = _coding._Loop(False, threading.Lock())
