@@ -159,6 +159,8 @@ def test_update_during_backward_refuses_what_it_cannot_do_exactly(tmp_path, tiny
             model(input_ids=ids, labels=ids).loss.backward()
         with pytest.raises(RuntimeError, match="before the total norm was known"):
             opt.clip_grad_norm_(1.0)
+        with pytest.raises(RuntimeError, match="To clip, leave out update_during_backward"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # (torch's, through p.grad)
         with pytest.raises(RuntimeError, match="already used in this step"):
             with opt.update_during_backward():
                 pass
