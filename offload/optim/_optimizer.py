@@ -200,6 +200,11 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         return loss
 
     def _settle(self) -> None:
+        """Finish the update owed to the next forward (first in every call that reads or
+        changes the weights, states or gradients), refusing where the states are gone."""
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed: close() released its states. Build a new "
+                               "optimizer (and load a state dict or checkpoint saved before close() to go on)")
         self._later.settle()
 
     def _before_gradient(self) -> None:

@@ -255,6 +255,11 @@ def test_errors(tmp_path, tiny_gpt2, offload_config, no_leaks):
         offload.AdamW(m.parameters())
     with pytest.raises(ValueError, match="betas"):
         offload.AdamW(nn.Linear(2, 2).parameters(), betas=(1.0, 0.9))
+    closed = offload.AdamW(nn.Linear(2, 2).parameters())
+    closed.close()
+    for call in (closed.step, closed.state_dict, closed.synchronize):
+        with pytest.raises(RuntimeError, match="is closed: close.. released its states"):
+            call()
 
 
 def test_plain_bf16_parameters_keep_an_fp32_master(branchy, no_leaks):
