@@ -17,7 +17,12 @@ __all__ = ["lasting"]
 
 
 def lasting() -> contextlib.AbstractContextManager:
-    """A context in which new tensors are ordinary ones, even within inference mode."""
-    if torch.is_inference_mode_enabled():
-        return torch.inference_mode(False)
-    return contextlib.nullcontext()
+    """A context in which new tensors are ordinary ones, even within inference mode (where
+    leaving it would turn grad mode on: it stays off). In it, tensors made in inference
+    mode cannot be written."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import sys
 import threading
 import time
 import weakref
@@ -104,6 +105,8 @@ class HostBuffer:
         one would leave it pointing at unmapped memory, a crash at its next use.)"""
         self._finalizer()
         self._bytes = None
+        if self._map is not None and sys.getrefcount(self._map) > 2:  # (this attribute, the call's argument)
+            log.debug("a %d-byte host buffer closed while a tensor views it: unmapped with that tensor", self.nbytes)
         self._map = None
 
 

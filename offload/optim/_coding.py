@@ -143,30 +143,33 @@ class _Loop:
         graphs = counters["stats"]["unique_graphs"]
         started = time.perf_counter()
         try:
-            with _as_compiled():
-                return self._call(blocks, out)
+            return self._call(blocks, out)
         except Exception as exc:  # (a recompile failed, or dynamo's limit on them was reached; the caller's
             # eager path then rewrites every code and scale of the row, whatever the loop had written)
             self._give_up(exc, "torch.compile gave up on the coding loop", _RERUN)
             return None
         finally:
             if counters["stats"]["unique_graphs"] != graphs:
+                # (process-wide counts: a compile of the user's on another thread meanwhile is counted too)
                 log.info("8-bit moments: the coding loop of the %s was compiled again, in %.1f s (dynamo "
                          "compiles anew when a global setting of torch's, such as the thread count, changes)",
                          self.name, time.perf_counter() - started)
 
-    def _call(self, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _call(self, blocks: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The loop, called in the state it was compiled in. Dynamo's guards compare grad mode,
         inference mode and autocast with the compile's, and a call in another state (an update
         owed to an evaluation under no_grad or inference_mode, a step under autocast) would
         compile the loop anew: so it runs outside inference mode, without grad or autocast,
-        and with the dynamic number of blocks marked, should the thread count change."""
+        and with the dynamic number of blocks marked, should the thread count change. None
+        for tensors made in inference mode (which cannot be written outside it): the caller
+        codes those eagerly."""
+        if blocks.is_inference() or out.is_inference():
+            return None
         with contextlib.ExitStack() as stack:
             stack.enter_context(lasting())
             stack.enter_context(torch.no_grad())
-            for device in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(device):
-                    stack.enter_context(torch.autocast(device, enabled=False))
+            for device in _autocasting():
+                stack.enter_context(torch.autocast(device, enabled=False))
             for tensor in (blocks, out) if blocks.shape[0] > 1 else ():
                 torch._dynamo.mark_dynamic(tensor, 0)  # (any number of blocks; one block is specialised)
             return self.compiled(blocks, out)
@@ -181,10 +184,10 @@ class _Loop:
         started = time.perf_counter()
         fn = _unsigned if self.unsigned else _signed
         try:
-            with _as_compiled():
+            with _quiet_build():
                 # any number of blocks (marked dynamic at each call), each of the fixed width: a
                 # loop over a known width is unrolled, one over any width takes masked tails
-                self.compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+                self.compiled = torch.compile(fn, dynamic=False, fullgraph=True, options=_settings())
                 for rows in (2, 1):  # (any number of blocks, then the one dynamo specialises: 1 block)
                     self._check(rows, width)
         except Exception as exc:  # (no C++ compiler, an unsupported platform, the check: anything raised)
@@ -197,8 +200,9 @@ class _Loop:
         log.info("8-bit moments: coding loop of the %s compiled in %.1f s", self.name, time.perf_counter() - started)
 
     def _check(self, rows: int, width: int) -> None:
-        probe = _probe(width, rows, self.unsigned)
-        out = torch.empty(probe.shape, dtype=torch.uint8 if self.unsigned else torch.int8)
+        with lasting():  # (the compile may come within inference mode: the probe is made outside it)
+            probe = _probe(width, rows, self.unsigned)
+            out = torch.empty(probe.shape, dtype=torch.uint8 if self.unsigned else torch.int8)
         absmax, s = self._call(probe, out)
         codes, scales = _reference(self.unsigned, probe)
         if not (torch.equal(out.double(), codes) and torch.equal(s.double(), scales)):
@@ -219,26 +223,44 @@ _COMPILER = ("A working C++ compiler (gcc or clang) on the PATH lets it compile;
 _RERUN = "The results stay right; a new process compiles the loop again."
 
 
-@contextlib.contextmanager
-def _as_compiled():
-    """Inductor's settings for the loop, at its compile and at any recompile: one compile
-    worker (a pool the size of the machine would stay for the whole process) and, where
-    this torch has it, ``cpp.dynamic_threads``: a parallel loop over the blocks whatever the
-    number of blocks it was compiled with (the probe's two would otherwise get one thread).
-    Torch's notice that a CPU machine has no CUDA runtime, logged while it builds, is held."""
+def _settings() -> dict:
+    """Inductor's settings for the loop, bound to it (its compile and any recompile, not the
+    process's other compiles): one compile worker (a pool the size of the machine would stay
+    for the whole process) and, where this torch has it, ``cpp.dynamic_threads``: a parallel
+    loop over the blocks whatever the number of blocks it was compiled with (the probe's two
+    would otherwise get one thread)."""
     import torch._inductor.config as inductor
 
     settings = {"compile_threads": 1}
     if hasattr(inductor.cpp, "dynamic_threads"):
         settings["cpp.dynamic_threads"] = True
+    return settings
+
+
+@contextlib.contextmanager
+def _quiet_build():
+    """Torch's notice that a CPU machine has no CUDA runtime, logged while the loop builds,
+    held back (the first compile only: it runs under the lock)."""
     quiet = logging.getLogger("torch.utils.cpp_extension")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with inductor.patch(**settings):
-            yield
+        yield
     finally:
         quiet.setLevel(level)
+
+
+def _autocasting() -> list[str]:
+    """The device types whose autocast is on in this thread."""
+    on = []
+    for device in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append(device)
+        except (TypeError, RuntimeError):  # (a torch before 2.4 takes no device; one without this type)
+            if device == "cpu" and torch.is_autocast_cpu_enabled() or device == "cuda" and torch.is_autocast_enabled():
+                on.append(device)
+    return on
 
 
 def _cause(exc: BaseException) -> str:

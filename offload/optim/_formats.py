@@ -32,6 +32,7 @@ as one compiled loop where it can (``_coding``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 
@@ -167,10 +168,12 @@ class Packing:
     def encode(self, rows: torch.Tensor, packed: torch.Tensor) -> None:
         """``rows`` (fp32, ``rows x numel``; coded rows may be overwritten) into ``packed``. A master row is
         rounded to nearest here (its initial values, a load: the parameters' own rounding);
-        an update rounds it stochastically first (``round_in_place``). (Views made outside
-        inference mode: the compiled loop's guards would take one made in it for another
-        kind of tensor, and compile the loop again.)"""
-        with lasting():
+        an update rounds it stochastically first (``round_in_place``). The views are made
+        outside inference mode where ``rows`` and ``packed`` are ordinary tensors: a dtype
+        view made in it is an inference tensor, which the compiled loop leaves to the eager
+        path (``_coding``)."""
+        ordinary = not (rows.is_inference() or packed.is_inference())
+        with lasting() if ordinary else contextlib.nullcontext():
             for r, span in enumerate(self.spans()):
                 _encode_row(span.code, rows[r], *self._views(packed, span))
 

@@ -268,11 +268,11 @@ class GradientBook:
     def check_param(self, param: torch.Tensor) -> None:
         """Refuse where ``p.grad`` of a wrapped parameter cannot be served."""
         if self._in_backward_update():
-            raise RuntimeError("p.grad between update_during_backward() and step(): that backward already updated "
-                               "the weights with the gradients as they were, so no call (clip_grad_norm_ "
-                               "included) can read or change them now. To clip, leave out "
-                               "update_during_backward(): the default update in the next forward overlaps the "
-                               "same work, clipping included")
+            raise RuntimeError("p.grad from update_during_backward() until step(): the backward in that block "
+                               "updates the weights with the gradients as it makes them, so no call "
+                               "(clip_grad_norm_ included) may read or change them in between. To clip, leave "
+                               "out update_during_backward(): the default update in the next forward overlaps "
+                               "the same work, clipping included")
         if self.book.partition() is not None:
             raise RuntimeError("p.grad of an offloaded parameter with several ranks: each rank holds a slice of "
                                "the gradient, so norms and clipping over p.grad would be per rank. Use "

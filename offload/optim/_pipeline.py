@@ -157,7 +157,7 @@ class Pipeline:
         self.stats["wait_seconds"] += time.perf_counter() - waited
         stored, packing = rows, shard.packing
         if shard.packed:  # coded rows: updated in fp32, coded again in place (``_formats``)
-            with lasting():  # (a view made in inference mode is another kind of tensor to the compiled coding)
+            with lasting():  # (a dtype view made in inference mode is an inference tensor: coded eagerly)
                 rows = self.scratch(shard.store).view(torch.float32, (shard.rows, shard.numel))
             packing.decode(stored, rows)
         self.log("update_start", shard)

@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from .._signals import DEFER, wait as _wait
+from .._tensors import lasting
 from ..io import BufferPool
 from ._inplace import InPlaceHomes
 from ._lending import Lending
@@ -362,8 +363,9 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
             device = self.device if copy.tier is Tier.DEVICE else torch.device("cpu")
             return torch.empty(record.shape, dtype=record.dtype, device=device)
         backend.consume(copy.slot)
-        flat = backend.tensor(copy.slot)[: record.nbytes]
-        return flat.view(record.dtype).view(record.shape)
+        with lasting():  # (a dtype view made in inference mode would be an inference tensor, unwritable after it)
+            flat = backend.tensor(copy.slot)[: record.nbytes]
+            return flat.view(record.dtype).view(record.shape)
 
     def _raise_error(self, record: StoredTensor, copy: TierCopy) -> None:
         if copy.error is not None:
