@@ -13,6 +13,7 @@ from torch import nn
 from .._memory import resolve_allocator, tune_allocator
 from .._plan import host_param_bytes, param_staging, plan_groups
 from .._resolve import check_output_paths, choose_io_backend, resolve_engine
+from .._tensors import made_lasting
 from .._units import format_size
 from ..activations import ActivationOffloader, offloader_for
 from ..config import OffloadConfig
@@ -179,6 +180,7 @@ def manager_of(model: nn.Module) -> ParamManager:
         raise ValueError("this model is not wrapped: call offload.wrap(model, config) first") from None
 
 
+@made_lasting
 def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLike | None = None,
          process_group: Any = None) -> nn.Module:
     """Manage ``model``'s parameters as ``config`` says; returns the same module.
@@ -271,6 +273,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     return model
 
 
+@made_lasting
 def unwrap(model: nn.Module) -> nn.Module:
     """Parameters back as ordinary tensors on the config's device; files and threads released.
 

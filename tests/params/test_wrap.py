@@ -143,6 +143,28 @@ def test_inference_modes(tmp_path, mode, tiny_llama, offload_config, no_leaks):
         offload.unwrap(model)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_wrapped_under_inference_mode_then_trained(tmp_path, arch, tiny_llama, tiny_gpt2, offload_config, no_leaks):
+    """wrap() called within inference mode (an inference script that goes on to fine-tune):
+    what it makes is ordinary, so a training step after it equals the reference's."""
+    build = tiny_llama if arch == "llama" else tiny_gpt2
+    ref, model = build(), build()
+    ids = _batches(model.config.vocab_size)[0]
+    with torch.inference_mode():  # (the default config keeps small parameters resident: made by wrap())
+        offload.wrap(model, offload_config(tmp_path))
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    try:
+        loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        assert_grads_match_and_clear(model, ref)
+    finally:
+        with torch.inference_mode():
+            offload.unwrap(model)
+    model(input_ids=ids, labels=ids).loss.backward()  # unwrapped within inference mode: ordinary tensors
+
+
 def test_generate_matches(tmp_path, tiny_gpt2, offload_config, no_leaks):
     ref, model = tiny_gpt2(**GPT2).eval(), tiny_gpt2(**GPT2).eval()
     ids = torch.tensor([[5, 17, 42, 9]])
