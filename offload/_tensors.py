@@ -5,8 +5,8 @@ a forward under ``torch.inference_mode()`` (the first evaluation, or an optimize
 owed to the next forward); torch then marks it an inference tensor, and every later
 in-place write to it outside inference mode (the next training step's reads, a state dict)
 is refused. Made inside :func:`lasting`, such a tensor is an ordinary one. ``wrap()`` and
-``unwrap()`` run within it (:func:`made_lasting`): called under inference mode, they make
-the parameters a later training step uses.
+``unwrap()`` and the offload optimizers' construction run within it (:func:`made_lasting`):
+called under inference mode, they make the parameters and states a later training step uses.
 """
 
 from __future__ import annotations

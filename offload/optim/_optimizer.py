@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
+from .._tensors import made_lasting
 from ..config import OffloadConfig
 from ..params import hold_gradients, release_gradients
 from ._deferred import Deferral
@@ -88,6 +89,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     # torch optimizers are refused over a wrapped model's streamed parameters (offload.params)
     serves_offloaded_parameters = True
 
+    @made_lasting  # (built within inference mode: its states and buffers serve training after it)
     def __init__(self, params: Iterable, defaults: dict, *, config: OffloadConfig | None = None,
                  shard_size: int | None = None, loss_scale: str | float | None = "auto", grad_tier: str = "auto",
                  update_in_next_forward: bool = True, moments: str = "fp32", master: str = "fp32"):
