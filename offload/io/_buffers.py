@@ -91,9 +91,10 @@ class HostBuffer:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.nbytes:
             raise ValueError(f"view of {nbytes} bytes does not fit a {self.nbytes}-byte buffer")
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return self._bytes[:nbytes].view(dtype).view(shape)
+        with lasting():  # (a dtype view made in inference mode is an inference tensor, unwritable after it)
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            return self._bytes[:nbytes].view(dtype).view(shape)
 
     def memoryview(self, nbytes: int | None = None) -> memoryview:
         return memoryview(self._map)[: self.nbytes if nbytes is None else nbytes]

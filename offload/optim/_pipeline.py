@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 
 from .._memory import HEAP_PEAK
-from .._tensors import lasting
 from ..store import Residency, Tier
 from ._grads import noted_norms, renote
 from ._layout import SHARDS_IN_FLIGHT, Segment, Shard
@@ -157,8 +156,7 @@ class Pipeline:
         self.stats["wait_seconds"] += time.perf_counter() - waited
         stored, packing = rows, shard.packing
         if shard.packed:  # coded rows: updated in fp32, coded again in place (``_formats``)
-            with lasting():  # (a dtype view made in inference mode is an inference tensor: coded eagerly)
-                rows = self.scratch(shard.store).view(torch.float32, (shard.rows, shard.numel))
+            rows = self.scratch(shard.store).view(torch.float32, (shard.rows, shard.numel))
             packing.decode(stored, rows)
         self.log("update_start", shard)
         HEAP_PEAK.sample()
