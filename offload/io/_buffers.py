@@ -70,6 +70,7 @@ class HostBuffer:
                 torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
+        self._users = _storage_users(self._bytes)  # (the count with no view of it alive)
         self.pinned = bool(pin is not None and pin.pin(self.address, self.nbytes))
         self._finalizer = weakref.finalize(self, HostBuffer._release, pin if self.pinned else None, self.address)
 
@@ -96,6 +97,38 @@ class HostBuffer:
                 return torch.empty(shape, dtype=dtype)
             return self._bytes[:nbytes].view(dtype).view(shape)
 
+    def resize(self, nbytes: int, *, fault_in: bool = True) -> bool:
+        """Make the buffer ``nbytes`` (whole pages) in place, keeping the pages both sizes
+        share (``mremap``: no page of them zeroed or faulted in again); True if done. Not
+        done (False, the buffer unchanged) for a pinned buffer, while a tensor still views
+        it (the pages may move: it would point at unmapped memory), or where the system
+        cannot resize an anonymous mapping. ``fault_in`` as for a new buffer, for the pages
+        added."""
+        size = round_up(max(nbytes, 1), PAGE_SIZE)
+        if size == self.nbytes:
+            return True
+        if self.pinned or self._map is None or self._users is None or _storage_users(self._bytes) != self._users:
+            return False
+        old = self.nbytes
+        self._bytes = None
+        try:
+            self._map.resize(size)
+        except (OSError, ValueError, SystemError, BufferError) as err:  # (no mremap here, or refused)
+            log.debug("a %d-byte host buffer not resized to %d bytes: %s", old, size, err)
+            size = old
+        with lasting():
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+            if size > old and size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self._map.madvise(mmap.MADV_HUGEPAGE, old, size - old)
+                except OSError:
+                    pass
+            if size > old and fault_in:
+                self._bytes[old::PAGE_SIZE].zero_()
+        self.nbytes, self.address = size, self._bytes.data_ptr()
+        self._users = _storage_users(self._bytes)
+        return size != old
+
     def memoryview(self, nbytes: int | None = None) -> memoryview:
         return memoryview(self._map)[: self.nbytes if nbytes is None else nbytes]
 
@@ -109,6 +142,15 @@ class HostBuffer:
         if self._map is not None and sys.getrefcount(self._map) > 2:  # (this attribute, the call's argument)
             log.debug("a %d-byte host buffer closed while a tensor views it: unmapped with that tensor", self.nbytes)
         self._map = None
+
+
+def _storage_users(tensor: torch.Tensor) -> int | None:
+    """How many tensors share ``tensor``'s memory (views included), or None where this
+    torch does not say (then nothing is resized)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return count(tensor.untyped_storage()._cdata)
 
 
 def pool_bytes() -> dict[str, int]:
@@ -129,8 +171,12 @@ class BufferPool:
     """Reusable :class:`HostBuffer` s under a byte budget.
 
     The budget counts every byte the pool holds, buffers in use and buffers cached for
-    reuse alike. Freed buffers are kept by exact size (groups of one model repeat sizes)
-    and dropped when a request of another size needs their room.
+    reuse alike. Freed buffers are kept by exact size (groups of one model repeat sizes).
+    A request of another size that needs their room resizes one of them in place where
+    it can (``HostBuffer.resize``: an unpinned buffer no tensor views) and drops others
+    only for the rest of the room: mapping a new buffer instead would zero every page of
+    it again, and a model whose groups alternate between two sizes did that for most of
+    its bytes on every pass.
 
     ``fault_in=False``: new buffers are not faulted in by the thread that asks for them
     but by their first use. For buffers a read fills first (the groups computed on in host
@@ -153,6 +199,7 @@ class BufferPool:
         self.max_inflation: int | None = None
         self._asked: dict[int, int] = {}  # id(buffer) -> bytes asked, for reused larger ones
         self.peak_bytes = 0
+        self.mapped = self.resized = 0  # buffers mapped anew, cached ones resized for another size
         self._cond = threading.Condition()
         self._closed = False
         with _POOLS_LOCK:
@@ -256,12 +303,37 @@ class BufferPool:
                     self._asked[id(buf)] = size
                     self._inflation += buf.nbytes - size
                 return buf
+            buf = self._resize_cached(size)
+            if buf is not None:
+                return buf
             self._make_room(self._held + size - self.budget)
         if self._held + size > self.budget:
             return None
         buf = HostBuffer(size, pin=self.pin, fault_in=self.fault_in)
         self._held += buf.nbytes
         self.peak_bytes = max(self.peak_bytes, self._held)
+        self.mapped += 1
+        return buf
+
+    def _resize_cached(self, size: int) -> HostBuffer | None:
+        """A cached buffer of another size made ``size`` in place (the smallest larger one,
+        else the largest), with others dropped for the rest of the room; None where none
+        can be (pinned pools, views alive, nothing cached, no room even so)."""
+        if self.pin is not None or not self._free:
+            return None
+        larger = [s for s in self._free if s > size]
+        old = min(larger) if larger else max(self._free)
+        buf = self._pop_cached(old)  # (held still counts it)
+        over = self._held - old + size - self.budget
+        if over > 0:
+            self._make_room(over)
+        if self._held - old + size > self.budget or not buf.resize(size, fault_in=self.fault_in):
+            self._free.setdefault(old, []).append(buf)
+            self._cached += old
+            return None
+        self._held += size - old
+        self.peak_bytes = max(self.peak_bytes, self._held)
+        self.resized += 1
         return buf
 
     def _pop_cached(self, size: int) -> HostBuffer:

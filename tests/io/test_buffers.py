@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import threading
 import weakref
 
@@ -115,3 +116,74 @@ def test_a_closed_buffer_stays_mapped_while_a_tensor_views_it(nbytes):
     del view
     gc.collect()
     assert mapping() is None  # unmapped with the last view
+
+
+def test_a_full_pool_resizes_a_cached_buffer_for_another_size():
+    """A request of another size, with the budget held by cached buffers, gets one of them
+    resized in place (the pages both sizes share kept, nothing mapped anew): a smaller one
+    grown, with another dropped for the room, or a larger one shrunk."""
+    pool = BufferPool(8 * PAGE_SIZE, fault_in=False)
+    bufs = [pool.acquire(2 * PAGE_SIZE) for _ in range(4)]
+    for i, buf in enumerate(bufs):
+        buf.bytes.fill_(i + 1)
+        pool.release(buf)
+    big = pool.acquire(3 * PAGE_SIZE)
+    assert (pool.mapped, pool.resized) == (4, 1) and big.nbytes == 3 * PAGE_SIZE
+    mark = next(i + 1 for i, buf in enumerate(bufs) if buf is big)
+    assert bool((big.bytes[:2 * PAGE_SIZE] == mark).all()) and bool((big.bytes[2 * PAGE_SIZE:] == 0).all())
+    assert pool.held_bytes == 7 * PAGE_SIZE and pool.peak_bytes <= pool.budget
+    pool.release(big)
+    pool.trim()
+    whole = pool.acquire(8 * PAGE_SIZE)
+    whole.bytes.fill_(9)
+    pool.release(whole)
+    one = pool.acquire(PAGE_SIZE)  # (8 pages is more than twice 1: shrunk rather than lent whole)
+    assert one is whole and one.nbytes == PAGE_SIZE and pool.held_bytes == PAGE_SIZE
+    assert bool((one.bytes == 9).all()) and (pool.mapped, pool.resized) == (5, 2)
+    pool.close()
+
+
+def test_a_viewed_or_pinned_buffer_is_not_resized():
+    """A cached buffer a tensor still views is dropped and a new one mapped, not moved
+    under the view; a pinned pool's buffers keep their registered pages."""
+    pool = BufferPool(3 * PAGE_SIZE)
+    held = pool.acquire(2 * PAGE_SIZE)
+    view = held.view(torch.int32, (16,))
+    view.copy_(torch.arange(16, dtype=torch.int32))
+    pool.release(held)
+    assert pool.acquire(3 * PAGE_SIZE).nbytes == 3 * PAGE_SIZE
+    assert (pool.mapped, pool.resized) == (2, 0) and torch.equal(view, torch.arange(16, dtype=torch.int32))
+    pool.close()
+
+    class Pins:  # an accelerator that registers host pages
+        def pin(self, address, nbytes):
+            return True
+
+        def unpin(self, address):
+            pass
+
+    pinned = BufferPool(3 * PAGE_SIZE, pin=Pins())
+    pinned.release(pinned.acquire(2 * PAGE_SIZE))
+    assert pinned.acquire(3 * PAGE_SIZE).pinned and (pinned.mapped, pinned.resized) == (2, 0)
+    pinned.close()
+
+
+def test_a_pool_of_mixed_sizes_stays_within_its_budget():
+    """Random sizes acquired and released (resized, lent larger, dropped and mapped): every
+    buffer at least as large as asked and writable, the budget never passed."""
+    rng = random.Random(0)
+    pool = BufferPool(16 * PAGE_SIZE, fault_in=False)
+    held = []
+    for _ in range(300):
+        if held and (rng.random() < 0.5 or pool.in_use_bytes > 8 * PAGE_SIZE):
+            pool.release(held.pop(rng.randrange(len(held))))
+            continue
+        size = rng.choice([1, 2, 3, 5, 8]) * PAGE_SIZE - rng.randrange(2)
+        buf = pool.try_acquire(size)
+        if buf is not None:
+            assert buf.nbytes >= size
+            buf.bytes[size - 1] = 1
+            held.append(buf)
+        assert pool.held_bytes <= pool.budget
+    assert pool.peak_bytes <= pool.budget and pool.resized > 0
+    pool.close()
