@@ -107,7 +107,8 @@ class HostBuffer:
         size = round_up(max(nbytes, 1), PAGE_SIZE)
         if size == self.nbytes:
             return True
-        if self.pinned or self._map is None or self._users is None or _storage_users(self._bytes) != self._users:
+        if self.pinned or self._map is None or self._users is None or _storage_users(self._bytes) != self._users \
+                or sys.getrefcount(self._bytes) > 2:  # (the attribute and the call's argument: nobody kept .bytes)
             return False
         old = self.nbytes
         self._bytes = None

@@ -154,6 +154,11 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     assert pool.acquire(3 * PAGE_SIZE).nbytes == 3 * PAGE_SIZE
     assert (pool.mapped, pool.resized) == (2, 0) and torch.equal(view, torch.arange(16, dtype=torch.int32))
     pool.close()
+    kept = HostBuffer(PAGE_SIZE)  # (a reference to the buffer's whole tensor counts too)
+    whole = kept.bytes
+    assert kept.resize(2 * PAGE_SIZE) is False and whole.numel() == PAGE_SIZE
+    del whole
+    assert kept.resize(2 * PAGE_SIZE) is True and kept.bytes.numel() == 2 * PAGE_SIZE
 
     class Pins:  # an accelerator that registers host pages
         def pin(self, address, nbytes):
