@@ -30,6 +30,7 @@ PAGE_SIZE = mmap.PAGESIZE
 _HUGE = 2 << 20  # buffers from this size up ask for transparent huge pages
 _POOLS: "weakref.WeakSet[BufferPool]" = weakref.WeakSet()  # every pool made, for pool_bytes()
 _POOLS_LOCK = threading.Lock()
+_RESIZABLE = True  # False once the system refused to resize an anonymous mapping (no mremap)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -70,7 +71,7 @@ class HostBuffer:
                 torch.frombuffer(self._map, dtype=torch.uint8)[::PAGE_SIZE].zero_()
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.address = self._bytes.data_ptr()
-        self._users = _storage_users(self._bytes)  # (the count with no view of it alive)
+        self._users = _sharers(self._bytes)  # (the counts with nothing sharing it)
         self.pinned = bool(pin is not None and pin.pin(self.address, self.nbytes))
         self._finalizer = weakref.finalize(self, HostBuffer._release, pin if self.pinned else None, self.address)
 
@@ -81,8 +82,9 @@ class HostBuffer:
 
     @property
     def bytes(self) -> torch.Tensor:
-        """The whole buffer as a 1-D uint8 tensor (shares memory)."""
-        return self._bytes
+        """The whole buffer as a 1-D uint8 tensor (shares memory; a new alias each time, so
+        that every holder counts against ``resize``)."""
+        return self._bytes[:]
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The first ``numel * itemsize`` bytes as a tensor of ``dtype`` and ``shape``."""
@@ -104,30 +106,34 @@ class HostBuffer:
         it (the pages may move: it would point at unmapped memory), or where the system
         cannot resize an anonymous mapping. ``fault_in`` as for a new buffer, for the pages
         added."""
+        global _RESIZABLE
         size = round_up(max(nbytes, 1), PAGE_SIZE)
         if size == self.nbytes:
             return True
-        if self.pinned or self._map is None or self._users is None or _storage_users(self._bytes) != self._users \
-                or sys.getrefcount(self._bytes) > 2:  # (the attribute and the call's argument: nobody kept .bytes)
+        if not _RESIZABLE or self.pinned or self._map is None or self._users is None \
+                or _sharers(self._bytes) != self._users:
             return False
         old = self.nbytes
         self._bytes = None
         try:
             self._map.resize(size)
-        except (OSError, ValueError, SystemError, BufferError) as err:  # (no mremap here, or refused)
-            log.debug("a %d-byte host buffer not resized to %d bytes: %s", old, size, err)
+        except BufferError as err:  # (a memoryview of it is alive)
+            log.debug("a %d-byte host buffer not resized while exported: %s", old, err)
             size = old
+        except (OSError, ValueError, SystemError, AttributeError) as err:  # (no mremap; from Python 3.15 no method)
+            log.debug("anonymous mappings cannot be resized here (%s): the pool maps new buffers", err)
+            _RESIZABLE, size = False, old
         with lasting():
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
             if size > old and size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
-                    self._map.madvise(mmap.MADV_HUGEPAGE, old, size - old)
+                try:  # (the whole mapping: a part below 2 MiB before would keep its first frame small)
+                    self._map.madvise(mmap.MADV_HUGEPAGE)
                 except OSError:
                     pass
             if size > old and fault_in:
                 self._bytes[old::PAGE_SIZE].zero_()
         self.nbytes, self.address = size, self._bytes.data_ptr()
-        self._users = _storage_users(self._bytes)
+        self._users = _sharers(self._bytes)
         return size != old
 
     def memoryview(self, nbytes: int | None = None) -> memoryview:
@@ -145,13 +151,15 @@ class HostBuffer:
         self._map = None
 
 
-def _storage_users(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s memory (views included), or None where this
-    torch does not say (then nothing is resized)."""
+def _sharers(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """How many tensors share ``tensor``'s memory (views included) and how many references
+    its storage object has (a caller may keep that instead), or None where this torch does
+    not say (then nothing is resized). Compared with the counts taken when nothing shared it."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
-    return count(tensor.untyped_storage()._cdata)
+    storage = tensor.untyped_storage()
+    return count(storage._cdata), sys.getrefcount(storage)
 
 
 def pool_bytes() -> dict[str, int]:
@@ -317,13 +325,15 @@ class BufferPool:
         return buf
 
     def _resize_cached(self, size: int) -> HostBuffer | None:
-        """A cached buffer of another size made ``size`` in place (the smallest larger one,
-        else the largest), with others dropped for the rest of the room; None where none
-        can be (pinned pools, views alive, nothing cached, no room even so)."""
+        """A cached buffer of another size made ``size`` in place: the one that makes the
+        room with least to spare, as ``_make_room`` would drop it, else the largest with
+        others dropped for the rest. None where none can be (pinned pools, a buffer still
+        shared, nothing cached, no room even so)."""
         if self.pin is not None or not self._free:
             return None
-        larger = [s for s in self._free if s > size]
-        old = min(larger) if larger else max(self._free)
+        need = self._held + size - self.budget
+        enough = [s for s in self._free if s >= need]  # (as _make_room would drop: big buffers kept)
+        old = min(enough) if enough else max(self._free)
         buf = self._pop_cached(old)  # (held still counts it)
         over = self._held - old + size - self.budget
         if over > 0:

@@ -154,10 +154,11 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     assert pool.acquire(3 * PAGE_SIZE).nbytes == 3 * PAGE_SIZE
     assert (pool.mapped, pool.resized) == (2, 0) and torch.equal(view, torch.arange(16, dtype=torch.int32))
     pool.close()
-    kept = HostBuffer(PAGE_SIZE)  # (a reference to the buffer's whole tensor counts too)
-    whole = kept.bytes
-    assert kept.resize(2 * PAGE_SIZE) is False and whole.numel() == PAGE_SIZE
-    del whole
+    kept = HostBuffer(PAGE_SIZE)  # (the whole tensor, its storage or a memoryview kept count too)
+    for held in (lambda: kept.bytes, lambda: kept.bytes.untyped_storage(), lambda: kept.memoryview()):
+        holder = held()
+        assert kept.resize(2 * PAGE_SIZE) is False and kept.nbytes == PAGE_SIZE
+        del holder
     assert kept.resize(2 * PAGE_SIZE) is True and kept.bytes.numel() == 2 * PAGE_SIZE
 
     class Pins:  # an accelerator that registers host pages
@@ -171,6 +172,20 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     pinned.release(pinned.acquire(2 * PAGE_SIZE))
     assert pinned.acquire(3 * PAGE_SIZE).pinned and (pinned.mapped, pinned.resized) == (2, 0)
     pinned.close()
+    assert HostBuffer(PAGE_SIZE, pin=Pins()).resize(2 * PAGE_SIZE) is False
+
+
+def test_the_buffer_resized_is_the_one_that_makes_the_room():
+    """Of the cached buffers, the one that makes the room with least to spare is resized,
+    as it would have been dropped: a large one a step keeps reusing stays as it is."""
+    pool = BufferPool(100 * PAGE_SIZE)
+    large, small, busy = (pool.acquire(n * PAGE_SIZE) for n in (64, 4, 28))
+    pool.release(large)
+    pool.release(small)
+    got = pool.acquire(8 * PAGE_SIZE)  # (4 pages short: the 4-page buffer grown, the 64-page one kept)
+    assert got is small and pool.resized == 1 and pool.acquire(64 * PAGE_SIZE) is large
+    assert pool.held_bytes == 100 * PAGE_SIZE and busy.nbytes == 28 * PAGE_SIZE
+    pool.close()
 
 
 def test_a_pool_of_mixed_sizes_stays_within_its_budget():
@@ -178,10 +193,14 @@ def test_a_pool_of_mixed_sizes_stays_within_its_budget():
     buffer at least as large as asked and writable, the budget never passed."""
     rng = random.Random(0)
     pool = BufferPool(16 * PAGE_SIZE, fault_in=False)
-    held = []
+    held, views = [], []
     for _ in range(300):
         if held and (rng.random() < 0.5 or pool.in_use_bytes > 8 * PAGE_SIZE):
-            pool.release(held.pop(rng.randrange(len(held))))
+            buf = held.pop(rng.randrange(len(held)))
+            if rng.random() < 0.2:  # (a view kept past release: that buffer is not resized)
+                views.append(buf.view(torch.uint8, (1,)))
+            pool.release(buf)
+            views = views[-3:]
             continue
         size = rng.choice([1, 2, 3, 5, 8]) * PAGE_SIZE - rng.randrange(2)
         buf = pool.try_acquire(size)
@@ -189,6 +208,8 @@ def test_a_pool_of_mixed_sizes_stays_within_its_budget():
             assert buf.nbytes >= size
             buf.bytes[size - 1] = 1
             held.append(buf)
-        assert pool.held_bytes <= pool.budget
+        free = sum(n * len(bufs) for n, bufs in pool._free.items())
+        assert pool.held_bytes <= pool.budget and pool._cached == free
+        assert pool.in_use_bytes == sum(b.nbytes for b in held)
     assert pool.peak_bytes <= pool.budget and pool.resized > 0
     pool.close()
