@@ -10,6 +10,7 @@ read here with ``os.preadv`` into a fresh tensor: memory holds one tensor at a t
 from __future__ import annotations
 
 import contextlib
+import logging
 import glob
 import json
 import os
@@ -19,7 +20,11 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ._hf_keys import hf_keys
+
 __all__ = ["CheckpointReader", "init_empty_weights"]
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -44,6 +49,7 @@ class CheckpointReader:
         self.entries: dict[str, _Entry] = {}
         for file in _checkpoint_files(path):
             self.entries.update(_read_header(file))
+        self._rename_as_transformers(model)
         self._check_against(model)
 
     def has(self, name: str) -> bool:
@@ -76,6 +82,30 @@ class CheckpointReader:
             if name in self.entries:
                 return name
         raise KeyError(f"none of {slot.names} is in the checkpoint {self.path!r}")
+
+    def _rename_as_transformers(self, model: nn.Module) -> None:
+        """Take the model's names for the keys transformers renames when loading (the same
+        bytes); refuse the keys it converts (fused or split: no one tensor of the file)."""
+        names = set(model.state_dict().keys())
+        if all(n in self.entries for n in names):
+            return
+        keys = hf_keys(model, list(self.entries), names)
+        if keys is None:
+            return
+        if keys.converted:
+            first = sorted(keys.converted)[0]
+            raise ValueError(
+                f"checkpoint {self.path!r} holds {len(keys.converted)} tensors that transformers converts when it "
+                f"loads a {type(model).__name__} (fused or split into {len(set(keys.converted.values()))} "
+                f"parameters, e.g. {first!r} into {keys.converted[first]!r}): offload reads each parameter as one "
+                "tensor of the file and cannot build these. Load the model with from_pretrained and wrap it without "
+                "checkpoint= (its weights are then copied into swap files), or save it once as the model names "
+                "its tensors (safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
+        if keys.renamed:
+            self.entries = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
+            first = next(iter(keys.renamed.items()))
+            log.info("%d checkpoint tensors read under the names transformers gives them when loading a %s "
+                     "(e.g. %s -> %s)", len(keys.renamed), type(model).__name__, *first)
 
     def _check_against(self, model: nn.Module) -> None:
         aliases: dict[int, list[str]] = {}

@@ -1,0 +1,62 @@
+"""A checkpoint's tensor names as transformers' ``from_pretrained`` reads them.
+
+transformers 5 keeps some architectures' files in an older layout and converts them while
+loading (``conversion_mapping``): some keys are only renamed (a ViT's
+``attention.attention.key``), others are fused or split (a mixture of experts' per-expert
+``w1``/``w3`` into one ``gate_up_proj``). A renamed tensor is the same bytes under another
+name, so offload reads it as the model names it, in place too. A converted one is not one
+tensor of the file: ``CheckpointReader`` refuses it with the way round.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+__all__ = ["HfKeys", "hf_keys"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HfKeys:
+    """The model's name for each checkpoint key transformers renames, and the keys it
+    would convert (fused or split), which no model name reads as they are."""
+
+    renamed: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key
+    converted: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key built from it
+
+
+def hf_keys(model: nn.Module, keys: list[str], model_keys: set[str]) -> HfKeys | None:
+    """How transformers would name ``keys`` (a checkpoint's) for ``model``, whose state
+    names are ``model_keys``; None where ``model`` is not a transformers model, or this
+    transformers has no conversion mapping (then names are taken as they are)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    try:
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        known: dict[str, Any] = dict.fromkeys(model_keys, True)  # (only membership is asked)
+        out = HfKeys()
+        for key in keys:
+            name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+            if name not in known and key in known:  # (as from_pretrained: a key that needed no renaming)
+                name, converter = key, None
+            if converter is not None:
+                out.converted[key] = name
+            elif name != key:
+                out.renamed[key] = name
+        return out
+    except (TypeError, AttributeError, ValueError) as err:  # (another transformers' signatures)
+        log.debug("transformers' checkpoint conversion mapping not applied: %s", err)
+        return None
