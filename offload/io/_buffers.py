@@ -102,10 +102,10 @@ class HostBuffer:
     def resize(self, nbytes: int, *, fault_in: bool = True) -> bool:
         """Make the buffer ``nbytes`` (whole pages) in place, keeping the pages both sizes
         share (``mremap``: no page of them zeroed or faulted in again); True if done. Not
-        done (False, the buffer unchanged) for a pinned buffer, while a tensor still views
-        it (the pages may move: it would point at unmapped memory), or where the system
-        cannot resize an anonymous mapping. ``fault_in`` as for a new buffer, for the pages
-        added."""
+        done (False, the buffer unchanged) for a pinned buffer, while anything shares it (a
+        view, a ``.bytes`` tensor, its storage object, a memoryview: the pages may move and
+        leave it on unmapped memory), or where the system cannot resize an anonymous
+        mapping. ``fault_in`` as for a new buffer, for the pages added."""
         global _RESIZABLE
         size = round_up(max(nbytes, 1), PAGE_SIZE)
         if size == self.nbytes:
@@ -182,7 +182,7 @@ class BufferPool:
     The budget counts every byte the pool holds, buffers in use and buffers cached for
     reuse alike. Freed buffers are kept by exact size (groups of one model repeat sizes).
     A request of another size that needs their room resizes one of them in place where
-    it can (``HostBuffer.resize``: an unpinned buffer no tensor views) and drops others
+    it can (``HostBuffer.resize``: an unpinned buffer nothing shares) and drops others
     only for the rest of the room: mapping a new buffer instead would zero every page of
     it again, and a model whose groups alternate between two sizes did that for most of
     its bytes on every pass.

@@ -10,9 +10,9 @@ read here with ``os.preadv`` into a fresh tensor: memory holds one tensor at a t
 from __future__ import annotations
 
 import contextlib
-import logging
 import glob
 import json
+import logging
 import os
 import struct
 from typing import Iterator
@@ -102,7 +102,12 @@ class CheckpointReader:
                 "checkpoint= (its weights are then copied into swap files), or save it once as the model names "
                 "its tensors (safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
         if keys.renamed:
-            self.entries = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
+            renamed = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
+            if len(renamed) < len(self.entries):  # (two tensors of the file under one name: which is meant?)
+                raise ValueError(f"checkpoint {self.path!r}: renaming its keys as transformers does gives two "
+                                 "tensors one name; save the model as it names its tensors "
+                                 "(safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
+            self.entries = renamed
             first = next(iter(keys.renamed.items()))
             log.info("%d checkpoint tensors read under the names transformers gives them when loading a %s "
                      "(e.g. %s -> %s)", len(keys.renamed), type(model).__name__, *first)
