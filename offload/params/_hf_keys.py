@@ -3,7 +3,8 @@
 transformers 5 keeps some architectures' files in an older layout and converts them while
 loading (``conversion_mapping``): some keys are only renamed (a ViT's
 ``attention.attention.key``), others are fused or split (a mixture of experts' per-expert
-``w1``/``w3`` into one ``gate_up_proj``). A renamed tensor is the same bytes under another
+``w1``/``w3`` into one ``gate_up_proj``; some transposed or permuted under their own name).
+A renamed tensor is the same bytes under another
 name, so offload reads it as the model names it, in place too. A converted one is not one
 tensor of the file: ``CheckpointReader`` refuses it with the way round.
 """
@@ -58,5 +59,6 @@ def hf_keys(model: nn.Module, keys: list[str], model_keys: set[str]) -> HfKeys |
                 out.renamed[key] = name
         return out
     except (TypeError, AttributeError, ValueError) as err:  # (another transformers' signatures)
-        log.debug("transformers' checkpoint conversion mapping not applied: %s", err)
+        log.warning("transformers' checkpoint conversion mapping not applied (%s): the checkpoint's names are "
+                    "taken as they are", err)
         return None

@@ -9,6 +9,7 @@ read here with ``os.preadv`` into a fresh tensor: memory holds one tensor at a t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import json
@@ -85,27 +86,28 @@ class CheckpointReader:
 
     def _rename_as_transformers(self, model: nn.Module) -> None:
         """Take the model's names for the keys transformers renames when loading (the same
-        bytes); refuse the keys it converts (fused or split: no one tensor of the file)."""
-        names = set(model.state_dict().keys())
-        if all(n in self.entries for n in names):
-            return
-        keys = hf_keys(model, list(self.entries), names)
+        bytes); refuse the keys it converts (fused, split, transposed, permuted: not the
+        tensor of the file), even under the model's own names."""
+        keys = hf_keys(model, list(self.entries), set(model.state_dict().keys()))
         if keys is None:
             return
         if keys.converted:
             first = sorted(keys.converted)[0]
             raise ValueError(
                 f"checkpoint {self.path!r} holds {len(keys.converted)} tensors that transformers converts when it "
-                f"loads a {type(model).__name__} (fused or split into {len(set(keys.converted.values()))} "
-                f"parameters, e.g. {first!r} into {keys.converted[first]!r}): offload reads each parameter as one "
-                "tensor of the file and cannot build these. Load the model with from_pretrained and wrap it without "
-                "checkpoint= (its weights are then copied into swap files), or save it once as the model names "
-                "its tensors (safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
+                f"loads a {type(model).__name__} (fused, split, transposed or permuted into "
+                f"{len(set(keys.converted.values()))} parameters, e.g. {first!r} into {keys.converted[first]!r}): "
+                "offload reads each parameter as one tensor of the file and cannot build these. Load the model "
+                "with from_pretrained and wrap it without checkpoint= (its weights are then copied into swap "
+                "files), or, loaded so once, save it as the model names its tensors "
+                "(safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
         if keys.renamed:
             renamed = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
             if len(renamed) < len(self.entries):  # (two tensors of the file under one name: which is meant?)
-                raise ValueError(f"checkpoint {self.path!r}: renaming its keys as transformers does gives two "
-                                 "tensors one name; save the model as it names its tensors "
+                counts = collections.Counter(keys.renamed.get(k, k) for k in self.entries)
+                twice = sorted(k for k in self.entries if counts[keys.renamed.get(k, k)] > 1)
+                raise ValueError(f"checkpoint {self.path!r}: renamed as transformers does, tensors {twice[:4]} get "
+                                 "one name. Load the model with from_pretrained, save it as it names its tensors "
                                  "(safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
             self.entries = renamed
             first = next(iter(keys.renamed.items()))
@@ -137,7 +139,9 @@ class CheckpointReader:
             problems.append(f"shape mismatches ({len(mismatched)}): {mismatched[:20]}")
         if problems:
             raise ValueError(f"checkpoint {self.path!r} does not match the model: " + "; ".join(problems)
-                             + ". Build the model from the config the checkpoint was saved with.")
+                             + ". Build the model from the config the checkpoint was saved with, as the class it "
+                             "was saved from (a save_pretrained directory's config.json names it in "
+                             "'architectures').")
 
 
 def _is_meta_buffer(model: nn.Module, name: str) -> bool:

@@ -83,14 +83,23 @@ def _replace_param(model: nn.Module, slot: Any) -> None:
 
 
 def move_buffers(model: nn.Module, device: torch.device, reader: Any) -> None:
+    persistent = set(model.state_dict().keys()) if reader is not None else set()
     for module_name, module in model.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
             full = f"{module_name}.{name}" if module_name else name
-            if buf.device.type == "meta":
-                if reader is None or not reader.has(full):
-                    raise ValueError(
-                        f"buffer {full!r} is on the meta device and not in the checkpoint: build the "
-                        "model with offload.init_empty_weights() (parameters on meta, buffers real) "
-                        "or include the buffer in the checkpoint")
-                buf = reader.get(full)
+            if full in persistent and reader.has(full):  # (a saved buffer's value is the checkpoint's, as
+                # from_pretrained loads it: final_logits_bias, batch-norm statistics; not the built one's)
+                saved = reader.get(full)
+                if buf.device.type != "meta":
+                    if tuple(saved.shape) != tuple(buf.shape):
+                        raise ValueError(f"buffer {full!r}: checkpoint {tuple(saved.shape)}, model "
+                                         f"{tuple(buf.shape)}. Build the model from the config the checkpoint "
+                                         "was saved with")
+                    saved = saved.to(buf.dtype)
+                buf = saved
+            elif buf.device.type == "meta":
+                raise ValueError(
+                    f"buffer {full!r} is on the meta device and not in the checkpoint: build the "
+                    "model with offload.init_empty_weights() (parameters on meta, buffers real) "
+                    "or include the buffer in the checkpoint")
             module._buffers[name] = buf.to(device)

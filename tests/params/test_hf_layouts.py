@@ -60,3 +60,22 @@ def test_fused_tensors_are_refused_with_the_way_round(tmp_path, no_leaks):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
     offload.unwrap(model)
+
+
+def test_a_saved_buffer_takes_the_checkpoints_value(tmp_path, no_leaks):
+    """A persistent buffer the model builds with a value of its own (Bart's
+    final_logits_bias, zeros) is read from the checkpoint, as from_pretrained does."""
+    config = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                     vocab_size=120, max_position_embeddings=64)
+    torch.manual_seed(0)
+    saved = transformers.BartForConditionalGeneration(config)
+    saved.final_logits_bias.fill_(0.5)
+    saved.save_pretrained(tmp_path / "ckpt")
+    ref = transformers.BartForConditionalGeneration.from_pretrained(tmp_path / "ckpt").eval()
+    model = _wrap(lambda: transformers.BartForConditionalGeneration(config), tmp_path / "ckpt", tmp_path / "swap")
+    assert float(model.final_logits_bias[0, 0]) == 0.5
+    ids = torch.randint(3, 120, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+    offload.unwrap(model)
