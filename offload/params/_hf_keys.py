@@ -12,6 +12,7 @@ tensor of the file: ``CheckpointReader`` refuses it with the way round.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ def hf_keys(model: nn.Module, keys: list[str], model_keys: set[str]) -> HfKeys |
     """How transformers would name ``keys`` (a checkpoint's) for ``model``, whose state
     names are ``model_keys``; None where ``model`` is not a transformers model, or this
     transformers has no conversion mapping (then names are taken as they are)."""
+    if "transformers" not in sys.modules:  # (then the model is not one of its: no import of it for nothing)
+        return None
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
