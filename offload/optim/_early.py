@@ -84,7 +84,9 @@ class EarlyUpdate:
                         break  # (the backward goes on; a later call reads it, or step() does)
                 self.pipeline.issue(shard, self.issued, self.pending)
             head = queue[0]
-            if not block and not self._in_memory(head):
+            # (a head whose rows were read during the backward is in memory, but not issued
+            # when the writes were backlogged: its read is asked for, and counted, first)
+            if not block and (id(head) not in self.issued or not self._in_memory(head)):
                 break
             queue.pop(0)
             try:

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from .._tensors import made_lasting
 from ..config import OffloadConfig
 from ..params import hold_gradients, release_gradients
+from ._ahead import BackwardReads
 from ._deferred import Deferral
 from ._early import EarlyUpdate, refuse_to_start
 from ._formats import StateFormat
@@ -102,10 +103,11 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         # still being written back is served from memory; the store's stats count the disk's)
         # reduce_seconds: several ranks, time in the reduce-scatters of gradients
         # forward_update_seconds: time spent updating shards during the next forward
+        # backward_read_bytes: state rows asked for from a backward's hooks, ahead of the update (``_ahead``)
         # <kind>_read_bytes / <kind>_write_bytes: the same, by kind (``_moved.KINDS``)
         self.stats = {"steps": 0, "skipped_steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0,
                       "read_bytes": 0, "write_bytes": 0, "reduce_seconds": 0.0, "forward_update_seconds": 0.0,
-                      **counters()}
+                      "backward_read_bytes": 0, **counters()}
         self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
@@ -120,6 +122,8 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
                                    in_backward_update=lambda: self._early is not None, closed=lambda: self._closed,
                                    settle=self._settle)
+        self._sink.ahead = BackwardReads(self._book, self.stats, self._log,
+                                         wanted=lambda: self._book.partition() is None)
         self._later = Deferral(self._pipeline, self._writeback, self._phase, self.stats,
                                enabled=update_in_next_forward, partitioned=lambda: self._book.partition() is not None,
                                sink_open=lambda: self._sink.open,
@@ -168,6 +172,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._scaler.scaled = False
         self._clipped = False
         if self._scaler.enabled and found_inf(self._book):
+            self._sink.ahead.release([])
             self.stats["skipped_steps"] += 1
             self._scaler.skipped()
             self._end_step(started, skipped=True)
@@ -181,13 +186,16 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             if early is not None:
                 rest = early.finish(lambda done: [s for s in shards if id(s) not in done and s.takes_step])
                 work = [s for s in shards if id(s) in early.done] + rest
+                self._sink.ahead.release(work)
             else:
                 work = [s for s in shards if s.takes_step]
+                self._sink.ahead.release(work)  # (the update below takes the rows read ahead)
                 if self._later.deferrable(work):
                     owed = self._later.prepare(work, self.param_groups, lambda: self._scaler.factor)
                 else:
                     self._pipeline.run(work, self._scaler.factor)
         finally:
+            self._sink.ahead.restart()  # (after release(); or a failed step: the next backward reads anew)
             # (back to ACCUMULATING: a step from a hook of a backward still adding)
             if not self._phase.poisoned:
                 self._phase.enter(OptimizerPhase.ACCUMULATING if self._sink.open else OptimizerPhase.IDLE)
@@ -218,14 +226,16 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     def _end_step(self, started: float, *, skipped: bool) -> None:
         """Tell the wrapped models this optimizer serves: their optimizer time, the bytes it
         moved per parameter since the last step, by kind (with the update in the next
-        forward: the previous step's update), and the line of their step log
-        (OffloadConfig.log_path)."""
+        forward: the previous step's update), the state rows read during this step's
+        backwards, and the line of their step log (OffloadConfig.log_path)."""
         seconds = time.perf_counter() - started
         params = sum(seg.length for shard in self._book.shards for seg in shard.segments)
         moved = per_parameter(self.stats, self._moved_before, params)
+        ahead = self.stats["backward_read_bytes"] - self._moved_before.get("backward_read_bytes", 0)
         self._moved_before = dict(self.stats)
         for manager in self._book.managers():
-            manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped, moved=moved)
+            manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped, moved=moved,
+                                        read_in_backward=ahead)
 
     @contextlib.contextmanager
     def update_during_backward(self):

@@ -24,6 +24,7 @@ from .._memory import HEAP_PEAK
 from ..accel import Accelerator, accelerator_for
 from ..params import graph_task
 from ..store import Tier
+from ._ahead import BackwardReads
 from ._grads import noted_norms
 from ._layout import ParamEntry, Shard
 from ._phase import OptimizerPhase, Phase
@@ -70,6 +71,7 @@ class GradientSink:
     def __init__(self, book: ShardBook, phase: Phase, stats: dict, before: Callable[[], None]):
         self.book, self.phase, self.stats, self.before = book, phase, stats, before
         self.listener: Listener | None = None
+        self.ahead: BackwardReads | None = None  # told of each gradient while no listener is
         self.reducer = Reducer(self, stats)
         self._hooks: list[Any] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -122,6 +124,8 @@ class GradientSink:
             self.drain(p, grad)
         if acc is not None and self.listener is not None:
             self.listener.device_gradient()
+        elif self.ahead is not None and self.listener is None:
+            self.ahead.advance()
 
     def drain(self, p: torch.Tensor, grad: torch.Tensor, base: int = 0) -> None:
         """Add ``p``'s gradient into its shards' accumulators: element ``i`` of ``p`` is
@@ -234,6 +238,9 @@ class GradientSink:
             else:
                 _settle(shard, acc)
         else:
+            need = shard.numel * 4 * (2 if shard.grad_valid else 1)  # (and the sum read back beside it)
+            if self.ahead is not None and store.staging.budget - store.staging.in_use_bytes < need:
+                self.ahead.shed(store, need)  # (rows read ahead for the update give way)
             shard.acc_buffer = store.staging.acquire(shard.numel * 4)
             acc = shard.acc_buffer.view(torch.float32, (shard.numel,))
             if shard.grad_valid:  # an earlier backward of this cycle: add to it

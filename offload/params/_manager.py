@@ -67,11 +67,11 @@ class ParamManager:
             if self.activations is not None:
                 self.activations.store.tracer = self.steplog.tracer
 
-    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None) -> None:
-        """An offloaded optimizer's step over these parameters took ``seconds`` (``moved``:
-        the bytes it read and wrote per parameter since its last step, by kind): the step's
-        record."""
-        self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped, moved=moved)
+    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None,
+                            read_in_backward: int | None = None) -> None:
+        """An offloaded optimizer's step over these parameters took ``seconds``: the step's record (``StepLog``)."""
+        self.steplog.optimizer_step_done(seconds, lr=lr, skipped=skipped, moved=moved,
+                                         read_in_backward=read_in_backward)
 
     def optimizer_time(self, seconds: float) -> None:
         """An optimizer worked ``seconds`` outside its ``step()`` (the update a step left to

@@ -65,11 +65,16 @@ class StepLog:
     def note(self, **fields: Any) -> None:
         self._noted.update(fields)
 
-    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None) -> None:
+    def optimizer_step_done(self, seconds: float, *, lr: float, skipped: bool, moved: dict | None = None,
+                            read_in_backward: int | None = None) -> None:
+        """``moved``: the bytes the optimizer read and wrote per parameter since its last
+        step, by kind; ``read_in_backward``: bytes of state rows it read during the backwards."""
         self.optimizer_seconds += seconds
         self.note(lr=lr, skipped_step=skipped)
         if moved is not None:
             self.note(optimizer_bytes_per_param=moved)
+        if read_in_backward is not None:
+            self.note(optimizer_read_in_backward_bytes=read_in_backward)
         self.record()
 
     def record(self, **fields: Any) -> dict[str, Any]:
