@@ -35,8 +35,9 @@ _IN_FLIGHT = (Residency.QUEUED, Residency.LOADING)
 
 
 class BackwardReads:
-    """Reads ahead of the update from the gradient hooks (module docstring). ``wanted()``:
-    whether a backward now may read ahead (no update during backward open, one rank)."""
+    """Reads ahead of the update from the gradient hooks (module docstring; the sink calls
+    ``advance`` only while no ``update_during_backward`` listens). ``wanted()``: whether this
+    optimizer reads ahead at all (one rank), asked once per step."""
 
     def __init__(self, book: Any, stats: dict, log: Callable[[str, Shard], None], wanted: Callable[[], bool]):
         self.book, self.stats, self.log, self.wanted = book, stats, log, wanted
