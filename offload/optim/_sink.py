@@ -22,6 +22,7 @@ import torch
 
 from .._memory import HEAP_PEAK
 from ..accel import Accelerator, accelerator_for
+from ..io import PAGE_SIZE, round_up
 from ..params import graph_task
 from ..store import Tier
 from ._ahead import BackwardReads
@@ -238,9 +239,8 @@ class GradientSink:
             else:
                 _settle(shard, acc)
         else:
-            need = shard.numel * 4 * (2 if shard.grad_valid else 1)  # (and the sum read back beside it)
-            if self.ahead is not None and store.staging.budget - store.staging.in_use_bytes < need:
-                self.ahead.shed(store, need)  # (rows read ahead for the update give way)
+            # (with the sum of an earlier backward read back beside it)
+            self._room(store, round_up(shard.numel * 4, PAGE_SIZE) * (2 if shard.grad_valid else 1))
             shard.acc_buffer = store.staging.acquire(shard.numel * 4)
             acc = shard.acc_buffer.view(torch.float32, (shard.numel,))
             if shard.grad_valid:  # an earlier backward of this cycle: add to it
@@ -265,6 +265,7 @@ class GradientSink:
         if shard.grad_home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)
         else:
+            self._room(shard.store, round_up(shard.numel * 4, PAGE_SIZE))  # (the put stages the sum for NVMe)
             shard.store.put(shard.grad_key, acc, shard.grad_home)
             shard.store.staging.release(shard.acc_buffer)
             shard.acc_buffer = None
@@ -275,6 +276,13 @@ class GradientSink:
         shard.drained.clear()
         if self.listener is not None and shard.wrapped:
             self.listener.shard_final(shard)
+
+    def _room(self, store: Any, nbytes: int) -> None:
+        """Before taking ``nbytes`` of ``store``'s pool: state rows read ahead for the update
+        give way where the pool is short (``_ahead``: they are clean, a drop costs a read)."""
+        pool = store.staging
+        if self.ahead is not None and pool.budget - pool.in_use_bytes < nbytes:
+            self.ahead.shed(store, nbytes)
 
     def reset(self) -> None:
         """Drop every gradient held for wrapped parameters, with its noted norms."""

@@ -283,3 +283,38 @@ def test_the_backward_takes_room_back_from_rows_read_ahead(tmp_path, tiny_gpt2, 
     finally:
         opt.close()
         offload.close(model)
+
+
+@pytest.mark.timeout(120)
+def test_gradients_on_nvme_take_room_back_when_the_margin_is_thin(tmp_path, tiny_gpt2, lm_batches, offload_config,
+                                                                  monkeypatch, no_leaks):
+    """The margin cut to the update's own need (one shard in flight), gradients resting on
+    NVMe and two micro-batches: the pool fills with rows read ahead, the backward's
+    accumulators and their staging for NVMe take room back (shed), and the result is bit for
+    bit the run without reading ahead."""
+    batches = lm_batches(211, steps=3)
+    sheds = []
+    shed = BackwardReads.shed
+
+    def counting(self, store, nbytes):
+        sheds.append(nbytes)
+        return shed(self, store, nbytes)
+
+    monkeypatch.setattr(BackwardReads, "shed", counting)
+    monkeypatch.setattr(BackwardReads, "_margin",
+                        lambda self, store: max(s.bytes_in_flight for s in self.book.shards if s.store is store))
+    runs = []
+    for ahead in (True, False):
+        model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / str(ahead), host_budget="768KiB"))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, shard_size=6000, grad_tier="nvme")
+        try:
+            with contextlib.nullcontext() if ahead else _without_reads_ahead():
+                _train(model, opt, batches, 0.5)
+            opt.synchronize()
+            runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        finally:
+            opt.close()
+            offload.close(model)
+    assert sheds, "the backward took no room back"
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
