@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from ..store import Residency, Tier
 from ._layout import Shard
+from ._sizing import largest_in_flight
 
 __all__ = ["BackwardReads"]
 
@@ -132,8 +133,7 @@ class BackwardReads:
         if margin is None:
             placement = self.book.placements.get(id(store))
             mine = [s for s in self.book.shards if s.store is store]
-            home = placement.param_home if placement is not None else None
-            largest = max((s.bytes_in_flight + s.group_copy_bytes(home) + s.scratch_bytes for s in mine), default=0)
+            largest = largest_in_flight(mine, placement.param_home if placement is not None else None)
             staging = (placement.write_back + placement.param_staging + placement.device_staging) if placement else 0
             # (a plain parameter's gradient of another dtype is copied into fp32 from the pool)
             plain = max((s.numel * 4 for s in mine if not s.wrapped), default=0)

@@ -23,7 +23,7 @@ from ._formats import BLOCK, StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
-__all__ = ["grad_room", "check_host_budget", "check_machine", "write_back_bytes",
+__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "write_back_bytes",
            "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,12 @@ def _padded(item: Item) -> int:
     return n
 
 
+def largest_in_flight(shards: Iterable[Shard], param_home: Tier | None) -> int:
+    """Host bytes of the largest of ``shards`` in flight: its rows and gradient, the groups
+    it updates in host copies, and (coded rows) the fp32 scratch its update decodes into."""
+    return max((s.bytes_in_flight + s.group_copy_bytes(param_home) + s.scratch_bytes for s in shards), default=0)
+
+
 def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> None:
     """Per store: the states resting in host memory, the largest shard in flight and the
     write-back staging must fit its host budget."""
@@ -112,10 +118,7 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
     for key, group in by_store.items():
         p = placements[key]
         resting = sum(s.host_resting_bytes for s in group)
-        # one shard in flight: its rows and gradient, and the groups it updates in host copies
-        # (coded rows: and the fp32 scratch its update decodes them into)
-        largest = max((s.bytes_in_flight + s.group_copy_bytes(p.param_home) + s.scratch_bytes for s in group),
-                      default=0)
+        largest = largest_in_flight(group, p.param_home)
         wrapped = any(s.wrapped for s in group)
         staging = p.write_back if wrapped else 0
         device = p.device_staging if wrapped else 0
