@@ -60,10 +60,11 @@ class GradientCalls:
             raise ValueError(f"norm_type={norm_type}: offload optimizers clip by the 2-norm or the inf-norm")
         self._sink.sync()
         self._ensure_layout()
-        total = total_norm(self._book, norm_type) / self._scaler.factor
-        scale_all(self._book, min(1.0, float(max_norm) / (total + 1e-6)))
+        total = torch.tensor(total_norm(self._book, norm_type) / self._scaler.factor)
+        # (the factor in fp32 tensor arithmetic, as clip_grad_norm_ computes it: to the bit)
+        scale_all(self._book, float(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)))
         self._clipped = True
-        return torch.tensor(total)
+        return total
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16 dynamic loss scaling); call ``backward()`` on

@@ -20,6 +20,8 @@ def _held(book: ShardBook) -> list:
 def total_norm(book: ShardBook, norm_type: float) -> float:
     """The 2-norm or inf-norm of every gradient held, in the units backward left them
     (loss-scaled, when loss scaling is on)."""
+    if norm_type == 2.0 and book.partition() is None:
+        return _as_torch(book)
     held = _held(book)
     # (scaled through p.grad since: as noted times the factor)
     sumsq = sum(seg.sumsq * seg.scale ** 2 for seg in held)
@@ -34,6 +36,24 @@ def total_norm(book: ShardBook, norm_type: float) -> float:
         sumsq, = partition.sum([sumsq])
         maxabs, = partition.max([maxabs])
     return math.sqrt(sumsq) if norm_type == 2.0 else maxabs
+
+
+def _as_torch(book: ShardBook) -> float:
+    """The 2-norm as ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters
+    computes it: each parameter's norm in fp32, then the norm of those. A parameter's norm
+    from its noted sum of squares is torch's to the bit when it lies in one shard."""
+    norms = []
+    for entry in book.entries.values():
+        if entry.owner is None:
+            if entry.param.grad is not None:
+                norms.append(float(torch.linalg.vector_norm(entry.param.grad.detach())))
+            continue
+        segs = [seg for seg in entry.segments if seg.has_grad and seg.shard.grad_valid]
+        if segs:
+            norms.append(math.sqrt(sum(seg.sumsq * seg.scale ** 2 for seg in segs)))
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)))
 
 
 def scale_all(book: ShardBook, coef: float) -> None:

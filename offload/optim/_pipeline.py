@@ -185,8 +185,9 @@ class Pipeline:
 
     def _update_shard(self, shard: Shard, rows: torch.Tensor | None, grads: torch.Tensor | None,
                       grad_scale: float, views: dict | None, where: str, groups: list[dict] | None) -> None:
-        # one call per torch param group and gradient factor (p.grad.mul_(c), clipping:
-        # applied as the kernel's grad_scale, the stored sums untouched)
+        # one call per torch param group and gradient factor (p.grad.mul_(c), clipping). The
+        # factor multiplies the staged gradients first, as torch's p.grad.mul_ would have: folded
+        # into the kernel's grad_scale (a division) it rounds differently in the last bit
         by_group: dict[tuple[int, float], list[Segment]] = defaultdict(list)
         for seg in shard.segments:
             if seg.length and (seg.has_grad if shard.wrapped else seg.param.grad is not None):
@@ -203,7 +204,10 @@ class Pipeline:
                             seg.sumsq, seg.maxabs = noted_norms(part)
                             seg.scale = 1.0
                     factor = 1.0
-                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale / factor, temp, views, groups)
+                elif factor != 1.0:  # (a resting sum: its books follow in _unscaled_in_place)
+                    for seg in segs:
+                        grads[seg.offset: seg.offset + seg.length].mul_(factor)
+                temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp, views, groups)
                 if shard.wrapped and shard.grad_home is Tier.HOST and grad_scale / factor != 1.0:
                     _unscaled_in_place(segs, grad_scale / factor, grad_scale)
         finally:
@@ -252,8 +256,9 @@ def _seed(shard: Shard) -> int:
 
 
 def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -> None:
-    """The update divided these segments' resting gradient sums by ``divisor`` in place
-    (torch's fused kernels unscale their grads; SGD does the same): p.grad's books follow,
+    """The update multiplied these segments' resting gradient sums by their factor and
+    divided them by the loss scale, in place (torch's fused kernels unscale their grads; SGD
+    does the same), ``divisor`` in all: p.grad's books follow,
     so it still shows the clipped, unscaled gradient, and the next backward adds to the
     loss-scaled sum."""
     for seg in segs:

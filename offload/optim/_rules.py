@@ -3,8 +3,8 @@
 
 ``_update`` gets, per torch param group present in a shard, lists of fp32 CPU tensors (the
 parameters or master rows, the gradients, each state row) and the per-segment step counts;
-``grad_scale`` divides the gradients (the loss scale over any clip factor), in place, as
-torch's fused kernels do.
+``grad_scale`` divides the gradients (the loss scale; a clip factor has multiplied them
+already), in place, as torch's fused kernels do.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ def close(model, opt):
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """torch.nn.utils.clip_grad_norm_ over the wrapped model (what Accelerate and Trainer
-    call): the same norms and the same clipped trajectory as without offload."""
+    call): the same norms and the same clipped trajectory as without offload, bit for bit
+    (no parameter here is split across shards)."""
     model, opt, ref, ref_opt = adamw_pair(tmp_path, tier)
     for (ids,) in lm_batches(211, steps=3, micro=1):
         backward(model, ids)
@@ -33,13 +34,13 @@ def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, adamw_pair, lm_ba
         limit = 0.5 if norm_type == 2.0 else 0.1
         got = torch.nn.utils.clip_grad_norm_(model.parameters(), limit, norm_type=norm_type)
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), limit, norm_type=norm_type)
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert float(want) > limit  # the clip changed something
         opt.step()
         ref_opt.step()
         model.zero_grad()
         ref_opt.zero_grad()
-    assert_same_weights(model, ref)
+    assert_same_weights(model, ref, rtol=0, atol=0)
     close(model, opt)
 
 
@@ -89,7 +90,7 @@ def test_zero_grad_between_backward_and_step_drops(tmp_path, adamw_pair, lm_batc
 def test_grad_scaler_unscale_and_skip(tmp_path, tiny_gpt2, make_opt, offload_config, lm_batches, assert_same_weights,
                                       no_leaks):
     """torch.amp.GradScaler over the offload optimizer (loss_scale=None: the scaler scales):
-    unscale_, clipping and the overflow skip as with torch's optimizer."""
+    unscale_, clipping and the overflow skip as with torch's optimizer, bit for bit."""
     ref = tiny_gpt2()
     ref_opt = make_opt("adamw", ref.parameters(), offloaded=False)
     model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, param_tier="host", optimizer_tier="host"))
@@ -109,8 +110,8 @@ def test_grad_scaler_unscale_and_skip(tmp_path, tiny_gpt2, make_opt, offload_con
             o.zero_grad()
     assert scalers[0].get_scale() == scalers[1].get_scale() == 512.0
     for got, want in zip(*unscaled):
-        torch.testing.assert_close(got, want, equal_nan=True)
-    assert_same_weights(model, ref)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert_same_weights(model, ref, rtol=0, atol=0)
     close(model, opt)
 
 
@@ -208,4 +209,38 @@ def test_checkpoint_load_and_zero_grad_keep_the_books(tmp_path, adamw_pair, lm_b
         torch.testing.assert_close(named[n].grad.clone(), q.grad, msg=n)
     opt.zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.clone().any() for p in model.parameters())
+    close(model, opt)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("api", ["optimizer", "torch"])
+def test_clipping_equals_torchs_bit_for_bit(tmp_path, tier, api, tiny_llama, make_opt, decay_groups, offload_config,
+                                            lm_batches, assert_same_weights, no_leaks):
+    """Clipping by opt.clip_grad_norm_ or torch's over the optimizer's parameters, a limit
+    that clips on some steps only, two micro-batches, two param groups, a GradScaler: norms
+    and weights are torch's to the bit (the factor multiplies the gradients as p.grad.mul_
+    would, and the total is the norm of the parameters' fp32 norms, as torch sums it)."""
+    ref, model = tiny_llama(), tiny_llama()
+    ref_opt = make_opt("adamw", decay_groups(ref), False)
+    offload.wrap(model, offload_config(tmp_path, param_tier=tier, optimizer_tier=tier))
+    opt = make_opt("adamw", decay_groups(model), True, loss_scale=None, grad_tier=tier if tier == "nvme" else "auto")
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
+    limits = [0.5, 1e9, 0.5, 1e9]  # (1e9: a factor of exactly 1)
+    for step, micro in enumerate(lm_batches(model.config.vocab_size, steps=len(limits))):
+        norms = []
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            for ids in micro:
+                scaler.scale(m(input_ids=ids, labels=ids).loss / len(micro)).backward()
+            scaler.unscale_(o)
+            params = [p for g in o.param_groups for p in g["params"]]
+            if api == "optimizer" and o is opt:
+                norms.append(opt.clip_grad_norm_(limits[step]))
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(params, limits[step]))
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        torch.testing.assert_close(norms[0], norms[1], rtol=0, atol=0)
+        assert (float(norms[1]) > limits[step]) == (step % 2 == 0)
+    assert_same_weights(model, ref, rtol=0, atol=0)
     close(model, opt)
