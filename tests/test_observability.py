@@ -179,3 +179,39 @@ def test_plot_log_writes_a_png(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), str(bad)],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "is not a JSON line" in out.stderr
+
+
+def test_a_model_holding_the_wrapped_one_is_found(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    """A PEFT model built after ``wrap`` (the README's order): its adapters are plain
+    parameters, yet the optimizer's steps write the wrapped model's step log, and
+    ``note_step``, ``stats`` and ``close`` take the PEFT model (close releases the files:
+    ``no_leaks``). A module holding two wrapped models is refused where one is meant and
+    closes both."""
+    peft = pytest.importorskip("peft")
+    log_path = tmp_path / "steps.jsonl"
+    base = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, log_path=str(log_path)))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0))
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        offload.note_step(model, loss=loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert offload.stats(model)["read_bytes"] == offload.stats(base)["read_bytes"] > 0
+    opt.close()
+    offload.close(model)
+    with pytest.raises(ValueError, match="not wrapped"):
+        offload.stats(base)
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1] and all("loss" in r and "lr" in r for r in lines)
+
+    pair = torch.nn.ModuleList([offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path / name, TRACED))
+                                for name in ("a", "b")])
+    with pytest.raises(ValueError, match="holds 2 wrapped models"):
+        offload.stats(pair)
+    with pytest.raises(ValueError, match="already wrapped"):
+        offload.wrap(pair, offload_config(tmp_path / "c", TRACED))
+    offload.close(pair)
+    assert all(offload.params.find(m) is None for m in pair)

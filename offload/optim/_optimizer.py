@@ -233,7 +233,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         moved = per_parameter(self.stats, self._moved_before, params)
         ahead = self.stats["backward_read_bytes"] - self._moved_before.get("backward_read_bytes", 0)
         self._moved_before = dict(self.stats)
-        for manager in self._book.managers():
+        for manager in self._book.logged_by():
             manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped, moved=moved,
                                         read_in_backward=ahead)
 

@@ -12,7 +12,7 @@ import torch
 from ..accel import host_compute
 from .._resolve import choose_io_backend, resolve_engine
 from ..config import OffloadConfig
-from ..params import owner_of
+from ..params import holders_of, owner_of
 from ..store import Residency, Tier, TensorStore, create_store
 from ._formats import StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, ParamEntry, Placement, Segment, Shard, cut,
@@ -81,6 +81,12 @@ class ShardBook:
     def managers(self, shards: list[Shard] | None = None) -> set:
         """The ParamManagers of the wrapped models whose parameters ``shards`` (all) hold."""
         return {s.segments[0].owner.manager for s in (self.shards if shards is None else shards) if s.wrapped}
+
+    def logged_by(self) -> set:
+        """The ParamManagers whose step log this optimizer's step ends: of the wrapped models
+        whose parameters it holds, and of those holding its plain parameters in their
+        modules (adapters added after ``wrap``)."""
+        return self.managers() | holders_of(self.plain_params())
 
     def partition(self) -> Any:
         """The partition of the wrapped model this optimizer serves, if several ranks."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from ._access import DemandAccess
 from ._coordinator import Coordinator
 from ._from_store import StoreCopies
 from ._gathering import GatheredSlices
-from ._groups import ParamGroup, ParamSlot, point, slice_groups
+from ._groups import ParamGroup, point, slice_groups
 from ._hooks import ModuleHooks
 from ._inplace import InPlaceLayout, adopt_groups
 from ._loading import CheckpointReader
@@ -30,14 +29,14 @@ from ._mapped import MappedViews
 from ._materializer import Materializer
 from ._originals import Originals
 from ._placing import load_groups, move_buffers
+from ._registry import forget, register, within, wrapped_in
 from ._sizing import check_partitioned, device_layout
 from ._steplog import StepLog
 
-__all__ = ["wrap", "unwrap", "close", "manager_of", "owner_of", "ParamManager"]
+__all__ = ["wrap", "unwrap", "close", "ParamManager"]
 
 log = logging.getLogger(__name__)
 _HOME = {"device": Tier.DEVICE, "host": Tier.HOST, "nvme": Tier.NVME}
-_managers: "weakref.WeakKeyDictionary[nn.Module, ParamManager]" = weakref.WeakKeyDictionary()
 
 
 class ParamManager:
@@ -164,22 +163,6 @@ class ParamManager:
         return self.partition.gather_bytes(data)[: group.whole.nbytes]
 
 
-def owner_of(param: torch.Tensor) -> tuple[ParamManager, ParamGroup, ParamSlot] | None:
-    """The wrapped model, parameter group and slot holding ``param``; None if not wrapped."""
-    for manager in _managers.values():
-        found = manager.slots.get(id(param))
-        if found is not None and found[1].param is param:
-            return (manager, *found)
-    return None
-
-
-def manager_of(model: nn.Module) -> ParamManager:
-    try:
-        return _managers[model]
-    except KeyError:
-        raise ValueError("this model is not wrapped: call offload.wrap(model, config) first") from None
-
-
 @made_lasting
 def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLike | None = None,
          process_group: Any = None) -> nn.Module:
@@ -195,8 +178,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
-    if model in _managers:
-        raise ValueError("this model is already wrapped: call offload.unwrap(model) first")
+    if within(model):
+        raise ValueError("this model (or a module inside it) is already wrapped: call offload.unwrap(model) first")
     from .. import distributed
 
     partition = distributed.resolve(config, process_group)
@@ -260,7 +243,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
             activations.close()
         store.close()
         raise
-    _managers[model] = manager = ParamManager(model, config, store, mine, coordinator, hooks, partition, originals)
+    manager = ParamManager(model, config, store, mine, coordinator, hooks, partition, originals)
+    register(model, manager)
     manager.access.attach(model, groups)
     manager.steplog.start()  # the first step's line counts that step, not the loading above
     total = sum(g.nbytes for g in groups)
@@ -281,12 +265,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     :func:`close` to release a model that does not. If restoring fails (an I/O error), the
     files and threads are still released and the error is raised.
     """
-    manager = manager_of(model)
+    inner, manager = wrapped_in(model)  # (or the wrapped model inside: a PEFT model built after wrap)
     try:
         manager.pending.settle()  # (a step's update still owed to the weights)
     except BaseException:
         _abandon_owed(manager)
-        _release(model, manager)
+        _release(inner, manager)
         raise
     try:
         manager.access.detach()
@@ -298,7 +282,7 @@ def unwrap(model: nn.Module) -> nn.Module:
                 for slot in group.whole.slots:
                     data = whole[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
                     point(slot.param, data.to(manager.coordinator.device, copy=True))
-            _release(model, manager)
+            _release(inner, manager)
             return model
         for group in manager.groups:
             flat = manager.store.wait(group.key, Tier.DEVICE)
@@ -308,9 +292,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             if not group.resident:
                 manager.store.evict(group.key, Tier.DEVICE)
     except BaseException:
-        _release(model, manager)
+        _release(inner, manager)
         raise
-    _release(model, manager)
+    _release(inner, manager)
     return model
 
 
@@ -320,11 +304,15 @@ def close(model: nn.Module) -> None:
     What to call after an error or an interrupt, or at the end of a run whose model does not
     fit in memory (save or export it first). Afterwards the model's parameters are empty
     tensors; ``offload.wrap`` may be called again on a new model with the same config and
-    ``nvme_path``. Closing a model that is not wrapped (or already closed) does nothing.
+    ``nvme_path``. ``model`` may be a module holding wrapped models (a PEFT model built after
+    ``wrap``): each is closed. Closing a model that is not wrapped (or already closed) does
+    nothing.
     """
-    manager = _managers.get(model)
-    if manager is None:
-        return
+    for inner, manager in within(model):
+        _close(inner, manager)
+
+
+def _close(model: nn.Module, manager: ParamManager) -> None:
     try:
         try:  # a step's update still owed: the optimizer's states and weights finish it
             manager.pending.settle()
@@ -352,7 +340,7 @@ def _abandon_owed(manager: ParamManager) -> None:
 
 def _release(model: nn.Module, manager: ParamManager) -> None:
     """The store's files, threads and buffers released; the model no longer managed."""
-    _managers.pop(model, None)
+    forget(model)
     manager.access.detach()
     try:
         try:

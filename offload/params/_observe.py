@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ._manager import manager_of
+from ._registry import manager_of
 from ._steplog import stats_of
 
 __all__ = ["stats", "log_step", "note_step", "write_trace", "reset_peak_stats"]

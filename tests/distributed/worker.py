@@ -161,7 +161,7 @@ def main() -> None:
     result["nvme_bytes"] = stats["nvme_bytes"]
     result["read_bytes"] = stats["read_bytes"]
     result["gathered_ahead"] = stats["gathered_ahead"]
-    result["slice_bytes"] = sum(g.nbytes for g in offload.params._manager.manager_of(model).groups)
+    result["slice_bytes"] = sum(g.nbytes for g in offload.params.manager_of(model).groups)
     weights = offload.state_dict(model)  # every rank takes part in the gathers
     if rank == 0:
         torch.save(weights, spec["out"] + ".pt")

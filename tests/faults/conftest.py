@@ -103,7 +103,7 @@ def assert_weights():
     """``assert_weights(model, expected)``: the model's weights (wrapped or not) equal
     ``expected``, a state dict."""
     def check(model, expected: dict[str, torch.Tensor]) -> None:
-        got = offload.state_dict(model) if model in manager_module._managers else model.state_dict()
+        got = offload.state_dict(model) if offload.params.find(model) is not None else model.state_dict()
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, msg=name)
     return check
