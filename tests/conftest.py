@@ -50,8 +50,8 @@ def wide_llama():
     Where a test compares weights after clipped steps, use this rather than
     :func:`wide_gpt2`: GPT-2's key bias has a gradient that is zero in exact arithmetic (the
     softmax does not see it), so its trajectory under Adam is rounding noise, and the clip
-    factor's last bit (applied as a division in offload's kernel, a multiplication in
-    torch's) moves that noise by up to 1e-4 on some CPUs while no output changes."""
+    factor's last bit (the norm of a parameter split across shards is summed from its
+    pieces) moves that noise by up to 1e-4 on some CPUs while no output changes."""
     return lambda: _tiny_llama(num_hidden_layers=1, hidden_size=128, intermediate_size=256, vocab_size=4099,
                                max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
 

@@ -40,20 +40,25 @@ def total_norm(book: ShardBook, norm_type: float) -> float:
 
 def _as_torch(book: ShardBook) -> float:
     """The 2-norm as ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters
-    computes it: each parameter's norm in fp32, then the norm of those. A parameter's norm
-    from its noted sum of squares is torch's to the bit when it lies in one shard."""
+    computes it for fp32 gradients: each parameter's norm in fp32, then the norm of those.
+    A parameter's norm from its noted sum of squares is torch's to the bit when it lies in
+    one shard. Other dtypes are summed in fp32, and norms beyond fp32 (of a loss-scaled
+    gradient) in fp64, so a loss scale never turns the total into inf."""
     norms = []
     for entry in book.entries.values():
         if entry.owner is None:
             if entry.param.grad is not None:
-                norms.append(float(torch.linalg.vector_norm(entry.param.grad.detach())))
+                norms.append(float(torch.linalg.vector_norm(entry.param.grad.detach(), dtype=torch.float32)))
             continue
         segs = [seg for seg in entry.segments if seg.has_grad and seg.shard.grad_valid]
         if segs:
             norms.append(math.sqrt(sum(seg.sumsq * seg.scale ** 2 for seg in segs)))
     if not norms:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)))
+    total = float(torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)))
+    if math.isinf(total) and all(math.isfinite(n) for n in norms):
+        return math.sqrt(sum(n * n for n in norms))
+    return total
 
 
 def scale_all(book: ShardBook, coef: float) -> None:

@@ -204,12 +204,12 @@ class Pipeline:
                             seg.sumsq, seg.maxabs = noted_norms(part)
                             seg.scale = 1.0
                     factor = 1.0
-                elif factor != 1.0:  # (a resting sum: its books follow in _unscaled_in_place)
+                elif factor != 1.0:  # (only offloaded gradients take noted factors)
                     for seg in segs:
                         grads[seg.offset: seg.offset + seg.length].mul_(factor)
                 temp = self._update_group(shard, gi, segs, rows, grads, grad_scale, temp, views, groups)
-                if shard.wrapped and shard.grad_home is Tier.HOST and grad_scale / factor != 1.0:
-                    _unscaled_in_place(segs, grad_scale / factor, grad_scale)
+                if shard.wrapped and shard.grad_home is Tier.HOST and (factor != 1.0 or grad_scale != 1.0):
+                    _unscaled_in_place(segs, grad_scale / factor, grad_scale)  # (the resting sum was changed)
         finally:
             if temp is not None:
                 shard.store.staging.release(temp)

@@ -308,8 +308,14 @@ def close(model: nn.Module) -> None:
     ``wrap``): each is closed. Closing a model that is not wrapped (or already closed) does
     nothing.
     """
-    for inner, manager in within(model):
-        _close(inner, manager)
+    failed: BaseException | None = None
+    for inner, manager in within(model):  # (each one, whatever the others raise)
+        try:
+            _close(inner, manager)
+        except BaseException as error:  # noqa: BLE001 - raised after the others are closed
+            failed = failed or error
+    if failed is not None:
+        raise failed
 
 
 def _close(model: nn.Module, manager: ParamManager) -> None:

@@ -244,3 +244,18 @@ def test_clipping_equals_torchs_bit_for_bit(tmp_path, tier, api, tiny_llama, mak
         assert (float(norms[1]) > limits[step]) == (step % 2 == 0)
     assert_same_weights(model, ref, rtol=0, atol=0)
     close(model, opt)
+
+
+def test_loss_scaled_fp16_norms_stay_finite(no_leaks):
+    """Plain fp16 parameters under offload's own loss scaling: each loss-scaled gradient's
+    norm is beyond fp16's range, yet the total is the true one (taken in fp32), not an inf
+    that would clip every gradient to zero."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256)).half()
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    opt.scale_loss(30 * model(torch.randn(64, 256).half()).float().pow(2).mean()).backward()
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in model.parameters()]
+    assert max(norms) > torch.finfo(torch.float16).max  # (in fp16 they would be inf)
+    want = torch.linalg.vector_norm(torch.stack(norms)) / opt.loss_scale
+    torch.testing.assert_close(opt.clip_grad_norm_(1.0), want)
+    opt.close()

@@ -61,7 +61,7 @@ def config(tmp_path, **settings):
 def run_and_compare(tmp_path, build, batches, reference, *, seed, optimizer_tier, during_backward,
                     max_delay=0.001, host_budget="64MiB", **opt_kw):
     """Train ``build()`` wrapped on a simulated device seeded ``seed``; losses and weights
-    equal the reference's (fp32: the same kernels, so to the last bits but for clipping)."""
+    equal the reference's (fp32: the same kernels, so to the last bits)."""
     ref_losses, ref_weights = reference
     with simulated(seed=seed, max_delay=max_delay) as sim:
         model = offload.wrap(build(), config(tmp_path, optimizer_tier=optimizer_tier, host_budget=host_budget))
