@@ -186,7 +186,7 @@ def test_a_model_holding_the_wrapped_one_is_found(tmp_path, tiny_gpt2, offload_c
     parameters, yet the optimizer's steps write the wrapped model's step log, and
     ``note_step``, ``stats`` and ``close`` take the PEFT model (close releases the files:
     ``no_leaks``). A module holding two wrapped models is refused where one is meant and
-    closes both."""
+    closes both; neither it nor a module inside a wrapped model can be wrapped again."""
     peft = pytest.importorskip("peft")
     log_path = tmp_path / "steps.jsonl"
     base = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, log_path=str(log_path)))
@@ -213,5 +213,7 @@ def test_a_model_holding_the_wrapped_one_is_found(tmp_path, tiny_gpt2, offload_c
         offload.stats(pair)
     with pytest.raises(ValueError, match="already wrapped"):
         offload.wrap(pair, offload_config(tmp_path / "c", TRACED))
+    with pytest.raises(ValueError, match="inside a wrapped model"):
+        offload.wrap(pair[0].transformer.h[0], offload_config(tmp_path / "c", TRACED))
     offload.close(pair)
     assert all(offload.params.find(m) is None for m in pair)

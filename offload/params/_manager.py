@@ -29,7 +29,7 @@ from ._mapped import MappedViews
 from ._materializer import Materializer
 from ._originals import Originals
 from ._placing import load_groups, move_buffers
-from ._registry import forget, register, within, wrapped_in
+from ._registry import forget, owner_of, register, within, wrapped_in
 from ._sizing import check_partitioned, device_layout
 from ._steplog import StepLog
 
@@ -180,6 +180,9 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
     if within(model):
         raise ValueError("this model (or a module inside it) is already wrapped: call offload.unwrap(model) first")
+    if any(owner_of(p) is not None for p in model.parameters()):  # (a module inside a wrapped model)
+        raise ValueError("this module's parameters are already wrapped (it lies inside a wrapped model): "
+                         "wrap one model once, or unwrap the outer model first")
     from .. import distributed
 
     partition = distributed.resolve(config, process_group)
