@@ -292,7 +292,7 @@ class GradientBook:
             values = self.values(param)
             return float(torch.linalg.vector_norm(values, order, dtype=torch.float64))
         if order == 2.0:
-            return math.sqrt(sum(seg.sumsq * seg.scale ** 2 for seg in segs)) / self._loss_scale()
+            return held_norm(segs) / self._loss_scale()
         return max((seg.maxabs * abs(seg.scale) for seg in segs), default=0.0) / self._loss_scale()
 
     def finite(self, param: torch.Tensor) -> bool:
@@ -361,6 +361,12 @@ class GradientBook:
             shard.store.put(shard.grad_key, acc, shard.grad_home)
         shard.grad_valid = True
         renote(shard)
+
+
+def held_norm(segs: list) -> float:
+    """The 2-norm of the gradient ``segs`` hold, from their noted squared sums and factors,
+    in the units backward left it (loss-scaled, when loss scaling is on)."""
+    return math.sqrt(sum(seg.sumsq * seg.scale ** 2 for seg in segs))
 
 
 def noted_norms(part: torch.Tensor) -> tuple[float, float]:

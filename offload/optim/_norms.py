@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from ._grads import held_norm
 from ._shards import ShardBook
 
 __all__ = ["total_norm", "scale_all", "found_inf"]
@@ -52,7 +53,7 @@ def _as_torch(book: ShardBook) -> float:
             continue
         segs = [seg for seg in entry.segments if seg.has_grad and seg.shard.grad_valid]
         if segs:
-            norms.append(math.sqrt(sum(seg.sumsq * seg.scale ** 2 for seg in segs)))
+            norms.append(held_norm(segs))
     if not norms:
         return 0.0
     total = float(torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32)))

@@ -186,16 +186,16 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             if early is not None:
                 rest = early.finish(lambda done: [s for s in shards if id(s) not in done and s.takes_step])
                 work = [s for s in shards if id(s) in early.done] + rest
-                self._sink.ahead.release(work)
             else:
                 work = [s for s in shards if s.takes_step]
-                self._sink.ahead.release(work)  # (the update below takes the rows read ahead)
+            self._sink.ahead.release(work)  # (the update takes the rows read ahead of its work)
+            if early is None:
                 if self._later.deferrable(work):
                     owed = self._later.prepare(work, self.param_groups, lambda: self._scaler.factor)
                 else:
                     self._pipeline.run(work, self._scaler.factor)
         finally:
-            self._sink.ahead.restart()  # (after release(); or a failed step: the next backward reads anew)
+            self._sink.ahead.restart()  # (a failed step: the next backward reads anew)
             # (back to ACCUMULATING: a step from a hook of a backward still adding)
             if not self._phase.poisoned:
                 self._phase.enter(OptimizerPhase.ACCUMULATING if self._sink.open else OptimizerPhase.IDLE)

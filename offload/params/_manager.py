@@ -178,11 +178,10 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     checkpoint = os.fspath(checkpoint) if checkpoint is not None else None
-    if within(model):
-        raise ValueError("this model (or a module inside it) is already wrapped: call offload.unwrap(model) first")
-    if any(owner_of(p) is not None for p in model.parameters()):  # (a module inside a wrapped model)
-        raise ValueError("this module's parameters are already wrapped (it lies inside a wrapped model): "
-                         "wrap one model once, or unwrap the outer model first")
+    # (the model itself, a module inside it or one around it: its parameters would be managed twice)
+    if within(model) or any(owner_of(p) is not None for p in model.parameters()):
+        raise ValueError("this model is already wrapped, holds a wrapped module, or lies inside a wrapped model: "
+                         "wrap one model once, or call offload.unwrap on the wrapped one first")
     from .. import distributed
 
     partition = distributed.resolve(config, process_group)
