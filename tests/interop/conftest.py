@@ -36,32 +36,38 @@ def weights():
 
 @pytest.fixture
 def trainer_run(tiny_gpt2, offload_config, token_batches, weights):
-    """``trainer_run(path, offloaded, *, steps=4, resume=None, **args)``: train with Trainer's
-    defaults (clipping at 1.0 included), the model wrapped (swap in ``path/run``) with
-    offload's AdamW or plain with torch's, output in ``path/offload`` or ``path/plain``;
-    ``args`` go to TrainingArguments. Returns the logged losses and gradient norms, and the
-    final weights."""
+    """``trainer_run(path, offloaded, *, steps=4, resume=None, trainers_optimizer=False, **args)``:
+    train with Trainer's defaults (clipping at 1.0 included), the model wrapped (swap in
+    ``path/run``) with offload's AdamW or plain with torch's, output in ``path/offload`` or
+    ``path/plain``; ``args`` go to TrainingArguments. The optimizer is given to Trainer, or
+    with ``trainers_optimizer`` Trainer builds its own (its decay groups and schedule):
+    offload's through ``optimizer_cls_and_kwargs``, or its default. Returns the logged losses
+    and gradient norms, and the final weights."""
     transformers = pytest.importorskip("transformers")
 
-    def run(tmp_path, offloaded: bool, *, steps=4, resume=None, **args):
+    def run(tmp_path, offloaded: bool, *, steps=4, resume=None, trainers_optimizer=False, **args):
         model = tiny_gpt2()
         if offloaded:
             offload.wrap(model, offload_config(tmp_path / "run"))
-            opt = offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, fused=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         out = tmp_path / ("offload" if offloaded else "plain")
         training = transformers.TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=2,
                                                   logging_steps=1, report_to=[], use_cpu=True, seed=0,
                                                   disable_tqdm=True, **args)
         dataset = [{"input_ids": ids[0], "labels": ids[0].clone()} for ids in token_batches(16, batch=1)]
-        trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset, optimizers=(opt, sched))
+        if trainers_optimizer:
+            settings = dict(lr=training.learning_rate, betas=(training.adam_beta1, training.adam_beta2),
+                            eps=training.adam_epsilon)
+            chosen = dict(optimizer_cls_and_kwargs=(offload.AdamW, settings)) if offloaded else {}
+        else:
+            opt = (offload.AdamW(model.parameters(), lr=1e-3, eps=1e-6) if offloaded else
+                   torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, fused=True))
+            chosen = dict(optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))))
+        trainer = transformers.Trainer(model=model, args=training, train_dataset=dataset, **chosen)
         trainer.train(resume_from_checkpoint=resume)
         logs = [h for h in trainer.state.log_history if "loss" in h]
         result = [h["loss"] for h in logs], [h["grad_norm"] for h in logs], weights(model)
         if offloaded:
-            opt.close()
+            getattr(trainer.optimizer, "optimizer", trainer.optimizer).close()  # (Accelerate's wrapper around it)
             offload.unwrap(model)
         return result
     return run

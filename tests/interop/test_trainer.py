@@ -30,6 +30,16 @@ def test_defaults_clip_and_save_steps_resume(tmp_path, trainer_run, no_leaks):
     assert_same_run(resumed, whole, rtol=0, atol=0)
 
 
+def test_trainers_own_optimizer_with_decay_groups(tmp_path, trainer_run, no_leaks):
+    """offload.AdamW built by Trainer (``optimizer_cls_and_kwargs``: its decay and no-decay
+    groups, its schedule) against Trainer's default optimizer over the plain model, weight
+    decay on: losses, gradient norms and weights to the bit."""
+    args = dict(steps=3, trainers_optimizer=True, weight_decay=0.1, learning_rate=1e-3)
+    plain, offloaded = trainer_run(tmp_path, False, **args), trainer_run(tmp_path, True, **args)
+    assert min(plain[1]) > 1.0  # clipped at every step
+    assert_same_run(offloaded, plain, rtol=0, atol=0)
+
+
 def test_bf16_autocast(tmp_path, trainer_run, no_leaks):
     """Trainer's bf16=True (autocast) over an offloaded fp32 model: as over the plain model."""
     # bf16 products summed in another order move a few weights by bf16 rounding (5e-6 seen);
