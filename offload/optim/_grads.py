@@ -199,7 +199,7 @@ class GradientBook:
         self._views.clear()
         for shard in self.book.shards:
             for seg in shard.segments:
-                seg.scale, seg.sumsq, seg.maxabs = 1.0, 0.0, 0.0
+                seg.scale, seg.sumsq, seg.maxabs, seg.whole = 1.0, 0.0, 0.0, None
 
     def hide(self, param: torch.Tensor | None = None) -> None:
         """Views of ``param``'s gradient (every view: None) refuse use from now on: it is
@@ -221,7 +221,7 @@ class GradientBook:
             else:
                 shard.store.put(shard.grad_key, torch.zeros(shard.numel), shard.grad_home)
             for seg in shard.segments:
-                seg.scale, seg.sumsq, seg.maxabs = 1.0, 0.0, 0.0
+                seg.scale, seg.sumsq, seg.maxabs, seg.whole = 1.0, 0.0, 0.0, None
             renote(shard)
 
     def loss_scale_changed(self, old: float, new: float) -> None:
@@ -304,6 +304,7 @@ class GradientBook:
         for seg in self._segments(param):
             if seg.shard.acc is not None:  # an open accumulator: in place (its flush notes it)
                 seg.shard.acc[seg.offset: seg.offset + seg.length].mul_(factor)
+                seg.whole = None
             else:
                 seg.scale *= factor
 
@@ -326,7 +327,7 @@ class GradientBook:
             part = flat[seg.start: seg.start + seg.length] * self._loss_scale()  # held as backward leaves it
             if seg.shard.acc is not None:
                 seg.shard.acc[seg.offset: seg.offset + seg.length] = part
-                seg.has_grad, seg.scale = True, 1.0
+                seg.has_grad, seg.scale, seg.whole = True, 1.0, None
             else:
                 self._rewrite(seg, part)
 
@@ -335,7 +336,7 @@ class GradientBook:
         for seg in self._segments(param):
             if seg.shard.acc is not None:
                 seg.shard.acc[seg.offset: seg.offset + seg.length].zero_()
-            seg.has_grad, seg.scale, seg.sumsq, seg.maxabs = False, 1.0, 0.0, 0.0
+            seg.has_grad, seg.scale, seg.sumsq, seg.maxabs, seg.whole = False, 1.0, 0.0, 0.0, None
             if seg.shard.acc is None and not any(s.has_grad for s in seg.shard.segments):
                 seg.shard.grad_valid = False
             renote(seg.shard)
@@ -347,13 +348,13 @@ class GradientBook:
         if not shard.grad_valid:  # its stale sums are zeroed by the next backward; so here
             acc.zero_()
             for other in shard.segments:
-                other.has_grad, other.scale, other.sumsq, other.maxabs = False, 1.0, 0.0, 0.0
+                other.has_grad, other.scale, other.sumsq, other.maxabs, other.whole = False, 1.0, 0.0, 0.0, None
         else:
             for other in shard.segments:  # (dropped ones: zero, as the next backward would make them)
                 if not other.has_grad:
                     acc[other.offset: other.offset + other.length].zero_()
         acc[seg.offset: seg.offset + seg.length] = part
-        seg.has_grad, seg.scale = True, 1.0
+        seg.has_grad, seg.scale, seg.whole = True, 1.0, None
         seg.sumsq, seg.maxabs = noted_norms(part)
         if shard.grad_home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)
@@ -364,8 +365,13 @@ class GradientBook:
 
 
 def held_norm(segs: list) -> float:
-    """The 2-norm of the gradient ``segs`` hold, from their noted squared sums and factors,
-    in the units backward left it (loss-scaled, when loss scaling is on)."""
+    """The 2-norm of the gradient ``segs`` (one parameter's) hold, from their noted squared
+    sums and factors, in the units backward left it (loss-scaled, when loss scaling is on).
+    A split parameter's comes from its whole gradient's sum where that was noted and the
+    sum is still that gradient (one backward since its gradient was dropped)."""
+    whole = segs[0].whole if len(segs) > 1 else None
+    if whole is not None and all(seg.whole is not None and seg.scale == segs[0].scale for seg in segs):
+        return math.sqrt(whole * segs[0].scale ** 2)
     return math.sqrt(sum(seg.sumsq * seg.scale ** 2 for seg in segs))
 
 

@@ -79,6 +79,9 @@ class Segment:
     # p.grad = the held sum x scale / loss scale: factors noted by p.grad.mul_(c) (clipping)
     # and, on host sums the fused kernel unscaled in place, the loss scale
     scale: float = 1.0
+    # a split parameter's squared norm taken over its whole gradient as it arrived (torch's
+    # own sum, which the pieces' sums only approach); None once the sum is anything else
+    whole: float | None = None
 
 
 @dataclass(eq=False)

@@ -202,7 +202,7 @@ class Pipeline:
                         part = grads[seg.offset: seg.offset + seg.length].mul_(0.0)
                         if shard.grad_home is Tier.HOST:  # (the resting sum itself: its books follow)
                             seg.sumsq, seg.maxabs = noted_norms(part)
-                            seg.scale = 1.0
+                            seg.scale, seg.whole = 1.0, None
                     factor = 1.0
                 elif factor != 1.0:  # (only offloaded gradients take noted factors)
                     for seg in segs:
@@ -264,5 +264,5 @@ def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -
     for seg in segs:
         seg.sumsq /= divisor * divisor
         seg.maxabs /= abs(divisor)
-        seg.scale = loss_scale
+        seg.scale, seg.whole = loss_scale, None
     renote(segs[0].shard)

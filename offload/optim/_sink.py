@@ -135,6 +135,8 @@ class GradientSink:
         entry = self.book.entries[id(p)]
         if self.listener is not None:
             self.listener.gradient(entry)
+        if len(entry.segments) > 1:
+            _note_whole(entry.segments, flat, whole=base == 0 and flat.numel() == p.numel())
         for seg in entry.segments:
             shard = seg.shard
             acc = self._open(shard)
@@ -291,7 +293,7 @@ class GradientSink:
         for shard in self.book.shards:
             shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
             for seg in shard.segments:
-                seg.has_grad = False
+                seg.has_grad, seg.whole = False, None
 
     def close(self) -> None:
         """Stop taking gradients. Adds still queued are waited for; accumulators a stopped
@@ -320,6 +322,20 @@ class GradientSink:
         """From ``__del__``: stop the drain thread without waiting."""
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _note_whole(segs: list, flat: torch.Tensor, *, whole: bool) -> None:
+    """A split parameter's gradient arrives: where it is its first since the gradient was
+    dropped and ``flat`` is all of it, its squared norm as torch's ``vector_norm`` takes it
+    over the whole (what ``clip_grad_norm_`` takes per parameter; the pieces' noted sums
+    differ from it in the last bits). A gradient added to a held one has no whole norm."""
+    value = None
+    if whole and not any(seg.has_grad for seg in segs):
+        value = float(torch.linalg.vector_norm(flat.float() if flat.dtype != torch.float32 else flat)) ** 2
+        if not math.isfinite(value):  # (the pieces' sums fall back to fp64, or carry the NaN)
+            value = None
+    for seg in segs:
+        seg.whole = value
 
 
 def _settle(shard: Shard, acc: torch.Tensor) -> None:

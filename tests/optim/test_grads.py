@@ -246,6 +246,35 @@ def test_clipping_equals_torchs_bit_for_bit(tmp_path, tier, api, tiny_llama, mak
     close(model, opt)
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_split_parameters_clip_as_torch(tmp_path, micro, tiny_llama, make_opt, offload_config, lm_batches,
+                                        assert_same_weights, no_leaks):
+    """Shards small enough that most parameters straddle two or more: with one backward per
+    step each split parameter's norm is taken over its whole gradient, so the clip is
+    torch's to the bit (under a GradScaler too); with two (the sum exists only in pieces) it
+    is summed from the pieces, a few units in the last place off."""
+    ref, model = tiny_llama(), tiny_llama()
+    ref_opt = make_opt("adamw", ref.parameters(), False)
+    offload.wrap(model, offload_config(tmp_path, param_tier="nvme", optimizer_tier="nvme"))
+    opt = make_opt("adamw", model.parameters(), True, shard_size=3000)
+    assert sum(len(e.segments) > 1 for e in opt._book.entries.values()) >= 5
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
+    for step, batches in enumerate(lm_batches(model.config.vocab_size, steps=4, micro=micro)):
+        norms = []
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            for ids in batches:
+                scaler.scale(m(input_ids=ids, labels=ids).loss / micro).backward()
+            scaler.unscale_(o)
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5 if step % 2 == 0 else 1e9))
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        exact = dict(rtol=0, atol=0) if micro == 1 else {}
+        torch.testing.assert_close(norms[0], norms[1], **exact)
+    assert_same_weights(model, ref, **exact)
+    close(model, opt)
+
+
 def test_loss_scaled_fp16_norms_stay_finite(no_leaks):
     """Plain fp16 parameters under offload's own loss scaling: each loss-scaled gradient's
     norm is beyond fp16's range, yet the total is the true one (taken in fp32), not an inf
