@@ -15,6 +15,7 @@ import glob
 import json
 import logging
 import os
+import re
 import struct
 from typing import Iterator
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from ._hf_keys import hf_keys
 
-__all__ = ["CheckpointReader", "init_empty_weights"]
+__all__ = ["CheckpointReader", "init_empty_weights", "take_generation_config"]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,17 @@ class CheckpointReader:
     def __init__(self, path: str, model: nn.Module):
         self.path = path
         self.entries: dict[str, _Entry] = {}
-        for file in _checkpoint_files(path):
-            self.entries.update(_read_header(file))
+        files, weight_map = _checkpoint_files(path)
+        for file in files:
+            for name, entry in _read_header(file).items():
+                if weight_map is not None and weight_map.get(name, file) != file:
+                    continue  # (the index names another file for it: a stale copy)
+                if name in self.entries:
+                    raise ValueError(f"checkpoint {path!r}: tensor {name!r} is in both {self.entries[name].path!r} "
+                                     f"and {file!r}, and no index says which is the model's. Give the file itself "
+                                     "as checkpoint=, or keep one model per directory (save_pretrained writes "
+                                     "model.safetensors or an index)")
+                self.entries[name] = entry
         self._rename_as_transformers(model)
         self._check_against(model)
 
@@ -124,6 +134,7 @@ class CheckpointReader:
         persistent = set(model.state_dict().keys()) - known  # persistent buffers
         missing = [names[0] for pid, names in aliases.items() if not any(n in self.entries for n in names)]
         missing += [b for b in persistent if b not in self.entries and _is_meta_buffer(model, b)]
+        self._drop_ignored(model, known | persistent)
         unexpected = [k for k in self.entries if k not in known and k not in persistent]
         mismatched = []
         for pid, names in aliases.items():
@@ -142,6 +153,56 @@ class CheckpointReader:
                              + ". Build the model from the config the checkpoint was saved with, as the class it "
                              "was saved from (a save_pretrained directory's config.json names it in "
                              "'architectures').")
+        for names in aliases.values():
+            self._check_tied([n for n in names if n in self.entries])
+
+    def _drop_ignored(self, model: nn.Module, saved: set[str]) -> None:
+        """Forget the file's tensors, of those the model does not save (``saved``: its state
+        names), that ``from_pretrained`` passes over without a word: keys the model class
+        lists as ignorable (``_keys_to_ignore_on_load_unexpected``: GPT-2's old causal
+        masks), and buffers the model keeps unsaved (a rotary ``inv_freq``)."""
+        patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        unsaved = {n for n, _ in model.named_buffers()}
+        ignored = [k for k in self.entries if k not in saved and (k in unsaved or any(p.search(k) for p in patterns))]
+        for k in ignored:
+            del self.entries[k]
+        if ignored:
+            log.info("checkpoint %r: %d tensors not read, as from_pretrained does not read them (buffers the "
+                     "model does not save, or keys %s ignores; e.g. %s)", self.path, len(ignored),
+                     type(model).__name__, ignored[0])
+
+    def _check_tied(self, names: list[str]) -> None:
+        """A parameter the model ties under several names, of which the file holds more than
+        one: they must be the same tensor, or which one the model reads would decide its
+        outputs (transformers unties them)."""
+        first = self.entries[names[0]] if names else None
+        for other in names[1:]:
+            entry = self.entries[other]
+            if (entry.dtype, entry.shape) != (first.dtype, first.shape) or not _same_bytes(first, entry):
+                raise ValueError(
+                    f"checkpoint {self.path!r} holds both {names[0]!r} and {other!r}, which this model ties into one "
+                    "parameter, with different values: from_pretrained unties them for such a file. Build the model "
+                    "untied (tie_word_embeddings=False in its config, so each reads its own tensor), or save the "
+                    "checkpoint from the tied model")
+
+
+def take_generation_config(model: nn.Module, path: str) -> None:
+    """A save_pretrained directory's ``generation_config.json`` becomes the model's
+    generation defaults, as ``from_pretrained`` makes it (a model built from its config has
+    the config's defaults instead, and ``generate`` would sample, stop and penalise
+    differently); a model whose defaults were already changed keeps them."""
+    file = os.path.join(path, "generation_config.json")
+    current = getattr(model, "generation_config", None)
+    if current is None or not os.path.isfile(file) or not callable(getattr(model, "can_generate", None)) \
+            or not model.can_generate():
+        return
+    from transformers import GenerationConfig
+
+    if current != GenerationConfig.from_model_config(model.config):
+        log.info("the model's own generation settings are kept; %s is not applied", file)
+        return
+    model.generation_config = GenerationConfig.from_pretrained(path)
+    log.info("generation settings taken from %s, as from_pretrained takes them", file)
 
 
 def _is_meta_buffer(model: nn.Module, name: str) -> bool:
@@ -150,17 +211,34 @@ def _is_meta_buffer(model: nn.Module, name: str) -> bool:
     return buf is not None and buf.device.type == "meta"
 
 
-def _checkpoint_files(path: str) -> list[str]:
+def _same_bytes(a: _Entry, b: _Entry, chunk: int = 64 << 20) -> bool:
+    if a.end - a.start != b.end - b.start:
+        return False
+    with open(a.path, "rb", buffering=0) as fa, open(b.path, "rb", buffering=0) as fb:
+        for at in range(0, a.end - a.start, chunk):
+            n = min(chunk, a.end - a.start - at)
+            if os.pread(fa.fileno(), n, a.start + at) != os.pread(fb.fileno(), n, b.start + at):
+                return False
+    return True
+
+
+def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The files that make up the checkpoint at ``path``, as ``from_pretrained`` picks them
+    (an index, else model.safetensors, else the directory's .safetensors files), and the
+    index's file for each tensor (None without an index)."""
     if os.path.isfile(path):
-        return [path]
+        return [path], None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a .safetensors file, a "
                                 "directory with model.safetensors(.index.json), or a save_pretrained directory")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as fh:
-            weight_map = json.load(fh).get("weight_map", {})
-        return sorted({os.path.join(path, f) for f in weight_map.values()})
+            weight_map = {k: os.path.join(path, f) for k, f in json.load(fh).get("weight_map", {}).items()}
+        return sorted(set(weight_map.values())), weight_map
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):  # (beside it, a variant, an adapter or an older copy: not the model's)
+        return [single], None
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files and os.path.exists(os.path.join(path, "manifest.json")):
         raise FileNotFoundError(
@@ -171,7 +249,7 @@ def _checkpoint_files(path: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {path!r} (pickle .bin checkpoints are not "
                                 "loaded: they can run code; convert them with save_pretrained(safe_serialization=True))")
-    return files
+    return files, None
 
 
 def _read_header(file: str) -> dict[str, _Entry]:

@@ -24,7 +24,7 @@ from ._gathering import GatheredSlices
 from ._groups import ParamGroup, point, slice_groups
 from ._hooks import ModuleHooks
 from ._inplace import InPlaceLayout, adopt_groups
-from ._loading import CheckpointReader
+from ._loading import CheckpointReader, take_generation_config
 from ._mapped import MappedViews
 from ._materializer import Materializer
 from ._originals import Originals
@@ -196,6 +196,8 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                          "use device='cpu'")
     check_output_paths(config)
     reader = CheckpointReader(checkpoint, model) if checkpoint is not None else None
+    if reader is not None and os.path.isdir(checkpoint):
+        take_generation_config(model, checkpoint)
     if reader is None:
         meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if meta:

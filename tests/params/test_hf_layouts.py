@@ -1,4 +1,6 @@
-"""Checkpoints in the layout transformers keeps on disk for some architectures, which
+"""Checkpoints as transformers keeps them on disk, read as ``from_pretrained`` reads them.
+
+The layout transformers keeps for some architectures, which
 ``from_pretrained`` converts while loading: renamed tensors are read under the model's
 names (in place too) and equal ``from_pretrained``'s; fused or split ones are refused with
 the way round, which then works."""
@@ -78,4 +80,101 @@ def test_a_saved_buffer_takes_the_checkpoints_value(tmp_path, no_leaks):
     ids = torch.randint(3, 120, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+    offload.unwrap(model)
+
+
+def _tiny_llama_config(**kw):
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, **kw)
+
+
+def _same_logits(model, ref, vocab):
+    ids = torch.randint(0, vocab, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_the_files_from_pretrained_reads(tmp_path, no_leaks):
+    """model.safetensors is the model, whatever else the directory holds (a variant, an
+    adapter); without it, two files holding one tensor name are refused, not merged."""
+    config = _tiny_llama_config()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt", variant="v2")  # model.v2.safetensors
+    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    build = lambda: transformers.LlamaForCausalLM(config)  # noqa: E731
+    model = _wrap(build, tmp_path / "ckpt", tmp_path / "swap")
+    _same_logits(model, ref, 128)
+    offload.unwrap(model)
+    (tmp_path / "ckpt" / "model.safetensors").rename(tmp_path / "ckpt" / "model.v1.safetensors")
+    with pytest.raises(ValueError, match=r"is in both .*model.v1.safetensors.*model.v2.safetensors.*no index"):
+        _wrap(build, tmp_path / "ckpt", tmp_path / "swap2")
+
+
+def test_tied_names_with_different_values_are_refused(tmp_path, no_leaks):
+    """A file holding both names of a tied parameter with different values (transformers
+    unties them) is refused with the way round, which then gives from_pretrained's model."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    untied = _tiny_llama_config(tie_word_embeddings=False)
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(untied)
+    safetensors.save_model(saved, str(tmp_path / "both.safetensors"))
+    with pytest.raises(ValueError, match=r"holds both .*ties into one parameter, with different values.*"
+                                         r"tie_word_embeddings=False"):
+        _wrap(lambda: transformers.LlamaForCausalLM(_tiny_llama_config(tie_word_embeddings=True)),
+              tmp_path / "both.safetensors", tmp_path / "swap")
+    model = _wrap(lambda: transformers.LlamaForCausalLM(untied), tmp_path / "both.safetensors", tmp_path / "swap2")
+    _same_logits(model, saved.eval(), 128)
+    offload.unwrap(model)
+
+
+def test_tensors_from_pretrained_passes_over(tmp_path, caplog, no_leaks):
+    """Keys the class lists as ignorable (GPT-2's old causal masks) and buffers the model
+    does not save (Llama's rotary inv_freq) are passed over, as from_pretrained does."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    config = _tiny_llama_config()
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).eval()
+    tensors = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    tensors["model.rotary_emb.inv_freq"] = ref.model.rotary_emb.inv_freq.clone()
+    safetensors.save_file(tensors, str(tmp_path / "old.safetensors"))
+    with caplog.at_level(logging.INFO, logger="offload"):
+        model = _wrap(lambda: transformers.LlamaForCausalLM(config), tmp_path / "old.safetensors", tmp_path / "s")
+    assert "1 tensors not read, as from_pretrained does not read them" in caplog.text
+    _same_logits(model, ref, 128)
+    offload.unwrap(model)
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16)
+    ref = transformers.GPT2LMHeadModel(gpt2).eval()
+    tensors = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    tensors["transformer.h.0.attn.bias"] = torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16)
+    safetensors.save_file(tensors, str(tmp_path / "gpt2.safetensors"))
+    model = _wrap(lambda: transformers.GPT2LMHeadModel(gpt2), tmp_path / "gpt2.safetensors", tmp_path / "s2")
+    _same_logits(model, ref, 128)
+    offload.unwrap(model)
+
+
+def test_generation_settings_come_with_the_checkpoint(tmp_path, no_leaks):
+    """A save_pretrained directory's generation_config.json becomes the wrapped model's, as
+    from_pretrained makes it; a model whose settings were changed before keeps them."""
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(_tiny_llama_config(eos_token_id=1, bos_token_id=2))
+    saved.generation_config.repetition_penalty = 2.0
+    saved.generation_config.max_new_tokens = 5
+    saved.save_pretrained(tmp_path / "ckpt")
+    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "ckpt")
+    model = _wrap(lambda: transformers.LlamaForCausalLM(config), tmp_path / "ckpt", tmp_path / "swap")
+    assert model.generation_config.repetition_penalty == 2.0
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert model.generate(ids, do_sample=False).tolist() == ref.generate(ids, do_sample=False).tolist()
+    offload.unwrap(model)
+
+    def own():
+        m = transformers.LlamaForCausalLM(config)
+        m.generation_config.max_new_tokens = 3
+        return m
+    model = _wrap(own, tmp_path / "ckpt", tmp_path / "swap2")
+    assert model.generation_config.max_new_tokens == 3 and model.generation_config.repetition_penalty != 2.0
     offload.unwrap(model)
