@@ -251,9 +251,10 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     register(model, manager)
     manager.access.attach(model, groups)
     manager.steplog.start()  # the first step's line counts that step, not the loading above
-    total = sum(g.nbytes for g in groups)
-    log.info("offload: %d parameter groups, %s, resting on %s; device budget %s, prefetch %s%s",
-             len(groups), format_size(total), config.param_tier, format_size(config.device_budget),
+    resident = [g for g in groups if g.resident]
+    log.info("offload: %d parameter groups, %s, resting on %s (%d of them, %s, kept on the device); device budget "
+             "%s, prefetch %s%s", len(groups), format_size(sum(g.nbytes for g in groups)), config.param_tier,
+             len(resident), format_size(sum(g.nbytes for g in resident)), format_size(config.device_budget),
              format_size(coordinator.prefetch_limit),
              "" if partition is None else
              f"; partitioned over {partition.world} ranks, rank {partition.rank} keeps "
