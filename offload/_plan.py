@@ -13,9 +13,10 @@ Note: the resident set. ``predicted_rss`` is the plan's promise about the proces
 (what the OOM killer reads): the baseline (RSS now, less the model's parameters that
 wrapping frees), the host rows, the device rows on a CPU device, and, when ``offload.plan``
 is given a ``batch``, what torch allocates beside them on a CPU device: the tensors autograd
-saves (estimated on the meta device, ``_activation_estimate``), the largest gradient autograd
-hands over, and the freed memory glibc's malloc keeps (``host_allocator``, ``_memory``).
-On CUDA those count against the device's free memory instead.
+saves (estimated on the meta device, ``_activation_estimate``; for a model that trains
+nothing, what its forward holds at once), the largest gradient autograd hands over, and the
+freed memory glibc's malloc keeps (``host_allocator``, ``_memory``). On CUDA those count
+against the device's free memory instead.
 
 Note: what is counted. Budgets are upper bounds; the plan counts what the run will use up
 to them: the device budget or less if the whole model is smaller; host staging for NVMe
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 
 class MemoryPlanError(BudgetError):
-    """The plan does not fit this machine; the message has the numbers and the fix."""
+    """The plan does not fit this machine or its settings; the message has the numbers and the fix."""
 
 
 @dataclass
@@ -98,24 +99,27 @@ class MemoryPlan:
     def check(self) -> None:
         """Raise :class:`MemoryPlanError` listing every problem, each with its fix."""
         if self.problems:
-            raise MemoryPlanError("offload memory plan does not fit this machine:\n  - "
+            raise MemoryPlanError("offload memory plan does not fit this machine or its settings:\n  - "
                                   + "\n  - ".join(self.problems) + "\n" + self._render(problems=False))
 
     @property
     def transient_bytes(self) -> int:
         """What torch allocates on the compute device beside the tiers at the peak of a
-        training step: saved tensors, the largest gradient, malloc's kept memory (0 without
-        an activation estimate)."""
+        training step (or of an inference forward): saved tensors, the largest gradient,
+        malloc's kept memory (0 without an activation estimate)."""
         if self.activations is None or self.activations.error is not None:
             return 0
         return self.activation_bytes + self.grad_bytes + self.heap_overhead
 
     @property
     def activation_bytes(self) -> int:
-        """Saved tensors in compute memory at the peak (what activation offload leaves there)."""
+        """Saved tensors in compute memory at the peak (what activation offload leaves there);
+        for inference, the forward's peak (nothing is saved for activation offload to move)."""
         if self.activations is None or self.activations.error is not None:
             return 0
-        return self.activations.peak_bytes if self.activations_kept is None else self.activations_kept
+        if self.activations_kept is None or self.activations.inference:
+            return self.activations.peak_bytes
+        return self.activations_kept
 
     @property
     def predicted_rss(self) -> int:
@@ -174,20 +178,22 @@ class MemoryPlan:
         elif act.error is not None:
             tail = f"; activations not counted: the forward does not run on the meta device ({act.error})"
         else:
-            where = "on the device, " if cuda else ""
-            tail = "; " + where + ", ".join(
-                f"{what} {format_size(n)}" for n, what in (
-                    (self.activation_bytes, "activations"), (self.grad_bytes, "largest gradient"),
-                    (self.heap_overhead, f"malloc's kept memory (host_allocator '{self.allocator}')")) if n)
-            if not cuda:
+            terms = ", ".join(f"{what} {format_size(n)}" for n, what in (
+                (self.activation_bytes, "the forward's peak (inference)" if act.inference else "activations"),
+                (self.grad_bytes, "largest gradient"),
+                (self.heap_overhead, f"malloc's kept memory (host_allocator '{self.allocator}')")) if n)
+            if cuda:
+                tail = "; on the device, " + (terms or "torch's tensors 0 B")
+            else:  # (the terms break torch's tensors down; all 0, there is nothing to break down)
                 parts.append(f"torch's tensors {format_size(self.transient_bytes)}")
+                tail = f"; {terms}" if terms else ""
         return f"RSS: predicted peak {format_size(self.predicted_rss)} = " + " + ".join(parts) + tail
 
 
 def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, world: int = 1,
                 room: int | None = None, optimizer: Callable[[list, OffloadConfig, int], list] | None = None,
                 activations: ActivationEstimate | None = None, grad_bytes: int = 0,
-                in_place: Any = None) -> MemoryPlan:
+                in_place: Any = None, refusal: BudgetError | None = None) -> MemoryPlan:
     """The plan for parameter groups already built (``wrap`` calls this); with ``world``
     ranks, ``groups`` are this rank's slices. ``room``: what the device budget leaves for
     the prefetch window (offload.params.device_layout). ``optimizer(groups, config,
@@ -195,7 +201,8 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     bytes the parameter reads stage through. ``activations``: the estimate for a batch
     (``offload.plan(batch=...)``), ``grad_bytes`` the largest gradient autograd hands over.
     ``in_place``: the groups read where a checkpoint holds them (an
-    ``offload.params.InPlaceChoice``), which take no disk until written."""
+    ``offload.params.InPlaceChoice``), which take no disk until written. ``refusal``: what
+    ``wrap`` refuses of the groups' layout (``DeviceLayout.refusal``), a problem of the plan."""
     cuda = config.torch_device.type == "cuda"
     if cuda and torch.cuda.is_available():
         torch.cuda.init()  # (the CUDA context's libraries are resident from here: part of the baseline)
@@ -203,6 +210,8 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
                    grad_bytes=grad_bytes if activations is not None else 0,
                    baseline_rss=max(0, rss_bytes() - ram_credit),
                    allocator=resolve_allocator(config.host_allocator, config.torch_device.type))
+    if refusal is not None:
+        p.problems.append(f"parameters: {refusal}")
     offloaded = plan_activations(config, activations)
     p.activations_kept = offloaded.kept_bytes
     if activations is not None and activations.error is None and not cuda:  # (on CUDA they are on the device)

@@ -35,7 +35,8 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     of the real shapes and dtypes on any device ("meta" allocates nothing). The plan then
     counts what a training step allocates beside the tiers (the tensors autograd saves,
     from a forward on the meta device; the largest gradient; the memory malloc keeps) and
-    ``predicted_rss`` is the peak RSS of the run.
+    ``predicted_rss`` is the peak RSS of the run. Where nothing trains (no parameter requires
+    grad) it counts what a forward without grad holds at once instead (inference).
 
     ``checkpoint``: the safetensors checkpoint ``wrap`` will be given; the plan then says
     which groups are read in place from it (``read_in_place``: no disk until written) and
@@ -65,7 +66,8 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,
-                       grad_bytes=_largest_gradient(model, config), in_place=placing.choice)
+                       grad_bytes=_largest_gradient(model, config), in_place=placing.choice,
+                       refusal=layout.refusal)
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:

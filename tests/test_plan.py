@@ -12,6 +12,8 @@ import torch
 
 import offload
 from offload import _plan
+from offload._activation_estimate import ActivationEstimate
+from offload.io import BudgetError
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,6 +77,37 @@ def test_plan_allocates_nothing_and_takes_meta_models(tmp_path, tiny_gpt2, offlo
     assert not os.path.exists(tmp_path / "swap")
     with pytest.raises(ValueError, match="optimizer='lion'"):
         offload.plan(model, offload_config(tmp_path, PLAN), optimizer="lion")
+
+
+def test_plan_refuses_the_device_budget_wrap_refuses(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    # 8 KiB holds no group of the model: the plan must say so as wrap does, with the budget that runs
+    model = tiny_gpt2(**GPT2)
+    cfg = offload_config(tmp_path, PLAN, device_budget="8KiB")
+    plan = offload.plan(model, cfg, optimizer=None)
+    assert not plan.fits
+    with pytest.raises(BudgetError) as refused:
+        offload.wrap(model, cfg)
+    with pytest.raises(offload.MemoryPlanError, match="set device_budget >= ") as planned:
+        plan.check()
+    assert str(refused.value) in str(planned.value)
+
+
+def test_plan_counts_what_an_inference_forward_holds(tmp_path, tiny_gpt2, offload_config):
+    # a frozen model saves nothing for backward; its forward still holds the logits (4 x 32 x 211 fp32) at the end
+    with offload.init_empty_weights():
+        model = tiny_gpt2(**GPT2)
+    model.requires_grad_(False)
+    ids = torch.zeros(4, 32, dtype=torch.long, device="meta")
+    plan = offload.plan(model, offload_config(tmp_path, PLAN), optimizer=None, batch={"input_ids": ids})
+    assert plan.activation_bytes >= 4 * 32 * 211 * 4
+    assert "the forward's peak (inference)" in str(plan)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rss_line_is_whole_when_torch_counts_nothing(tmp_path, offload_config, device):
+    plan = _plan.MemoryPlan(config=offload_config(tmp_path, PLAN, device=device), activations=ActivationEstimate(0, 0))
+    line = plan._rss_line()
+    assert not line.rstrip().endswith((";", ",")), line
 
 
 def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch, tiny_gpt2, offload_config, no_leaks):

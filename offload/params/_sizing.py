@@ -75,6 +75,7 @@ class DeviceLayout:
     held: int  # most device bytes of streamed groups in use at once (rounded)
     held_at: str  # the module where that many are held
     nests: Nests | None = None
+    refusal: BudgetError | None = None  # what wrap refuses of this layout (kept by device_layout(check=False))
 
     def need_with_cached(self, cached: list[ParamGroup]) -> int:
         """Device bytes a pass needs besides the ``cached`` groups (kept on the device)."""
@@ -96,9 +97,11 @@ def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool 
                   check: bool = True, place: Callable[[list[ParamGroup]], None] | None = None) -> DeviceLayout:
     """The groups ``wrap`` makes of ``model`` under ``config``, with the resident threshold
     chosen (``resident_bytes="auto"``) or checked (set explicitly) against the device budget.
-    With ``check`` a budget that cannot run is refused with the budget that would.
-    ``place(groups)`` may lay the groups out anew before anything is measured (the groups
-    read in place from a checkpoint: ``offload.params.InPlaceLayout``)."""
+    With ``check`` a budget that cannot run is refused with the budget that would; without,
+    the refusal is kept in ``layout.refusal`` (``offload.plan`` lists it as a problem: the
+    plan and ``wrap`` apply one rule). ``place(groups)`` may lay the groups out anew before
+    anything is measured (the groups read in place from a checkpoint:
+    ``offload.params.InPlaceLayout``)."""
     fixed = config.param_tier == "device" or partitioned  # every group resident, or none
     explicit = config.resident_bytes != "auto"
     threshold = 0 if fixed else (int(config.resident_bytes) if explicit else AUTO_RESIDENT)
@@ -112,8 +115,10 @@ def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool 
             group.resident = True
         layout.resident = sum(device_slot_size(config.device, g.nbytes) for g in layout.groups)
         layout.held, layout.held_at, layout.nests = 0, "", None
-    if check and not partitioned:
-        _check(model, config, layout, explicit, place)
+    if not partitioned:
+        layout.refusal = _refusal(model, config, layout, explicit, place)
+        if check and layout.refusal is not None:
+            raise layout.refusal
     return layout
 
 
@@ -157,36 +162,41 @@ def _checkpointed(module: nn.Module) -> bool:
         any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
-def _check(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool,
-           place: Callable[[list[ParamGroup]], None] | None = None) -> None:
+def _refusal(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool,
+             place: Callable[[list[ParamGroup]], None] | None = None) -> BudgetError | None:
+    """Why ``layout`` cannot run under ``config`` (the error naming the budget that would), or None."""
     budget = config.device_budget
     if config.param_tier == "device":
         if layout.resident > budget:
-            raise BudgetError(f"param_tier='device' keeps every parameter on the device ({format_size(layout.resident)} "
-                              f"in the device tier's slots) but device_budget is {format_size(budget)}: set "
-                              f"device_budget >= {format_size(layout.resident)} or param_tier='host' or 'nvme'")
+            return BudgetError(f"param_tier='device' keeps every parameter on the device "
+                               f"({format_size(layout.resident)} in the device tier's slots) but device_budget is "
+                               f"{format_size(budget)}: set "
+                               f"device_budget >= {format_size(layout.resident)} or param_tier='host' or 'nvme'")
     elif layout.need > budget:
         held = _describe_held(layout, config)
         if explicit and layout.resident:
-            least = _measure(model, config, 0, place).need  # (re-places the groups: fine, this raises)
-            raise BudgetError(
+            least = _measure(model, config, 0, place).need
+            if place is not None:  # (_measure placed its own groups: back to these, which offload.plan goes on with)
+                place(layout.groups)
+            return BudgetError(
                 f"device_budget {format_size(budget)} cannot hold the {format_size(layout.resident)} of parameters "
                 f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)})"
                 + (f" and {held}" if layout.held else "") + f": set device_budget >= {format_size(layout.need)}, "
                 f"or lower resident_bytes (with resident_bytes=0 or 'auto', device_budget >= {format_size(least)})")
-        raise BudgetError(f"device_budget {format_size(budget)} cannot hold {held}"
-                          + (f" next to {format_size(layout.resident)} of resident parameters" if layout.resident
-                             else "") + f": set device_budget >= {format_size(layout.need)}")
+        return BudgetError(f"device_budget {format_size(budget)} cannot hold {held}"
+                           + (f" next to {format_size(layout.resident)} of resident parameters" if layout.resident
+                              else "") + f": set device_budget >= {format_size(layout.need)}")
     if config.param_tier == "host":
         total = sum(g.nbytes for g in layout.groups if not g.resident)
         if total > config.host_budget:
-            raise BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but host_budget is "
-                              f"{format_size(config.host_budget)}: raise host_budget or set param_tier='nvme'")
+            return BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but host_budget is "
+                               f"{format_size(config.host_budget)}: raise host_budget or set param_tier='nvme'")
     room = layout.room(budget)
     if config.cache_bytes != "auto" and config.cache_bytes > room:
-        raise BudgetError(f"cache_bytes={format_size(config.cache_bytes)} does not fit: device_budget "
-                          f"{format_size(budget)} leaves {format_size(room)} after the {format_size(layout.need)} "
-                          "a pass holds at once: lower cache_bytes, leave it 'auto', or raise device_budget")
+        return BudgetError(f"cache_bytes={format_size(config.cache_bytes)} does not fit: device_budget "
+                           f"{format_size(budget)} leaves {format_size(room)} after the {format_size(layout.need)} "
+                           "a pass holds at once: lower cache_bytes, leave it 'auto', or raise device_budget")
+    return None
 
 
 def _describe_held(layout: DeviceLayout, config: OffloadConfig) -> str:
