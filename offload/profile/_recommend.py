@@ -24,6 +24,14 @@ def _fmt(gbps: float | None) -> str:
     return "-" if gbps is None else f"{gbps:.2f}"
 
 
+def _count(n: int) -> str:
+    """``268435456`` -> ``"268.4 million"``: a count in words (a bare "B" reads as bytes)."""
+    for word, scale in (("billion", 10**9), ("million", 10**6)):
+        if n >= scale:
+            return f"{n / scale:.{2 if scale == 10**9 else 1}f} {word}"
+    return f"{n:,}"
+
+
 def _round_down(nbytes: float, grain: int) -> int:
     return max(grain, int(nbytes) // grain * grain)
 
@@ -52,15 +60,15 @@ def recommend(report: dict[str, Any], *, model_bytes: int | None = None, dtype: 
     reasons.append(
         f"block_size {format_size(engine['block_size'])}, queue_depth {engine['queue_depth']}, io_threads "
         f"{engine['threads']}: the measured setting with the best read and write together (geometric mean; "
-        f"read {engine['read_gbps']:.2f}, write {engine['write_gbps']:.2f} GB/s in the sweep, against its best "
-        f"{report['disk_best_read']['gbps']:.2f} / {report['disk_best_write']['gbps']:.2f})")
+        f"read {engine['read_gbps']:.2f}, write {engine['write_gbps']:.2f} GB/s in the sweep, against the sweep's "
+        f"best read {report['disk_best_read']['gbps']:.2f} and best write {report['disk_best_write']['gbps']:.2f})")
     spread = {op: report[f"disk_{op}_spread"] for op in ("read", "write")}
     reasons.append(
         f"disk figures used below: read {report['disk_read_gbps']:.2f}, write {report['disk_write_gbps']:.2f} GB/s "
         f"(spread {spread['read']['min']:.2f}-{spread['read']['max']:.2f} and {spread['write']['min']:.2f}-"
-        f"{spread['write']['max']:.2f}), as a training step moves bytes: the {report['disk_figures_used']}; the "
+        f"{spread['write']['max']:.2f}), as a training step moves bytes ({report['disk_figures_used']}); the "
         f"re-read and overwrite of just-moved data ({_fmt(report.get('disk_cached_read_gbps'))} / "
-        f"{_fmt(report.get('disk_cached_write_gbps'))}) are what caches in front of the disk give")
+        f"{_fmt(report.get('disk_cached_write_gbps'))} GB/s) are what caches in front of the disk give")
 
     # -- budgets ---------------------------------------------------------------------------
     available = report["host"]["ram_available_bytes"]
@@ -85,8 +93,10 @@ def recommend(report: dict[str, Any], *, model_bytes: int | None = None, dtype: 
 
     # -- prefetch: the smallest amount in flight that reached the disk's best read ---------
     prefetch, how = _prefetch_from_sweep(report)
-    prefetch = min(prefetch, max(32 * _MiB, device_budget // 4))
-    cfg["prefetch_bytes"] = config_size(_round_down(prefetch, _MiB))
+    cap = max(32 * _MiB, device_budget // 4)
+    if prefetch > cap:  # (the reason must say why the value is below what the sweep asked for)
+        how += f"; capped at {format_size(cap)}, a quarter of the device budget"
+    cfg["prefetch_bytes"] = config_size(_round_down(min(prefetch, cap), _MiB))
     reasons.append(f"prefetch_bytes {format_size(parse_size(cfg['prefetch_bytes']))}: {how}")
 
     # -- tiers -----------------------------------------------------------------------------
@@ -104,20 +114,20 @@ def recommend(report: dict[str, Any], *, model_bytes: int | None = None, dtype: 
         optim_bytes = nparams * (12 + (0 if per_param == 4 else 4))
         if model_bytes <= device_budget // 2:
             cfg["param_tier"] = "device"
-            why = f"half the device budget ({format_size(device_budget // 2)}) holds them"
+            why = f"fit in half the device budget ({format_size(device_budget // 2)})"
         elif model_bytes <= host_budget // 2:
             cfg["param_tier"] = "host"
-            why = (f"more than half the device budget, within half the host budget "
-                   f"({format_size(host_budget // 2)})")
+            why = (f"take more than half the device budget ({format_size(device_budget // 2)}) and fit in half "
+                   f"the host budget ({format_size(host_budget // 2)})")
         else:
             cfg["param_tier"] = "nvme"
-            why = f"more than half the host budget ({format_size(host_budget // 2)})"
-        reasons.append(f"param_tier {cfg['param_tier']}: the parameters ({format_size(model_bytes)}, "
-                       f"{nparams / 1e9:.2f} B in {dtype}) take {why}")
+            why = f"take more than half the host budget ({format_size(host_budget // 2)})"
+        reasons.append(f"param_tier {cfg['param_tier']}: the model's parameters ({format_size(model_bytes)}: "
+                       f"{_count(nparams)} in {dtype}) {why}")
         left = host_budget - (model_bytes if cfg["param_tier"] == "host" else 0)
         if optim_bytes <= left * 0.75:
             cfg["optimizer_tier"] = "host"
-            why = f"within 75% of the {format_size(left)} of host budget the parameters leave"
+            why = f"which fits in 75% of the {format_size(left)} of host budget the parameters leave"
         else:
             cfg["optimizer_tier"] = "nvme"
             why = f"more than 75% of the {format_size(left)} of host budget the parameters leave"

@@ -292,6 +292,20 @@ def test_recommend_tiers_follow_the_model_size(tmp_path):
         assert loaded.host_budget <= report["host"]["ram_available_bytes"]
 
 
+def test_recommend_reasons_read_as_sentences(tmp_path):
+    # a parameter count in words ("0.27 B" read as bytes) and a predicate for each tier
+    expected = {1 << 30: "param_tier device: the model's parameters (1.00 GiB: 268.4 million in fp32) fit in half "
+                         "the device budget (2.00 GiB)",
+                5 << 29: "param_tier host: the model's parameters (2.50 GiB: 671.1 million in fp32) take more than "
+                         "half the device budget (2.00 GiB) and fit in half the host budget (2.75 GiB)",
+                14 << 30: "param_tier nvme: the model's parameters (14.00 GiB: 3.76 billion in fp32) take more than "
+                          "half the host budget (2.75 GiB)"}
+    for model_bytes, reason in expected.items():
+        _, reasons = recommend(fake_report(tmp_path), model_bytes=model_bytes)
+        assert reason in reasons
+        assert not any("the the " in r for r in reasons)
+
+
 def test_recommend_prefetch_is_the_smallest_window_that_reads_at_speed(tmp_path):
     cfg, reasons = recommend(fake_report(tmp_path))
     # 4 MiB x 8 reached 2.4 of the best 2.5 GB/s (>= 90%): twice its 32 MiB in flight
