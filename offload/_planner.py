@@ -16,7 +16,8 @@ from ._plan import MemoryPlan, host_param_bytes, plan_groups
 from .config import OffloadConfig
 from .distributed import Partition
 from .optim import plan_rows, state_rows
-from .params import CheckpointReader, InPlaceLayout, device_layout, slice_groups
+from .io import BudgetError
+from .params import CheckpointReader, InPlaceLayout, check_partitioned, device_layout, slice_groups
 
 __all__ = ["plan"]
 
@@ -55,9 +56,13 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     reader = None if checkpoint is None else CheckpointReader(os.fspath(checkpoint), model)
     placing = InPlaceLayout(reader, config, partitioned=world > 1)
     layout = device_layout(model, config, partitioned=world > 1, check=False, place=placing)
-    groups = layout.groups
+    groups, refusal = layout.groups, layout.refusal
     if world > 1:
         groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
+        try:  # (wrap's rule for a rank: a gathered group beside its slices)
+            check_partitioned(layout.groups, config, groups)
+        except BudgetError as err:
+            refusal = err
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
     rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging,
@@ -67,7 +72,7 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
                        room=layout.room(config.device_budget), optimizer=rows, activations=activations,
                        grad_bytes=_largest_gradient(model, config), in_place=placing.choice,
-                       refusal=layout.refusal)
+                       refusal=refusal)
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:

@@ -92,6 +92,17 @@ def test_plan_refuses_the_device_budget_wrap_refuses(tmp_path, tiny_gpt2, offloa
     assert str(refused.value) in str(planned.value)
 
 
+def test_a_ranks_plan_refuses_the_gathered_group_wrap_refuses(tmp_path, tiny_gpt2, offload_config):
+    # two ranks: each holds its slice of a group beside the whole group gathered for use
+    model = tiny_gpt2(**GPT2)
+    groups = offload.params.device_layout(model, offload_config(tmp_path, PLAN), partitioned=True, check=False).groups
+    cfg = offload_config(tmp_path, PLAN, world_size=2, device_budget=max(g.nbytes for g in groups))
+    plan = offload.plan(model, cfg, optimizer=None)
+    assert not plan.fits
+    with pytest.raises(offload.MemoryPlanError, match="gathered .* next to its slice"):
+        plan.check()
+
+
 def test_plan_counts_what_an_inference_forward_holds(tmp_path, tiny_gpt2, offload_config):
     # a frozen model saves nothing for backward; its forward still holds the logits (4 x 32 x 211 fp32) at the end
     with offload.init_empty_weights():
