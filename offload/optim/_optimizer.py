@@ -87,6 +87,8 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             states or gradients finishes the update first. ``False``: inside ``step()``.
     """
 
+    _torch_settings: dict = {}  # settings of the torch optimizer computing as this one (state_dict)
+
     # torch optimizers are refused over a wrapped model's streamed parameters (offload.params)
     serves_offloaded_parameters = True
 

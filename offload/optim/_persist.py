@@ -39,6 +39,11 @@ class StateDicts:
         packed["state"] = gather_state(self._book.shards, self._states, index)
         packed["moments"] = self.moments  # (decoded to fp32 here: torch's optimizers load it)
         packed["master"] = self.master
+        for group in packed["param_groups"]:  # (how torch computes what this computed: its fused kernel)
+            for key, value in self._torch_settings.items():
+                group.setdefault(key, value)
+        if self._scaler.enabled:  # (torch's optimizers pass over keys they do not know)
+            packed["loss_scaler"] = self._scaler.state_dict()
         return packed
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -59,6 +64,22 @@ class StateDicts:
             loaded = {id(by_index[int(k)]): v for k, v in state_dict["state"].items()}
             self._ensure_layout()
             scatter_state(self._book.shards, self._states, loaded)
+            self._load_loss_scale(state_dict.get("loss_scaler"))
+
+    def _load_loss_scale(self, saved: dict | None) -> None:
+        """The saved loss scale and its count of good steps, as a checkpoint load takes them
+        (held gradients keep their meaning: their factors follow the scale)."""
+        if not self._scaler.enabled:
+            return
+        if saved is None:
+            log.warning("%s.load_state_dict: the state dict holds no loss scale (saved by torch's optimizer or one "
+                        "without loss scaling): the scale stays %g and adjusts from there, so the next steps may be "
+                        "skipped as overflows where the saved run took them", type(self).__name__, self._scaler.scale)
+            return
+        old = self._scaler.scale
+        self._scaler.load_state_dict(saved)
+        if self._scaler.scale != old:
+            self._grads.loss_scale_changed(old, self._scaler.scale)
 
     @contextlib.contextmanager
     def _loading(self, what: str):

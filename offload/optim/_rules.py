@@ -22,6 +22,8 @@ class AdamW(OffloadOptimizer):
     :class:`OffloadOptimizer`."""
 
     _decoupled = True
+    # (in its state dict's groups: a torch optimizer that loads it keeps to the fused kernel)
+    _torch_settings = {"fused": True, "foreach": None, "capturable": False, "differentiable": False}
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -201,11 +203,34 @@ def test_state_dict_round_trip_continues_trajectory(tmp_path, tiny_gpt2, lm_batc
     offload.unwrap(second)
     assert_losses(head + tail, losses, rtol=0, atol=0)
     assert_same_weights(second, full)
-    # torch's AdamW loads it too: the format is torch's
+    # torch's AdamW loads it too: the format is torch's, and its fused kernel (offload's) stays on
     plain = tiny_gpt2()
-    t = torch.optim.AdamW(decay_groups(plain), lr=1e-2)
+    t = torch.optim.AdamW(decay_groups(plain), lr=1e-2, fused=True)
     t.load_state_dict(sd)
     assert float(t.state_dict()["state"][0]["step"]) == 3
+    assert all(g["fused"] is True for g in t.param_groups)
+
+
+def test_state_dict_keeps_the_loss_scale(tmp_path, branchy, offload_config, caplog, no_leaks):
+    """offload's own dynamic loss scale travels in the state dict (as in a checkpoint), so a
+    run resumed the torch way (Accelerate's save_state) skips the steps the saved run would."""
+    model = branchy()
+    offload.wrap(model, offload_config(tmp_path, compute_dtype="fp16", resident_bytes=0))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    opt.loss_scale = 512.0
+    sd = opt.state_dict()
+    opt.close()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    assert opt.loss_scale == 2.0 ** 16
+    opt.load_state_dict(sd)
+    assert opt.loss_scale == 512.0
+    del sd["loss_scaler"]  # (a torch optimizer's dict: the scale stays, said)
+    opt.loss_scale = 1024.0
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        opt.load_state_dict(sd)
+    assert "holds no loss scale" in caplog.text and opt.loss_scale == 1024.0
+    opt.close()
+    offload.unwrap(model)
 
 
 def test_pipeline_event_log(tmp_path, tiny_gpt2, offload_config, train, lm_batches, no_leaks):
