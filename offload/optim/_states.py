@@ -105,7 +105,11 @@ class StateRows:
                 continue
             rows = self.read(shard)
             for seg in segs:
-                rows[0, seg.offset: seg.offset + seg.length].copy_(self.current_values(seg))
+                master, new = rows[0, seg.offset: seg.offset + seg.length], self.current_values(seg)
+                if seg.owner.slot.dtype != torch.float32:  # (an element written as the master's own rounding
+                    # keeps the master: a model state dict loaded after the optimizer's carries nothing new)
+                    new = torch.where(master.to(seg.owner.slot.dtype).float() == new, master, new)
+                master.copy_(new)
             self.write(shard, rows)
         self.masters_taken()
 

@@ -78,6 +78,35 @@ def test_writes_after_wrap(tmp_path, tiny_gpt2, offload_config, lm_batches, no_l
     offload.unwrap(model)
 
 
+def test_optimizer_loaded_before_the_model_keeps_its_masters(tmp_path, tiny_llama, offload_config, lm_batches,
+                                                              no_leaks):
+    """Resumed the torch way in either order: the model's state dict (the masters rounded to
+    bf16) loaded after the optimizer's does not replace the fp32 masters it loaded."""
+    def run(model, opt, steps):
+        for (ids,) in steps:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    full = offload.wrap(tiny_llama(), offload_config(tmp_path / "a", compute_dtype="bf16"))
+    batches = lm_batches(full.config.vocab_size, steps=4, micro=1)
+    opt = offload.AdamW(full.parameters(), lr=3e-3)
+    run(full, opt, batches[:2])
+    saved = {k: v.clone() for k, v in full.state_dict().items()}, opt.state_dict()
+    run(full, opt, batches[2:])
+    want = offload.state_dict(full)
+    opt.close()
+    offload.unwrap(full)
+    resumed = offload.wrap(tiny_llama(), offload_config(tmp_path / "b", compute_dtype="bf16"))
+    opt = offload.AdamW(resumed.parameters(), lr=3e-3)
+    opt.load_state_dict(saved[1])
+    resumed.load_state_dict(saved[0])
+    run(resumed, opt, batches[2:])
+    torch.testing.assert_close(offload.state_dict(resumed), want, rtol=0, atol=0)
+    opt.close()
+    offload.unwrap(resumed)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, tiny_llama, lm_batches, offload_config, train,
                                                         assert_bf16_master_close, no_leaks):
