@@ -131,6 +131,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
                                sink_open=lambda: self._sink.open,
                                grads=lambda: self._grads, drop=self._drop_gradients)
         self._clipped = False  # clip_grad_norm_() since the last step
+        self._stepped_on = False  # the gradients held were the last step's (none added since)
         try:
             super().__init__(params, defaults)
             fp16 = any(e.param.dtype == torch.float16 or (e.owner is not None and e.owner.slot.dtype == torch.float16)
@@ -177,6 +178,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             self._sink.ahead.release([])
             self.stats["skipped_steps"] += 1
             self._scaler.skipped()
+            self._stepped_on = True
             self._end_step(started, skipped=True)
             return loss
         # (the gradients stay, as torch's p.grad does, until zero_grad() or p.grad = None)
@@ -202,6 +204,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             if not self._phase.poisoned:
                 self._phase.enter(OptimizerPhase.ACCUMULATING if self._sink.open else OptimizerPhase.IDLE)
         self._scaler.stepped()
+        self._stepped_on = True
         self.stats["steps"] += 1
         if owed is not None:  # (last: an interrupt held back by it lands with the step decided)
             self._later.owe(owed)
@@ -224,6 +227,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         accumulators this gradient goes into); parameters added since are laid out."""
         self._settle()
         self._ensure_layout()
+        self._stepped_on = False
 
     def _end_step(self, started: float, *, skipped: bool) -> None:
         """Tell the wrapped models this optimizer serves: their optimizer time, the bytes it

@@ -104,7 +104,8 @@ class StateDicts:
         own = self._book.own_store
         return CheckpointView(prepare=prepare, states=self._states, scaler=self._scaler, loading=self._loading,
                               reset_gradients=self.reset_gradients,
-                              holds_gradients=lambda: any(s.grad_valid for s in self._book.shards),
+                              holds_gradients=lambda: not self._stepped_on and any(
+                                  s.grad_valid for s in self._book.shards),
                               staging=own.staging if own is not None else None, moments=self.moments,
                               master=self.master)
 

@@ -4,6 +4,7 @@ without a save, and against crashes, corruption, wrong models and full disks."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -91,6 +92,25 @@ def test_load_with_other_shard_boundaries(tmp_path, offload_config, lm_batches, 
     for m, o in ((ref, opt), (other, opt2)):
         offload.unwrap(m)
         o.close()
+
+
+def test_unsaved_gradients_are_warned_of_only_when_added_since_the_step(tmp_path, offload_config, lm_batches,
+                                                                         tiny_gpt2, caplog):
+    """Gradients held after step() were that step's: saving then (before zero_grad, as the
+    loop may) loses nothing; a backward since, whose sum a checkpoint leaves out, is said."""
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "s"))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    (ids,), (more,) = lm_batches(211, steps=2, micro=1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        offload.save_checkpoint(str(tmp_path / "a"), model, opt)
+        assert "are not saved" not in caplog.text
+        model(input_ids=more, labels=more).loss.backward()
+        offload.save_checkpoint(str(tmp_path / "b"), model, opt)
+        assert "are not saved" in caplog.text
+    offload.unwrap(model)
+    opt.close()
 
 
 def test_padded_rows_save_and_load_exactly(tmp_path, train_pair, offload_config, wide_gpt2, assert_rows_padded):
