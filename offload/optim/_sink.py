@@ -135,7 +135,7 @@ class GradientSink:
         entry = self.book.entries[id(p)]
         if self.listener is not None:
             self.listener.gradient(entry)
-        if len(entry.segments) > 1:
+        if len(entry.segments) > 1 and (entry.owner is None or entry.owner.manager.partition is None):
             _note_whole(entry.segments, flat, whole=base == 0 and flat.numel() == p.numel())
         for seg in entry.segments:
             shard = seg.shard
@@ -328,10 +328,12 @@ def _note_whole(segs: list, flat: torch.Tensor, *, whole: bool) -> None:
     """A split parameter's gradient arrives: where it is its first since the gradient was
     dropped and ``flat`` is all of it, its squared norm as torch's ``vector_norm`` takes it
     over the whole (what ``clip_grad_norm_`` takes per parameter; the pieces' noted sums
-    differ from it in the last bits). A gradient added to a held one has no whole norm."""
+    differ from it in the last bits). A gradient added to a held one has no whole norm, nor
+    one of another dtype (torch's bits are promised for fp32; a copy in fp32 would cost
+    memory the budgets do not count)."""
     value = None
-    if whole and not any(seg.has_grad for seg in segs):
-        value = float(torch.linalg.vector_norm(flat.float() if flat.dtype != torch.float32 else flat)) ** 2
+    if whole and flat.dtype == torch.float32 and not any(seg.has_grad for seg in segs):
+        value = float(torch.linalg.vector_norm(flat)) ** 2
         if not math.isfinite(value):  # (the pieces' sums fall back to fp64, or carry the NaN)
             value = None
     for seg in segs:
@@ -348,4 +350,5 @@ def _settle(shard: Shard, acc: torch.Tensor) -> None:
             part.zero_()
         elif seg.scale != 1.0:
             part.mul_(seg.scale)
+            seg.whole = None  # (torch would take the norm of the product, not scale the norm)
         seg.scale = 1.0

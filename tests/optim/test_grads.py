@@ -275,6 +275,37 @@ def test_split_parameters_clip_as_torch(tmp_path, micro, tiny_llama, make_opt, o
     close(model, opt)
 
 
+class _Skips(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+
+    def forward(self, x, use_b=True):
+        h = self.a(x)
+        return self.c(self.b(h) if use_b else h).square().mean()
+
+
+def test_a_clipped_split_sum_kept_through_a_backward_that_skips_it(no_leaks):
+    """A split parameter's sum, clipped, then kept through a backward in which it gets no
+    gradient (the others reopen its shards, which applies the factor to it): its norm is
+    the clipped gradient's, as torch's."""
+    torch.manual_seed(0)
+    ref, model = _Skips(), _Skips()
+    model.load_state_dict(ref.state_dict())
+    offload.wrap(model, offload.OffloadConfig(device="cpu", param_tier="host", optimizer_tier="host",
+                                              device_budget="2MiB", host_budget="64MiB", resident_bytes=0))
+    opt = offload.AdamW(model.parameters(), lr=1e-3, shard_size=1500)
+    assert len(opt._book.entries[id(model.b.weight)].segments) > 1
+    x = torch.randn(4, 32)
+    for m in (model, ref):
+        m(x).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+        m(x, use_b=False).backward()
+    torch.testing.assert_close(torch.linalg.vector_norm(model.b.weight.grad), ref.b.weight.grad.norm())
+    opt.close()
+    offload.unwrap(model)
+
+
 def test_loss_scaled_fp16_norms_stay_finite(no_leaks):
     """Plain fp16 parameters under offload's own loss scaling: each loss-scaled gradient's
     norm is beyond fp16's range, yet the total is the true one (taken in fp32), not an inf
