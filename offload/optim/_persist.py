@@ -71,6 +71,11 @@ class StateDicts:
         (held gradients keep their meaning: their factors follow the scale)."""
         if not self._scaler.enabled:
             return
+        if not self._scaler.dynamic:
+            if saved is not None:
+                log.info("%s.load_state_dict: the fixed loss scale %g is kept (the state dict's is not taken)",
+                         type(self).__name__, self._scaler.scale)
+            return
         if saved is None:
             log.warning("%s.load_state_dict: the state dict holds no loss scale (saved by torch's optimizer or one "
                         "without loss scaling): the scale stays %g and adjusts from there, so the next steps may be "

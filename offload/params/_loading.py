@@ -36,6 +36,11 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
         _DTYPES[_name] = getattr(torch, _attr)
 
 
+# buffers older files saved under other names, which from_pretrained passes over where the
+# model has such a buffer
+_OLD_BUFFERS = (("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"), ("position_ids", r"(^|\.)position_ids$"))
+
+
 class _Entry:
     __slots__ = ("path", "dtype", "shape", "start", "end")
 
@@ -163,6 +168,9 @@ class CheckpointReader:
         masks), and buffers the model keeps unsaved (a rotary ``inv_freq``)."""
         patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
         unsaved = {n for n, _ in model.named_buffers()}
+        for buffer, pattern in _OLD_BUFFERS:
+            if any(n.endswith(buffer) for n in unsaved):  # (older files kept them per layer, or saved them)
+                patterns.append(re.compile(pattern))
         ignored = [k for k in self.entries if k not in saved and (k in unsaved or any(p.search(k) for p in patterns))]
         for k in ignored:
             del self.entries[k]
@@ -224,21 +232,21 @@ def _same_bytes(a: _Entry, b: _Entry, chunk: int = 64 << 20) -> bool:
 
 def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
     """The files that make up the checkpoint at ``path``, as ``from_pretrained`` picks them
-    (an index, else model.safetensors, else the directory's .safetensors files), and the
+    (model.safetensors, else an index, else the directory's .safetensors files), and the
     index's file for each tensor (None without an index)."""
     if os.path.isfile(path):
         return [path], None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a .safetensors file, a "
                                 "directory with model.safetensors(.index.json), or a save_pretrained directory")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):  # (beside it, an index, a variant, an adapter or an older copy: not the model's)
+        return [single], None
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as fh:
             weight_map = {k: os.path.join(path, f) for k, f in json.load(fh).get("weight_map", {}).items()}
         return sorted(set(weight_map.values())), weight_map
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):  # (beside it, a variant, an adapter or an older copy: not the model's)
-        return [single], None
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files and os.path.exists(os.path.join(path, "manifest.json")):
         raise FileNotFoundError(

@@ -26,9 +26,9 @@ def _fmt(gbps: float | None) -> str:
 
 def _count(n: int) -> str:
     """``268435456`` -> ``"268.4 million"``: a count in words (a bare "B" reads as bytes)."""
-    for word, scale in (("billion", 10**9), ("million", 10**6)):
-        if n >= scale:
-            return f"{n / scale:.{2 if scale == 10**9 else 1}f} {word}"
+    for word, scale, digits in (("billion", 10**9, 2), ("million", 10**6, 1)):
+        if round(n / scale, digits) >= 1:  # (999.95 million reads as 1.00 billion, not 1000.0 million)
+            return f"{n / scale:.{digits}f} {word}"
     return f"{n:,}"
 
 

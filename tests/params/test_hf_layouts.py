@@ -96,7 +96,8 @@ def _same_logits(model, ref, vocab):
 
 def test_the_files_from_pretrained_reads(tmp_path, no_leaks):
     """model.safetensors is the model, whatever else the directory holds (a variant, an
-    adapter); without it, two files holding one tensor name are refused, not merged."""
+    adapter, a stale index), as from_pretrained takes it; without it, two files holding one
+    tensor name are refused, not merged."""
     config = _tiny_llama_config()
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
@@ -138,10 +139,11 @@ def test_tensors_from_pretrained_passes_over(tmp_path, caplog, no_leaks):
     ref = transformers.LlamaForCausalLM(config).eval()
     tensors = {k: v.contiguous() for k, v in ref.state_dict().items()}
     tensors["model.rotary_emb.inv_freq"] = ref.model.rotary_emb.inv_freq.clone()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = ref.model.rotary_emb.inv_freq.clone()  # (older)
     safetensors.save_file(tensors, str(tmp_path / "old.safetensors"))
     with caplog.at_level(logging.INFO, logger="offload"):
         model = _wrap(lambda: transformers.LlamaForCausalLM(config), tmp_path / "old.safetensors", tmp_path / "s")
-    assert "1 tensors not read, as from_pretrained does not read them" in caplog.text
+    assert "2 tensors not read, as from_pretrained does not read them" in caplog.text
     _same_logits(model, ref, 128)
     offload.unwrap(model)
     gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=16)
