@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ._grads import held_norm
+from ._noted import held_norm
 from ._shards import ShardBook
 
 __all__ = ["total_norm", "scale_all", "found_inf"]

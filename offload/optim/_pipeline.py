@@ -14,7 +14,7 @@ import torch
 
 from .._memory import HEAP_PEAK
 from ..store import Residency, Tier
-from ._grads import noted_norms, renote
+from ._noted import noted_norms, renote
 from ._layout import SHARDS_IN_FLIGHT, Segment, Shard
 from ._moved import count, count_states
 from ._phase import Phase

@@ -26,7 +26,7 @@ from ..io import PAGE_SIZE, round_up
 from ..params import graph_task
 from ..store import Tier
 from ._ahead import BackwardReads
-from ._grads import noted_norms
+from ._noted import noted_norms
 from ._layout import ParamEntry, Shard
 from ._phase import OptimizerPhase, Phase
 from ._reduce import Reducer
