@@ -71,18 +71,12 @@ class StateDicts:
         (held gradients keep their meaning: their factors follow the scale)."""
         if not self._scaler.enabled:
             return
-        if not self._scaler.dynamic:
-            if saved is not None:
-                log.info("%s.load_state_dict: the fixed loss scale %g is kept (the state dict's is not taken)",
-                         type(self).__name__, self._scaler.scale)
-            return
-        if saved is None:
+        if saved is None and self._scaler.dynamic:
             log.warning("%s.load_state_dict: the state dict holds no loss scale (saved by torch's optimizer or one "
                         "without loss scaling): the scale stays %g and adjusts from there, so the next steps may be "
                         "skipped as overflows where the saved run took them", type(self).__name__, self._scaler.scale)
-            return
         old = self._scaler.scale
-        self._scaler.load_state_dict(saved)
+        self._scaler.load_state_dict(saved or {})  # (a fixed scale stays: LossScaler)
         if self._scaler.scale != old:
             self._grads.loss_scale_changed(old, self._scaler.scale)
 

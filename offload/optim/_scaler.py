@@ -76,7 +76,8 @@ class LossScaler:
                 "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take a saved scale when both this scaler and the saved one are on."""
-        if self.enabled and state.get("enabled"):
+        """Take a saved scale when both this scaler and the saved one are on, unless this one
+        is fixed (a scale the user set stays what they set)."""
+        if self.enabled and state.get("enabled") and self.dynamic:
             self.scale = float(state["loss_scale"])
             self.good_steps = int(state["good_steps"])
