@@ -100,7 +100,7 @@ def assert_same_weights():
     def check(model, ref, **tol):
         tol = tol or dict(rtol=1e-4, atol=1e-4)
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), msg=name, **tol)
+            torch.testing.assert_close(p.detach(), q.detach(), msg=lambda m, name=name: f"{name}: {m}", **tol)
     return check
 
 

@@ -146,7 +146,7 @@ def test_training_equals_torch_with_the_same_coding(tmp_path, fmt, tiers, tiny_g
     torch's AdamW whose moments are coded and decoded the same way after each step."""
     batches = lm_batches(211, steps=4)
     ref = tiny_gpt2()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     model = offload.wrap(tiny_gpt2(), offload_config(tmp_path, param_tier=tiers[0], optimizer_tier=tiers[1]))
     opt = offload.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, moments=fmt)
     try:
