@@ -175,7 +175,25 @@ def offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: d
             seg.step.fill_(float(step))
         if shard.nbytes:
             items.append(_shard_item(view, shard, cat_names, pieces))
-    return items
+    taken = [(p, e) for p in view.masters_to_take() for e in pieces.get((cat_names[id(p)], "master_param"), [])
+             if e["dtype"] == "F32"]
+    if taken:
+        log.info("load_checkpoint: %d fp32 parameters take the checkpoint's fp32 master weights (it was saved by a "
+                 "run that computed in a narrower dtype; its model weights are their rounding)",
+                 len({id(p) for p, _ in taken}))
+    return items + [_master_item(p, e) for p, e in taken]
+
+
+def _master_item(param: torch.Tensor, entry: dict) -> ReadItem:
+    """A saved fp32 master piece written into the parameter it is the master of (after the
+    model's items: it replaces the rounded weight just loaded)."""
+    def consume(data: torch.Tensor) -> None:
+        value = tensor_of(data[: entry["length"]], torch.float32, (entry["numel"],))
+        with torch.no_grad():
+            param.view(-1)[entry["start"]: entry["start"] + entry["numel"]].copy_(value)
+
+    return ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)], [(entry, 0)],
+                    consume)
 
 
 def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dict) -> ReadItem:

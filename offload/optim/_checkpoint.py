@@ -14,6 +14,7 @@ import torch
 from ._formats import Packing, RowCode
 from ._layout import Segment, Shard
 from ._scaler import LossScaler
+from ._statedict import masters_to_take
 from ._states import StateRows
 
 __all__ = ["CheckpointView", "ShardRows"]
@@ -95,6 +96,11 @@ class CheckpointView:
 
     def scaler_state(self) -> dict:
         return self._scaler.state_dict()
+
+    def masters_to_take(self) -> list[torch.Tensor]:
+        """The fp32 parameters that are their own masters (no master row): a checkpoint's
+        fp32 ``master_param`` for one replaces its narrower saved weight (``_statedict``)."""
+        return masters_to_take(self._prepare())
 
     def current_values(self, seg: Segment) -> torch.Tensor:
         """The values a master row of ``seg`` starts from (a checkpoint without masters)."""

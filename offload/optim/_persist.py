@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
+
 from ._checkpoint import CheckpointView
 from ._layout import Shard
 from ._phase import OptimizerPhase
-from ._statedict import check_groups, gather_state, scatter_state
+from ._statedict import check_groups, gather_state, masters_to_take, scatter_state
 
 __all__ = ["StateDicts"]
 
@@ -65,6 +67,15 @@ class StateDicts:
             self._ensure_layout()
             scatter_state(self._book.shards, self._states, loaded)
             self._load_loss_scale(state_dict.get("loss_scaler"))
+            taken = [(p, loaded[id(p)]["master_param"]) for p in masters_to_take(self._book.shards)
+                     if "master_param" in loaded.get(id(p), {})]
+            with torch.no_grad():
+                for p, master in taken:
+                    p.copy_(master.reshape(p.shape))
+            if taken:
+                log.info("%s.load_state_dict: %d fp32 parameters took the state dict's fp32 master weights (it was "
+                         "saved by a run that computed in a narrower dtype; its model weights are their rounding)",
+                         type(self).__name__, len(taken))
 
     def _load_loss_scale(self, saved: dict | None) -> None:
         """The saved loss scale and its count of good steps, as a checkpoint load takes them

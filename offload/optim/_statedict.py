@@ -14,7 +14,7 @@ from ..io import BudgetError
 from ._layout import Shard
 from ._states import StateRows
 
-__all__ = ["gather_state", "check_groups", "scatter_state"]
+__all__ = ["gather_state", "check_groups", "scatter_state", "masters_to_take"]
 
 
 def gather_state(shards: list[Shard], states: StateRows, index: dict[int, int]) -> dict[int, dict]:
@@ -91,3 +91,19 @@ def scatter_state(shards: list[Shard], states: StateRows, loaded: dict[int, dict
                     continue
                 rows[r, seg.offset: seg.offset + seg.length].copy_(source)
         states.write(shard, rows)
+
+
+def masters_to_take(shards: list[Shard]) -> list[torch.Tensor]:
+    """The fp32 parameters this optimizer keeps no master row for (they are their own
+    masters), whole on this process, once each: where a loaded state holds a
+    ``master_param`` for one (saved by a run that computed in a narrower dtype, whose model
+    weights are the masters' rounding), the parameter takes it."""
+    out: dict[int, torch.Tensor] = {}
+    for shard in shards:
+        if shard.master:
+            continue
+        for seg in shard.segments:
+            owner = seg.owner
+            if seg.param.dtype == torch.float32 and (owner is None or owner[0].partition is None):
+                out.setdefault(id(seg.param), seg.param)
+    return list(out.values())

@@ -171,3 +171,37 @@ def test_fp32_checkpoint_into_a_bf16_run_keeps_fp32_masters(tmp_path, tiny_gpt2,
         torch.testing.assert_close(state[i]["master_param"], saved[name], rtol=0, atol=0, msg=name)
     opt.close()
     offload.unwrap(model)
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "state_dicts"])
+def test_bf16_run_into_an_fp32_run_takes_the_fp32_masters(tmp_path, how, tiny_llama, offload_config, train,
+                                                          lm_batches, no_leaks):
+    """A bf16-compute run's checkpoint (bf16 weights, fp32 masters in the optimizer's state)
+    loaded into an fp32 run, whose parameters are their own masters: the parameters take the
+    saved fp32 masters, not their bf16 rounding, by load_checkpoint and by the state dicts
+    loaded model first (Trainer's and Accelerate's order)."""
+    model = offload.wrap(tiny_llama(), offload_config(tmp_path / "a", compute_dtype="bf16"))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, lm_batches(197, steps=2))
+    offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    saved_opt, saved_model = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    names = [n for n, _ in model.named_parameters()]
+    masters = {n: saved_opt["state"][i]["master_param"] for i, n in enumerate(names)}
+    assert sum(not torch.equal(masters[n], saved_model[n].float()) for n in names) >= len(names) // 2
+    opt.close()
+    offload.unwrap(model)
+    model = offload.wrap(tiny_llama(), offload_config(tmp_path / "b"))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    if how == "load_checkpoint":
+        offload.load_checkpoint(tmp_path / "ckpt", model, opt)
+    else:
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(saved_opt)
+    weights = offload.state_dict(model)
+    for name in names:
+        torch.testing.assert_close(weights[name], masters[name], rtol=0, atol=0, msg=name)
+    state = opt.state_dict()["state"]
+    for i, name in enumerate(names):  # the moments as saved
+        torch.testing.assert_close(state[i]["exp_avg"], saved_opt["state"][i]["exp_avg"], rtol=0, atol=0)
+    opt.close()
+    offload.unwrap(model)
