@@ -204,3 +204,29 @@ def test_a_torch_optimizer_over_frozen_wrapped_parameters_runs(tmp_path, no_leak
         opt.step()  # the frozen ones are skipped by torch, as without offload
     finally:
         offload.close(model)
+
+
+def test_parameters_as_autograd_inputs_are_not_fetched(tmp_path, no_leaks):
+    """autograd.grad(loss, params) and backward(inputs=params) name the parameters as graph
+    leaves: nothing is fetched for the call (all of them at once would pass the 8 KiB
+    budget), and the gradients are torch's."""
+    def make():
+        return nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))
+
+    model, ref = pair(make, tmp_path)
+    try:
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+        params, ref_params = list(model.parameters()), list(ref.parameters())
+        got = torch.autograd.grad(model(x).square().mean(), params)
+        want = torch.autograd.grad(ref(x).square().mean(), ref_params)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        later = params[6:]
+        model(x).square().mean().backward(inputs=later)
+        ref(x).square().mean().backward(inputs=ref_params[6:])
+        assert all(p.grad is None for p in params[:6])
+        for p, q in zip(later, ref_params[6:]):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        assert offload.stats(model)["demand_fetches"] == 0
+    finally:
+        offload.unwrap(model)
