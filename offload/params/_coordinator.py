@@ -192,7 +192,7 @@ class Coordinator:
         """The store has no room for ``group`` at this point of the pass: the refusal."""
         held = [g for g, rec in self.records.items() if rec.state.viewed]
         return no_room_error(group, err, device=self.store.tiers[Tier.DEVICE], device_budget=self.device_budget,
-                             held=held, parked=self.parked)
+                             held=held, parked=self.parked, layout=self.layout)
 
     def release(self, group: ParamGroup, phase: str) -> None:
         if group.resident:

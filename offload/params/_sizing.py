@@ -76,6 +76,14 @@ class DeviceLayout:
     held_at: str  # the module where that many are held
     nests: Nests | None = None
     refusal: BudgetError | None = None  # what wrap refuses of this layout (kept by device_layout(check=False))
+    auto: bool = False  # the threshold was chosen (resident_bytes="auto"): a larger budget keeps more resident
+
+    def could_keep(self, slot_size: Callable[[int], int]) -> int:
+        """Device bytes a larger budget would keep resident beyond today's under "auto":
+        the streamed groups below the threshold it starts from (a bound)."""
+        if not self.auto:
+            return 0
+        return sum(slot_size(g.nbytes) for g in self.groups if not g.resident and g.nbytes < AUTO_RESIDENT)
 
     def need_with_cached(self, cached: list[ParamGroup]) -> int:
         """Device bytes a pass needs besides the ``cached`` groups (kept on the device)."""
@@ -115,6 +123,7 @@ def device_layout(model: nn.Module, config: OffloadConfig, *, partitioned: bool 
             group.resident = True
         layout.resident = sum(device_slot_size(config.device, g.nbytes) for g in layout.groups)
         layout.held, layout.held_at, layout.nests = 0, "", None
+    layout.auto = not fixed and not explicit
     if not partitioned:
         layout.refusal = _refusal(model, config, layout, explicit, place)
         if check and layout.refusal is not None:
@@ -240,22 +249,31 @@ def check_partitioned(groups: list[ParamGroup], config: OffloadConfig, mine: lis
 
 
 def no_room_error(group: ParamGroup, err: BudgetError, *, device: Any, device_budget: int,
-                  held: list[ParamGroup], parked: set[ParamGroup]) -> BudgetError:
+                  held: list[ParamGroup], parked: set[ParamGroup], layout: DeviceLayout | None = None) -> BudgetError:
     """What the static nest could not see, met at run time: the device tier has no room for
     ``group`` while this point of the pass holds ``held`` (``parked`` among them). Says
-    what, and the budget that holds it and the group."""
+    what, and the budget that holds it and the group: under resident_bytes="auto" with
+    room for every small group a larger budget would keep resident too, since following a
+    figure that the larger budget then spends on residents fails again."""
     if getattr(err, "short_of", None) is Tier.HOST:  # the device had room; the way there did not
         return BudgetError(
             f"host_budget has no room to stage parameter group {group.key!r} ({format_size(group.nbytes)}) "
             f"on its way to the device: its buffers are held by the optimizer, gradients and other groups in "
             f"flight. Raise host_budget ({err})")
     need = device.used_bytes + device.slot_size(group.nbytes)
+    more = layout.could_keep(device.slot_size) if layout is not None else 0
     kept = (f"; {len(parked)} of them ({format_size(sum(g.nbytes for g in parked))}) are kept "
             "from their recomputation (activation checkpointing) until backward has gone through "
             "them: the device must hold a whole checkpointed block's parameters") if parked else ""
+    fix = f"Set device_budget >= {format_size(need + more)}"
+    if more:
+        fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
+                f"resident_bytes={layout.resident_bytes}, device_budget >= {format_size(need)})")
+    if parked:
+        fix += ("; or turn activation checkpointing on before offload.wrap, which then sizes the layout for "
+                "whole checkpointed blocks")
     return BudgetError(
         f"device_budget {format_size(device_budget)} has no room for parameter group {group.key!r} "
         f"({format_size(group.nbytes)}): {format_size(device.used_bytes)} are held at this point of the pass "
         f"by {len(held)} groups in use ({', '.join(repr(g.key) for g in held[:4])}"
-        f"{', ...' if len(held) > 4 else ''}) and the resident parameters{kept}. Set device_budget >= "
-        f"{format_size(need)} ({err})")
+        f"{', ...' if len(held) > 4 else ''}) and the resident parameters{kept}. {fix} ({err})")

@@ -90,3 +90,32 @@ def test_the_budget_a_refusal_recommends_runs(arch, tmp_path, no_leaks):
         assert offload.stats(model)["device_peak_bytes"] <= budget
     finally:
         offload.close(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_budget_a_run_time_refusal_recommends_runs(tmp_path, reentrant, no_leaks):
+    """Activation checkpointing turned on after wrap (as Trainer does): the first backward
+    finds a checkpointed block that does not fit, and the budget it recommends runs, though
+    resident_bytes="auto" spends part of a larger budget on keeping small groups."""
+    def make():
+        torch.manual_seed(0)
+        model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64))
+        return model
+
+    def run(budget, swap):
+        model = offload.wrap(make(), cfg(tmp_path / swap, budget, optimizer_tier="nvme",
+                                         nvme_path=str(tmp_path / swap)))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        try:
+            x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+            train_two_steps(model.train(), lambda m: m(input_ids=x, labels=x).loss)
+            return offload.stats(model)["device_peak_bytes"]
+        finally:
+            offload.close(model)
+
+    with pytest.raises(BudgetError, match="checkpointing on before offload.wrap") as refused:
+        run("256KiB", "a")
+    found = re.search(r"Set device_budget >= ([\d.]+) KiB", str(refused.value))
+    assert found, refused.value
+    budget = int(float(found.group(1)) * 1024)
+    assert run(budget, "b") <= budget
