@@ -41,6 +41,8 @@ from ..activations import ActivationOffloader, SavedHandle
 from .._autograd import graph_task, in_backward, queue_end_of_backward
 from ._coordinator import Coordinator
 from ._demand import owner_of_param, refuse_copy
+from ._backward_end import BackwardEnd, input_edges
+from ._eager import EagerForwards
 from ._groups import ParamGroup
 
 __all__ = ["ModuleHooks"]
@@ -58,29 +60,15 @@ class _SavedRef:
     version: int  # the group's write count when saved
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward marks the module's backward as done."""
-
-    @staticmethod
-    def forward(ctx, hooks: "ModuleHooks", groups: list[ParamGroup], *tensors: torch.Tensor):
-        ctx.hooks, ctx.groups = hooks, groups
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        for group in ctx.groups:
-            ctx.hooks.coordinator.release(group, "backward")
-        return (None, None, *grads)
-
-
 class ModuleHooks:
     def __init__(self, model: nn.Module, needs: dict[nn.Module, list[ParamGroup]],
                  coordinator: Coordinator):
         self.model, self.needs, self.coordinator = model, needs, coordinator
         self._handles: list[Any] = []
+        self._eager = EagerForwards()  # (torch.compile runs what offload manages uncompiled)
         self._saved_hooks: list[Any] = []
         self._open_forwards: list[tuple[int, bool]] = []  # (call depth, pushed saved hooks)
-        self._calls: list[tuple[list, bool]] = []  # modules running with grad: (groups, inputs need grad)
+        self._calls: list[tuple[list, Any]] = []  # modules running with grad: (groups, input_edges() or None)
         self._backward_queued = False
         self._backward_task: int | None = None
         # groups fetched in backward for an op whose module's hooks did not fetch them (a
@@ -92,17 +80,20 @@ class ModuleHooks:
 
     # -- attach / remove -----------------------------------------------------------------------
     def attach(self) -> None:
-        root = self.model
-        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        root, eager = self.model, self._eager
+        self._handles.append(root.register_forward_pre_hook(eager.hook(self._root_pre), prepend=True))
+        self._handles.append(root.register_forward_hook(eager.hook(self._root_post), always_call=True))
+        eager.make_eager(root)
         for module, groups in self.needs.items():
             if all(g.resident for g in groups):
                 continue
             managed = [g for g in groups if not g.resident]
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, gs=managed: self._pre_forward(gs, args, kwargs), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, args, out, gs=managed: self._post_forward(gs, out), always_call=True))
+            self._handles.append(module.register_forward_pre_hook(eager.hook(
+                lambda m, args, kwargs, gs=managed: self._pre_forward(gs, args, kwargs)), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(eager.hook(
+                lambda m, args, out, gs=managed: self._post_forward(gs, out)), always_call=True))
+            if module is not root:
+                eager.make_eager(module)
 
     def __deepcopy__(self, memo):
         refuse_copy()
@@ -114,6 +105,7 @@ class ModuleHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._eager.restore()
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         self._open_forwards.clear()
@@ -251,9 +243,9 @@ class ModuleHooks:
             self.coordinator.acquire(group, "forward")
         if not torch.is_grad_enabled():
             return None
-        wrapped = self._wrap_inputs(groups, args, kwargs)
-        self._calls.append((groups, wrapped is not None))
-        return wrapped
+        inputs = [a for a in args if _needs_grad(a)] + [v for v in kwargs.values() if _needs_grad(v)]
+        self._calls.append((groups, input_edges(inputs) if inputs else None))
+        return None
 
     def _post_forward(self, groups: list[ParamGroup], output: Any) -> Any:
         leaves = tree_flatten(output)[0]
@@ -264,20 +256,25 @@ class ModuleHooks:
             self.coordinator.release(group, "forward")
         if not torch.is_grad_enabled():
             return output
-        inputs_need_grad = True
+        inputs = None
         if self._calls and self._calls[-1][0] is groups:
-            inputs_need_grad = self._calls.pop()[1]
-        if not inputs_need_grad:
-            # Note: no input needs a gradient (an embedding of token ids): nothing would mark
-            # the end of this module's backward, so the group would stay held to the end of
-            # the whole backward. Its backward needs the group only through saved tensors,
-            # which fetch it for their autograd node (_unpack).
-            return output
+            inputs = self._calls.pop()[1]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
+        # Note: where no input needs a gradient (an embedding of token ids), or the forward
+        # made no node that hands one on (_backward_end), nothing would mark the end of this
+        # module's backward, so the group would stay held to the end of the whole backward.
+        # Its backward needs the group only through saved tensors, which fetch it for their
+        # autograd node (_unpack).
+        if inputs is None or not tensors or BackwardEnd.attach(
+                tensors, *inputs, lambda gs=groups: self._post_backward(gs)) is None:
+            return output
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
         return output
+
+    def _post_backward(self, groups: list[ParamGroup]) -> None:
+        for group in groups:
+            self.coordinator.release(group, "backward")
 
     def _buffers(self, groups: list[ParamGroup]) -> set[int]:
         out = set()
@@ -337,22 +334,6 @@ class ModuleHooks:
     def _release_backward(self) -> None:
         self._node_holds.clear()  # released with every other backward hold
         self.coordinator.release_backward()
-
-    def _wrap_inputs(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
-        positions = [("a", i) for i, a in enumerate(args) if _needs_grad(a)]
-        positions += [("k", k) for k, v in kwargs.items() if _needs_grad(v)]
-        if not positions:
-            return None
-        values = [args[i] if where == "a" else kwargs[i] for where, i in positions]
-        wrapped = _PostBackward.apply(self, groups, *values)
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        new_args, new_kwargs = list(args), dict(kwargs)
-        for (where, i), value in zip(positions, wrapped):
-            if where == "a":
-                new_args[i] = value
-            else:
-                new_kwargs[i] = value
-        return tuple(new_args), new_kwargs
 
 
 def _call_depth() -> int:

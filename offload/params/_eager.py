@@ -1,0 +1,71 @@
+"""What offload manages runs eagerly under ``torch.compile``.
+
+Note: a managed module's weights move in its forward hooks (Python that fetches, points
+``param.data`` at a group buffer and releases the buffer for reuse), and autograd's saved
+tensors go through the model's hooks. Dynamo cannot trace that, and a compiled graph that
+captured a weight's buffer would later read whatever the buffer then holds. So the hooks
+and the forwards of the modules offload manages (the root's too) are excluded from
+compilation with ``torch.compiler.disable``: ``torch.compile(model)`` or a layer's
+``module.compile()`` runs them as uncompiled code does, to the same results, and the rest
+of a compiled function still compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._demand import refuse_copy
+
+__all__ = ["EagerForwards"]
+
+
+class _Eager:
+    """``fn`` excluded from compilation; like the hooks' own object, it refuses copies and
+    pickling of the wrapped model with the ways to do it (``refuse_copy``)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._run = torch.compiler.disable(fn)
+        functools.update_wrapper(self, fn)  # (inspect.signature(model.forward) sees the forward's)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        refuse_copy()
+
+    def __reduce_ex__(self, protocol):
+        refuse_copy()
+
+
+class EagerForwards:
+    """The forwards this model's hooks made eager, put back by :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[nn.Module, bool, Any, Any]] = []  # module, had its own forward, that, ours
+
+    @staticmethod
+    def hook(fn: Callable) -> Callable:
+        return _Eager(fn)
+
+    def make_eager(self, module: nn.Module) -> None:
+        had = "forward" in module.__dict__
+        before = module.__dict__.get("forward")
+        ours = _Eager(module.forward)
+        module.forward = ours
+        self._made.append((module, had, before, ours))
+
+    def restore(self) -> None:
+        """Each forward as it was, unless something replaced ours since (Accelerate's
+        wrappers set ``module.forward`` too): that one stays."""
+        for module, had, before, ours in reversed(self._made):
+            if module.__dict__.get("forward") is not ours:
+                continue
+            if had:
+                module.forward = before
+            else:
+                del module.__dict__["forward"]
+        self._made.clear()
