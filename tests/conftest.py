@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
-import stat
 import threading
 
 import pytest
@@ -170,7 +169,7 @@ def no_leaks():
     """Fails the test if it leaves threads or file descriptors behind. Not counted: threads
     Python did not start (a _DummyThread is a C++ thread that called into Python, such as
     the CUDA autograd engine's device thread, which lives as long as the process) and the
-    driver's device files (character devices), which the first use of CUDA opens for the process."""
+    driver's device files (/dev/nvidia*), which the first use of CUDA opens for the process."""
     threads_before = set(threading.enumerate())
     fds_before = _fds()
     yield
@@ -184,7 +183,7 @@ def no_leaks():
 
 def _is_device_file(fd: int) -> bool:
     try:
-        return stat.S_ISCHR(os.fstat(fd).st_mode)
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/nvidia")
     except OSError:
         return False
 

@@ -175,25 +175,46 @@ def offload_optimizer_items(view: CheckpointView, opt: OffloadOptimizer, plan: d
             seg.step.fill_(float(step))
         if shard.nbytes:
             items.append(_shard_item(view, shard, cat_names, pieces))
-    taken = [(p, e) for p in view.masters_to_take() for e in pieces.get((cat_names[id(p)], "master_param"), [])
-             if e["dtype"] == "F32"]
+    taken = []
+    for p in view.masters_to_take():
+        saved = sorted(pieces.get((cat_names[id(p)], "master_param"), []), key=lambda e: e["start"])
+        if saved and all(e["dtype"] == "F32" for e in saved) and _covers(saved, p.numel()):
+            taken.append(_master_item(p, saved))
     if taken:
         log.info("load_checkpoint: %d fp32 parameters take the checkpoint's fp32 master weights (it was saved by a "
-                 "run that computed in a narrower dtype; its model weights are their rounding)",
-                 len({id(p) for p, _ in taken}))
-    return items + [_master_item(p, e) for p, e in taken]
+                 "run that computed in a narrower dtype; its model weights are their rounding)", len(taken))
+    return items + taken
 
 
-def _master_item(param: torch.Tensor, entry: dict) -> ReadItem:
-    """A saved fp32 master piece written into the parameter it is the master of (after the
-    model's items: it replaces the rounded weight just loaded)."""
+def _covers(entries: list[dict], numel: int) -> bool:
+    at = 0
+    for e in entries:
+        if e["start"] != at:
+            return False
+        at += e["numel"]
+    return at == numel
+
+
+def _master_item(param: torch.Tensor, entries: list[dict]) -> ReadItem:
+    """A parameter's saved fp32 master (its pieces, in order) written into it in one write
+    (after the model's items: it replaces the rounded weight just loaded). Each piece is
+    read where its file offset keeps O_DIRECT's alignment, then laid out whole."""
+    runs, places, end = [], [], 0
+    for e in entries:
+        at = -(-end // ALIGN) * ALIGN + e["offset"] % ALIGN
+        runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
+        places.append((e, at))
+        end = at + e["length"]
+
     def consume(data: torch.Tensor) -> None:
-        value = tensor_of(data[: entry["length"]], torch.float32, (entry["numel"],))
+        value = torch.empty(param.numel(), dtype=torch.float32)
+        for e, at in places:
+            value[e["start"]: e["start"] + e["numel"]] = tensor_of(data[at: at + e["length"]], torch.float32,
+                                                                  (e["numel"],))
         with torch.no_grad():
-            param.view(-1)[entry["start"]: entry["start"] + entry["numel"]].copy_(value)
+            param.copy_(value.view(param.shape))
 
-    return ReadItem(entry["length"], [ReadRun(entry["file"], entry["offset"], entry["length"], 0)], [(entry, 0)],
-                    consume)
+    return ReadItem(end, runs, places, consume)
 
 
 def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dict) -> ReadItem:

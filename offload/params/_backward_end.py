@@ -1,10 +1,14 @@
 """The end of a module's backward, seen without changing the graph.
 
-A module's groups are released once backward has gone through it: once every autograd
-node its forward made that consumes one of its inputs has run (those are the last of its
-nodes to run, since they hand the gradient on to the inputs). The nodes are found after
-the forward by a walk from the outputs' nodes that stops at the inputs' gradient edges,
-at leaves and at nodes older than the forward; each gets a post-hook.
+A module's groups are released once backward has run every autograd node its forward
+made that this backward runs. The nodes are found after the forward by a walk from the
+outputs' nodes that stops at the inputs' gradient edges, at leaves and at nodes not made
+in the forward (sequence numbers outside the forward's: a throwaway node's number taken
+before and after it); each gets a post-hook. When backward reaches the module (the
+outputs' hook that also fetches its groups), the engine says which of them it will run:
+not a branch whose output does not reach the loss, nor what ``autograd.grad`` with
+``inputs=`` prunes. A backward that reaches them otherwise waits for all of them, and
+what never runs leaves the groups to the release at the end of backward.
 
 Note: why not an identity function on the inputs (as FSDP and ZeRO-3 do). Its node
 would sit between the input and the module's uses of it: autograd would add the
@@ -12,11 +16,10 @@ gradients of an input used twice inside the module before adding the one from ou
 a different order from the model's own by last bits (an RMSNorm's input), and a hook a
 user puts on the input inside the module would see the module's share only.
 
-Note: nodes that will not run. A backward that does not need some of the consumers
-(``autograd.grad`` with ``inputs=``, a branch without a gradient) never fires their
-hooks, and the module's groups wait for the release at the end of backward, as they
-would for an identity that did not run. (Asking the engine which nodes it will run needs
-the node objects, and holding them from their own hooks keeps the graph alive.)
+Note: references. The post-hooks hold node ids, not nodes: a node referenced from its
+own hook would keep the graph, and the activations it saved, alive after a forward that
+never gets a backward. The nodes themselves are held by the outputs' hook, which sits
+above them in the graph and so makes no cycle.
 """
 
 from __future__ import annotations
@@ -28,49 +31,45 @@ from torch.autograd.graph import get_gradient_edge
 
 __all__ = ["input_edges", "BackwardEnd"]
 
-
 _PROBE = torch.zeros((), requires_grad=True)
+_LEAF = torch._C._functions.AccumulateGrad
 
 
-def input_edges(tensors: list[torch.Tensor]) -> tuple[list[Any], int]:
+def sequence_now() -> int | None:
+    """The sequence number of a node made now on this thread; None where none is made
+    (inference mode)."""
+    with torch.enable_grad():
+        fn = _PROBE.view_as(_PROBE).grad_fn
+    return None if fn is None else fn._sequence_nr()
+
+
+def input_edges(tensors: list[torch.Tensor]) -> tuple[list[Any], int] | None:
     """The gradient edges of a forward's inputs, taken before it runs (an in-place change
     inside the forward gives an input a new node; the walk stops at the old one), and the
-    sequence number the forward's own nodes start after (a throwaway node's)."""
-    with torch.enable_grad():
-        since = _PROBE.view_as(_PROBE).grad_fn._sequence_nr()
+    sequence number the forward's own nodes come after; None in inference mode."""
+    since = sequence_now()
+    if since is None:
+        return None
     return [get_gradient_edge(t) for t in tensors], since
 
 
-def _sequence_nr(node: Any) -> int:
-    return node._sequence_nr()
-
-
-def _consumers(outputs: list[torch.Tensor], edges: list[Any], since: int) -> list[Any]:
-    """The nodes made since sequence number ``since`` and reached from ``outputs`` that
-    have an edge into one of ``edges``' nodes."""
+def _module_nodes(outputs: list[torch.Tensor], edges: list[Any], since: int, until: int) -> list[Any]:
     bounds = {id(e.node) for e in edges}
     found: dict[int, Any] = {}
-    seen: set[int] = set()
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
-        if id(node) in seen or id(node) in bounds:
+        if id(node) in found or id(node) in bounds or isinstance(node, _LEAF):
             continue
-        seen.add(id(node))
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            if id(nxt) in bounds:
-                found[id(node)] = node
-            elif not hasattr(nxt, "variable") and _sequence_nr(nxt) > since:
-                stack.append(nxt)
+        if not since < node._sequence_nr() <= until:
+            continue
+        found[id(node)] = node
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
     return list(found.values())
 
 
 class BackwardEnd:
-    """Calls ``done()`` once per backward, after the last of its nodes has run. Holds the
-    nodes' ids only: a reference to a node from its own hook would keep the graph, and
-    the activations it saved, alive after a forward that never gets a backward."""
+    """Calls ``done()`` once per backward, after the last of the module's nodes it runs."""
 
     def __init__(self, nodes: list[Any], done: Callable[[], None]) -> None:
         self._keys = frozenset(id(n) for n in nodes)
@@ -82,19 +81,28 @@ class BackwardEnd:
 
     @classmethod
     def attach(cls, outputs: list[torch.Tensor], edges: list[Any], since: int,
-               done: Callable[[], None]) -> "BackwardEnd | None":
-        """None when the forward made no node that consumes its inputs (its backward then
-        hands nothing on to them, and reads its groups only through saved tensors)."""
-        nodes = _consumers(outputs, edges, since)
-        return cls(nodes, done) if nodes else None
+               done: Callable[[], None]) -> tuple["BackwardEnd", list[Any]] | None:
+        """The tracker and the nodes (for :meth:`arm`); None when the forward made no node
+        (its output is its input)."""
+        until = sequence_now()
+        nodes = _module_nodes(outputs, edges, since, until) if until is not None else []
+        return (cls(nodes, done), nodes) if nodes else None
+
+    def arm(self, nodes: list[Any]) -> None:
+        """Backward has reached the module: wait for the nodes the engine will run."""
+        self._task = torch._C._current_graph_task_id()
+        self._pending = {id(n) for n in nodes if torch._C._will_engine_execute_node(n)}
+        if not self._pending:
+            self._done()
 
     def _hook(self, key: int) -> Callable:
         def ran(grad_inputs: Any, grad_outputs: Any) -> None:
             task = torch._C._current_graph_task_id()
-            if task != self._task:  # the first of them to run in this backward
+            if task != self._task:  # reached without the outputs' hook: wait for all
                 self._task = task
                 self._pending = set(self._keys)
-            self._pending.discard(key)
-            if not self._pending:
-                self._done()
+            if key in self._pending:
+                self._pending.discard(key)
+                if not self._pending:
+                    self._done()
         return ran

@@ -40,9 +40,6 @@ NO_DATA |= {getattr(torch.Tensor, name) for name in (
     "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
     "__len__", "nelement", "ndimension", "is_pinned", "is_shared", "_is_view")}
 NO_DATA |= {torch._has_compatible_shallow_copy_type}
-# parameters as autograd's inputs (``autograd.grad(loss, params)``, ``backward(inputs=...)``):
-# the engine needs their graph leaves, not their values; backward fetches what it reads
-NO_DATA |= {torch.autograd.grad, torch.autograd.backward}
 # new tensors shaped like the argument, whose values are not read (a placeholder is
 # overlapping, so they come out contiguous, as of the real parameter)
 NO_DATA |= {getattr(torch, name) for name in ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like",

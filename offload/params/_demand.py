@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
@@ -92,6 +93,8 @@ class OffloadedParameter(nn.Parameter):
             return get_grad(args[0])
         if func == _GRAD_SET:
             return set_grad(args[0], args[1])
+        if func in _AUTOGRAD:
+            return _autograd_call(func, args, kwargs)
         if func not in NO_DATA:
             found = _find(args, kwargs)
             if found:
@@ -151,6 +154,29 @@ def owner_of_param(param: Any) -> Owner | None:
 
 def any_registered() -> bool:
     return bool(_owners)
+
+
+_AUTOGRAD = {torch.autograd.grad, torch.autograd.backward}
+
+
+def _autograd_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``autograd.grad(loss, params)`` / ``backward(inputs=params)``: the parameters go as
+    their gradient edges, so nothing is fetched for the call (all of them at once could
+    pass the budget) and the backward fetches what it reads as any backward does. A
+    parameter among the outputs or ``materialize_grads`` (which edges do not take) is
+    served as any call: fetched for its length."""
+    grad = func is torch.autograd.grad
+    inputs = args[1] if grad else kwargs.get("inputs")
+    rest = (args[0], kwargs.get("grad_outputs" if grad else "grad_tensors"))
+    if inputs is None or kwargs.get("materialize_grads") or _find(rest, {}):
+        found = _find(args, kwargs)
+        if found:
+            return _serve(func, args, kwargs, found)
+        with _plain():
+            return func(*args, **kwargs)
+    with _plain():
+        edges = tuple(get_gradient_edge(t) if isinstance(t, OffloadedParameter) else t for t in inputs)
+    return func(args[0], edges, *args[2:], **kwargs) if grad else func(*args, **{**kwargs, "inputs": edges})
 
 
 def _find(args: tuple, kwargs: dict) -> list[Owner] | None:

@@ -12,6 +12,7 @@ of a compiled function still compiles.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable
 
@@ -29,16 +30,21 @@ class _Eager:
 
     def __init__(self, fn: Callable) -> None:
         self._run = torch.compiler.disable(fn)
+        self.active = True  # False once unwrapped (a wrapper put over it may keep it in its chain)
         functools.update_wrapper(self, fn)  # (inspect.signature(model.forward) sees the forward's)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(*args, **kwargs)
 
     def __deepcopy__(self, memo):
-        refuse_copy()
+        if self.active:
+            refuse_copy()
+        return copy.deepcopy(self.__wrapped__, memo)
 
     def __reduce_ex__(self, protocol):
-        refuse_copy()
+        if self.active:
+            refuse_copy()
+        return self.__wrapped__.__reduce_ex__(protocol)
 
 
 class EagerForwards:
@@ -60,8 +66,10 @@ class EagerForwards:
 
     def restore(self) -> None:
         """Each forward as it was, unless something replaced ours since (Accelerate's
-        wrappers set ``module.forward`` too): that one stays."""
+        wrappers set ``module.forward`` too): that one stays, and ours in its chain copies
+        and pickles as the forward it wraps."""
         for module, had, before, ours in reversed(self._made):
+            ours.active = False
             if module.__dict__.get("forward") is not ours:
                 continue
             if had:

@@ -3,9 +3,10 @@
 forward pre-hook    acquire the module's groups
 forward post-hook   release them; on outputs that need a gradient, a hook that acquires
                     them again when backward reaches the module
-post-backward       an identity autograd function on the module's inputs, whose backward
-                    runs once the module's backward is done, releases them; what it cannot
-                    see (inputs without gradients) is released at the end of backward
+post-backward       post-hooks on the nodes the module's forward made release them once
+                    backward has run them (_backward_end: no node added to the graph);
+                    what they cannot see (inputs without gradients) is released at the end
+                    of backward
 
 Note: saved tensors. Autograd keeps what an operation saved for backward: the parameter
 itself (``layer_norm``, a parent's ``w @ x``) or a view of its data (``weight.t()`` for a
@@ -182,8 +183,8 @@ class ModuleHooks:
             if tensor.device.type == "meta":
                 return tensor
             group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
-            if group is None:
-                return tensor if self.activations is None else self.activations.pack(tensor)
+            if group is None:  # (detached: a saved output held as itself would keep its node alive)
+                return tensor.detach() if self.activations is None else self.activations.pack(tensor)
             flat = self.coordinator.flat_of(group)
             offset = tensor.storage_offset() * tensor.element_size() - flat.storage_offset()
             return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride(),
@@ -244,7 +245,7 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         inputs = [a for a in args if _needs_grad(a)] + [v for v in kwargs.values() if _needs_grad(v)]
-        self._calls.append((groups, input_edges(inputs) if inputs else None))
+        self._calls.append((groups, input_edges(inputs) if inputs else None))  # (None in inference mode)
         return None
 
     def _post_forward(self, groups: list[ParamGroup], output: Any) -> Any:
@@ -260,16 +261,18 @@ class ModuleHooks:
         if self._calls and self._calls[-1][0] is groups:
             inputs = self._calls.pop()[1]
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        # Note: where no input needs a gradient (an embedding of token ids), or the forward
-        # made no node that hands one on (_backward_end), nothing would mark the end of this
-        # module's backward, so the group would stay held to the end of the whole backward.
-        # Its backward needs the group only through saved tensors, which fetch it for their
-        # autograd node (_unpack).
-        if inputs is None or not tensors or BackwardEnd.attach(
-                tensors, *inputs, lambda gs=groups: self._post_backward(gs)) is None:
+        # Note: where no input needs a gradient (an embedding of token ids), nothing would
+        # mark the end of this module's backward (_backward_end), so the group would stay
+        # held to the end of the whole backward. Its backward needs the group only through
+        # saved tensors, which fetch it for their autograd node (_unpack).
+        if inputs is None or not tensors:
             return output
+        tracked = BackwardEnd.attach(tensors, *inputs, lambda gs=groups: self._post_backward(gs))
+        if tracked is None:
+            return output
+        end, nodes = tracked
         torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda grads, gs=groups: self._pre_backward(gs), mode="any")
+            tensors, lambda grads, gs=groups, end=end, nodes=nodes: self._pre_backward(gs, end, nodes), mode="any")
         return output
 
     def _post_backward(self, groups: list[ParamGroup]) -> None:
@@ -311,11 +314,12 @@ class ModuleHooks:
 
         return tree_map(own, output)
 
-    def _pre_backward(self, groups: list[ParamGroup]) -> None:
+    def _pre_backward(self, groups: list[ParamGroup], end: BackwardEnd, nodes: list) -> None:
         self._release_node_holds()
         self._queue_end_of_backward()
         for group in groups:
             self.coordinator.acquire(group, "backward")
+        end.arm(nodes)
 
     def _queue_end_of_backward(self) -> None:
         if self._backward_queued and graph_task() != self._backward_task:

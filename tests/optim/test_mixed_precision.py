@@ -173,16 +173,17 @@ def test_fp32_checkpoint_into_a_bf16_run_keeps_fp32_masters(tmp_path, tiny_gpt2,
     offload.unwrap(model)
 
 
-@pytest.mark.parametrize("how", ["load_checkpoint", "state_dicts"])
-def test_bf16_run_into_an_fp32_run_takes_the_fp32_masters(tmp_path, how, tiny_llama, offload_config, train,
-                                                          lm_batches, no_leaks):
+@pytest.mark.parametrize("how,shard_size", [("load_checkpoint", None), ("load_checkpoint", 3000),
+                                            ("state_dicts", None)])
+def test_bf16_run_into_an_fp32_run_takes_the_fp32_masters(tmp_path, how, shard_size, tiny_llama, offload_config,
+                                                          train, lm_batches, no_leaks):
     """A bf16-compute run's checkpoint (bf16 weights, fp32 masters in the optimizer's state)
     loaded into an fp32 run, whose parameters are their own masters: the parameters take the
     saved fp32 masters, not their bf16 rounding, by load_checkpoint and by the state dicts
     loaded model first (Trainer's and Accelerate's order)."""
     model = offload.wrap(tiny_llama(), offload_config(tmp_path / "a", compute_dtype="bf16"))
-    opt = offload.AdamW(model.parameters(), lr=1e-2)
-    train(model, opt, lm_batches(197, steps=2))
+    opt = offload.AdamW(model.parameters(), lr=1e-2, **({"shard_size": shard_size} if shard_size else {}))
+    train(model, opt, lm_batches(197, steps=2))  # (shard_size 3000: masters saved in pieces)
     offload.save_checkpoint(tmp_path / "ckpt", model, opt)
     saved_opt, saved_model = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
     names = [n for n, _ in model.named_parameters()]

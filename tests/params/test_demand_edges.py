@@ -206,12 +206,32 @@ def test_a_torch_optimizer_over_frozen_wrapped_parameters_runs(tmp_path, no_leak
         offload.close(model)
 
 
+class _KeepsWeight(torch.autograd.Function):
+    """Keeps the weight itself for backward (not as a saved tensor): backward reads the
+    parameter, which must be fetched then."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x, ctx.w = x, w
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w.t(), ctx.x.t() @ g
+
+
+class _CustomMatmul(nn.Linear):
+    def forward(self, x):
+        return _KeepsWeight.apply(x, self.weight) + self.bias
+
+
 def test_parameters_as_autograd_inputs_are_not_fetched(tmp_path, no_leaks):
     """autograd.grad(loss, params) and backward(inputs=params) name the parameters as graph
     leaves: nothing is fetched for the call (all of them at once would pass the 8 KiB
-    budget), and the gradients are torch's."""
+    budget), a backward that reads a parameter fetches it as in any backward, and the
+    gradients are torch's."""
     def make():
-        return nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))
+        return nn.Sequential(*(nn.Linear(32, 32) for _ in range(5)), _CustomMatmul(32, 32))
 
     model, ref = pair(make, tmp_path)
     try:
