@@ -18,8 +18,10 @@ user puts on the input inside the module would see the module's share only.
 
 Note: references. The post-hooks hold node ids, not nodes: a node referenced from its
 own hook would keep the graph, and the activations it saved, alive after a forward that
-never gets a backward. The nodes themselves are held by the outputs' hook, which sits
-above them in the graph and so makes no cycle.
+never gets a backward. The module's inner nodes are held by the outputs' hook, which
+sits above them in the graph and so makes no cycle; the outputs' own nodes are not held
+(their hook sits on them): an output's node runs when the output gets a gradient, which
+a hook on the output tensor notes.
 """
 
 from __future__ import annotations
@@ -71,38 +73,72 @@ def _module_nodes(outputs: list[torch.Tensor], edges: list[Any], since: int, unt
 class BackwardEnd:
     """Calls ``done()`` once per backward, after the last of the module's nodes it runs."""
 
-    def __init__(self, nodes: list[Any], done: Callable[[], None]) -> None:
+    def __init__(self, nodes: list[Any], outputs: list[torch.Tensor], done: Callable[[], None]) -> None:
         self._keys = frozenset(id(n) for n in nodes)
         self._done = done
         self._task = -1
+        self._over = -1  # the backward in which done() was called: later hooks in it do nothing
         self._pending: set[int] = set()
+        self._arrived: tuple[int, set[int]] = (-1, set())  # (task, output nodes given a gradient)
         for node in nodes:
-            node.register_hook(self._hook(id(node)))
+            node.register_hook(self._ran(id(node)))
+        for t in outputs:  # (an output's node runs when the output gets a gradient)
+            t.register_hook(self._arrives(id(t.grad_fn)))
 
     @classmethod
     def attach(cls, outputs: list[torch.Tensor], edges: list[Any], since: int,
                done: Callable[[], None]) -> tuple["BackwardEnd", list[Any]] | None:
-        """The tracker and the nodes (for :meth:`arm`); None when the forward made no node
-        (its output is its input)."""
+        """The tracker and the module's nodes other than the outputs' own (for :meth:`arm`:
+        the outputs' hook that holds them sits on the outputs' nodes, so holding those too
+        would make a cycle); None when the forward made no node (its output is its input)."""
         until = sequence_now()
         nodes = _module_nodes(outputs, edges, since, until) if until is not None else []
-        return (cls(nodes, done), nodes) if nodes else None
+        if not nodes:
+            return None
+        own = {id(t.grad_fn) for t in outputs}
+        return cls(nodes, [t for t in outputs if id(t.grad_fn) in cls._ids(nodes)], done), \
+            [n for n in nodes if id(n) not in own]
 
-    def arm(self, nodes: list[Any]) -> None:
-        """Backward has reached the module: wait for the nodes the engine will run."""
-        self._task = torch._C._current_graph_task_id()
-        self._pending = {id(n) for n in nodes if torch._C._will_engine_execute_node(n)}
-        if not self._pending:
+    @staticmethod
+    def _ids(nodes: list[Any]) -> set[int]:
+        return {id(n) for n in nodes}
+
+    def arm(self, inner: list[Any]) -> None:
+        """Backward has reached the module: wait for the inner nodes the engine will run and
+        the outputs' nodes whose outputs get a gradient."""
+        self._task = task = torch._C._current_graph_task_id()
+        self._pending = {id(n) for n in inner if torch._C._will_engine_execute_node(n)}
+        if self._arrived[0] == task:
+            self._pending |= self._arrived[1]
+        self._finish_if_done(task)
+
+    def _finish_if_done(self, task: int) -> None:
+        if not self._pending and self._over != task:
+            self._over = task
             self._done()
 
-    def _hook(self, key: int) -> Callable:
+    def _arrives(self, key: int) -> Callable:
+        def arrived(grad: torch.Tensor) -> None:
+            task = torch._C._current_graph_task_id()
+            if self._over == task:
+                return
+            if self._task == task:
+                self._pending.add(key)
+                return
+            if self._arrived[0] != task:
+                self._arrived = (task, set())
+            self._arrived[1].add(key)
+        return arrived
+
+    def _ran(self, key: int) -> Callable:
         def ran(grad_inputs: Any, grad_outputs: Any) -> None:
             task = torch._C._current_graph_task_id()
+            if self._over == task:
+                return
             if task != self._task:  # reached without the outputs' hook: wait for all
                 self._task = task
                 self._pending = set(self._keys)
             if key in self._pending:
                 self._pending.discard(key)
-                if not self._pending:
-                    self._done()
+                self._finish_if_done(task)
         return ran
