@@ -95,13 +95,9 @@ class BackwardEnd:
         nodes = _module_nodes(outputs, edges, since, until) if until is not None else []
         if not nodes:
             return None
+        made = {id(n) for n in nodes}
         own = {id(t.grad_fn) for t in outputs}
-        return cls(nodes, [t for t in outputs if id(t.grad_fn) in cls._ids(nodes)], done), \
-            [n for n in nodes if id(n) not in own]
-
-    @staticmethod
-    def _ids(nodes: list[Any]) -> set[int]:
-        return {id(n) for n in nodes}
+        return cls(nodes, [t for t in outputs if id(t.grad_fn) in made], done), [n for n in nodes if id(n) not in own]
 
     def arm(self, inner: list[Any]) -> None:
         """Backward has reached the module: wait for the inner nodes the engine will run and
