@@ -20,6 +20,7 @@ import torch
 
 from .._signals import DEFER, wait as _wait
 from .._tensors import lasting
+from .._units import format_size
 from ..accel import Accelerator
 from ._errors import BudgetError
 
@@ -136,6 +137,10 @@ class HostBuffer:
         self._users = _sharers(self._bytes)
         return size != old
 
+    def shared(self) -> bool:
+        """Whether a tensor made from this buffer (a view of it) is still alive somewhere."""
+        return self._users is not None and self._map is not None and _sharers(self._bytes) != self._users
+
     def memoryview(self, nbytes: int | None = None) -> memoryview:
         return memoryview(self._map)[: self.nbytes if nbytes is None else nbytes]
 
@@ -209,6 +214,7 @@ class BufferPool:
         self._asked: dict[int, int] = {}  # id(buffer) -> bytes asked, for reused larger ones
         self.peak_bytes = 0
         self.mapped = self.resized = 0  # buffers mapped anew, cached ones resized for another size
+        self.left_to_holders = 0  # cached buffers a tensor still viewed when their turn came (not reused)
         self._cond = threading.Condition()
         self._closed = False
         with _POOLS_LOCK:
@@ -293,9 +299,9 @@ class BufferPool:
             )
 
     def _take(self, size: int) -> HostBuffer | None:
-        cached = self._free.get(size)
-        if cached:
-            return self._pop_cached(size)
+        buf = self._pop_reusable(size)
+        if buf is not None:
+            return buf
         if self._held + size > self.budget:
             # Note: rather than unmapping cached buffers to map a new one (~5 ms per 16 MB,
             # and a pool full of the wrong sizes would do it on every request: measured 680
@@ -306,8 +312,8 @@ class BufferPool:
             limit = self.max_inflation
             fits = [s for s in self._free if size <= s <= 2 * size
                     and (limit is None or self._inflation + s - size <= limit)]
-            if fits:
-                buf = self._pop_cached(min(fits))
+            buf = self._pop_reusable(min(fits)) if fits else None
+            if buf is not None:
                 if buf.nbytes > size:
                     self._asked[id(buf)] = size
                     self._inflation += buf.nbytes - size
@@ -346,6 +352,25 @@ class BufferPool:
         self.peak_bytes = max(self.peak_bytes, self._held)
         self.resized += 1
         return buf
+
+    def _pop_reusable(self, size: int) -> HostBuffer | None:
+        """A cached buffer of ``size`` that nothing views any more, or None. One a tensor still
+        views (a view of a weight kept past its module's forward: a custom Function's
+        ``ctx.wt = w.t()``, an output the hooks cannot see into) is left to its holder, as
+        torch leaves memory to a view: unmapped with its last view, out of the budget from
+        now on. Reused, it would hand that holder another tensor's bytes."""
+        while size in self._free:
+            buf = self._pop_cached(size)
+            if not buf.shared():
+                return buf
+            self._held -= size
+            self.left_to_holders += 1
+            (log.warning if self.left_to_holders == 1 else log.debug)(
+                "%s buffer pool: a %s buffer is still viewed by a tensor offload did not hand out (a view of a "
+                "weight kept past its module's forward, as ctx.wt = w.t() in a custom Function); it is left to "
+                "that tensor, outside the budget, not reused", self.name, format_size(size))
+            buf.close()
+        return None
 
     def _pop_cached(self, size: int) -> HostBuffer:
         bufs = self._free[size]

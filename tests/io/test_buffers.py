@@ -175,6 +175,26 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     assert HostBuffer(PAGE_SIZE, pin=Pins()).resize(2 * PAGE_SIZE) is False
 
 
+def test_a_cached_buffer_a_tensor_still_views_is_left_to_it():
+    """A buffer released while a view of it lives (a weight's view kept past its module's
+    forward) is not handed out again: the view keeps its bytes, the pool maps another and
+    stops counting the one left; a buffer whose views are gone is reused."""
+    pool = BufferPool(4 * PAGE_SIZE)
+    held = pool.acquire(PAGE_SIZE)
+    view = held.view(torch.int32, (16,))
+    view.copy_(torch.arange(16, dtype=torch.int32))
+    pool.release(held)
+    again = pool.acquire(PAGE_SIZE)
+    assert again is not held and (pool.mapped, pool.left_to_holders) == (2, 1)
+    assert pool.held_bytes == PAGE_SIZE
+    again.bytes.fill_(7)
+    assert torch.equal(view, torch.arange(16, dtype=torch.int32))
+    del view
+    pool.release(again)
+    assert pool.acquire(PAGE_SIZE) is again and (pool.mapped, pool.left_to_holders) == (2, 1)
+    pool.close()
+
+
 def test_the_buffer_resized_is_the_one_that_makes_the_room():
     """Of the cached buffers, the one that makes the room with least to spare is resized,
     as it would have been dropped: a large one a step keeps reusing stays as it is."""
