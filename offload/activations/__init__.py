@@ -20,11 +20,11 @@ from ..config import OffloadConfig
 from ..store import Tier, create_store
 from ._offloader import CHUNK_BYTES, ActivationOffloader, figures, on_device
 from ._reader import ActivationCounts, ActivationOffloadError
-from ._saved import ModifiedSavedTensorError, SavedHandle, SavedState
+from ._saved import KeptTensor, ModifiedSavedTensorError, SavedHandle, SavedState, kept
 from ._writer import COPY_BUFFERS, DeviceWriter
 
 __all__ = ["offloader_for", "ActivationOffloader", "ActivationCounts", "ActivationOffloadError",
-           "ModifiedSavedTensorError", "SavedHandle", "SavedState", "chunk_bytes", "NO_ACTIVATION_STATS",
+           "ModifiedSavedTensorError", "KeptTensor", "kept", "SavedHandle", "SavedState", "chunk_bytes", "NO_ACTIVATION_STATS",
            "DeviceWriter", "COPY_BUFFERS", "on_device", "host_pool_bytes"]
 
 log = logging.getLogger("offload")

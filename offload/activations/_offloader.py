@@ -30,7 +30,7 @@ import torch
 from .._autograd import graph_task, in_backward, queue_end_of_backward
 from ..store import BudgetError, TensorStore, Tier
 from ._reader import ActivationCounts, ActivationOffloadError, ReadBack, note_stall
-from ._saved import ModifiedSavedTensorError, SavedHandle, SavedRecord, SavedSource, SavedState
+from ._saved import ModifiedSavedTensorError, SavedHandle, SavedRecord, SavedSource, SavedState, kept
 from ._writer import DeviceWriter
 
 __all__ = ["ActivationOffloader", "CHUNK_BYTES", "on_device", "figures"]
@@ -111,19 +111,19 @@ class ActivationOffloader:
 
     # -- saved tensors ----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
-        """What autograd keeps for ``tensor``: a handle, or ``tensor`` itself if it stays."""
+        """What autograd keeps for ``tensor``: a handle, or the tensor itself (``kept``, detached) if it stays."""
         if (type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested
                 or tensor.is_quantized or tensor.is_conj() or tensor.is_neg() or not on_device(tensor, self.device)
                 or self._closed):
-            return tensor
+            return kept(tensor.detach())
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes < self.min_bytes:
             self.counts.small_bytes += nbytes
-            return tensor
+            return kept(tensor.detach())
         ptr = storage.data_ptr()
         if ptr in self._skip:
-            return tensor
+            return kept(tensor.detach())
         with self._locked():
             self._raise_write_error()
             record = self._by_storage.get(ptr)

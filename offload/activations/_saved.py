@@ -25,11 +25,41 @@ from typing import Any
 
 import torch
 
-__all__ = ["SavedState", "SavedSource", "SavedRecord", "SavedHandle", "ModifiedSavedTensorError"]
+__all__ = ["SavedState", "SavedSource", "SavedRecord", "SavedHandle", "ModifiedSavedTensorError", "KeptTensor", "kept"]
 
 
 class ModifiedSavedTensorError(RuntimeError):
     """A tensor saved for backward was changed in place afterwards (torch refuses the same)."""
+
+
+class KeptTensor:
+    """A saved tensor autograd keeps as itself (not offloaded: small, resident, of a kind the
+    store does not hold) with the version it was saved at. Torch checks the version of what it
+    saves, not of what saved-tensor hooks return: without this, a tensor changed in place
+    between forward and backward would reach the gradient silently."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def get(self) -> torch.Tensor:
+        now = self.tensor._version
+        if now != self.version:
+            raise ModifiedSavedTensorError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{self.tensor.type()} {list(self.tensor.shape)}] is at version {now}; expected version "
+                f"{self.version} instead (checked by offload's saved-tensor hooks, as torch checks). Hint: make the "
+                "operation out of place (e.g. x = x * 2 instead of x.mul_(2)), or change it after backward")
+        return self.tensor
+
+
+def kept(tensor: torch.Tensor) -> Any:
+    """What autograd keeps for ``tensor`` saved as itself: a KeptTensor, or the tensor where it
+    has no version to check (an inference tensor, a meta tensor)."""
+    if tensor.is_inference() or tensor.device.type == "meta":
+        return tensor
+    return KeptTensor(tensor)
 
 
 class SavedState(enum.Enum):

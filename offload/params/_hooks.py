@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..activations import ActivationOffloader, SavedHandle
+from ..activations import ActivationOffloader, KeptTensor, SavedHandle, kept
 from .._autograd import graph_task, in_backward, queue_end_of_backward
 from ._coordinator import Coordinator
 from ._demand import owner_of_param, refuse_copy
@@ -123,6 +123,7 @@ class ModuleHooks:
 
     # -- root: pass boundaries and saved tensors -------------------------------------------------
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        _refuse_func_transforms()
         depth = _call_depth()
         self._drop_interrupted(depth)
         grad = torch.is_grad_enabled()
@@ -175,22 +176,32 @@ class ModuleHooks:
         if isinstance(tensor, nn.Parameter):  # a managed one is saved as its slot of the group
             owner = owner_of_param(tensor)
             if owner is None or owner.group.resident or owner.access.coordinator is not self.coordinator:
-                return tensor
+                return kept(tensor)
             slot = owner.slot
             return _SavedRef(owner.group, slot.dtype, slot.offset, slot.shape, _contiguous(slot.shape),
                              self.coordinator.written_version(owner.group))
         with torch._C.DisableTorchFunctionSubclass():
             if tensor.device.type == "meta":
                 return tensor
-            group = self.coordinator.by_storage.get(tensor.untyped_storage().data_ptr())
+            try:
+                ptr = tensor.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError) as err:  # (no storage offload can look at)
+                raise RuntimeError(
+                    f"offload: a tensor saved for backward in a wrapped model's forward has no storage it can "
+                    f"look at ({err}): forward-mode AD (torch.autograd.forward_ad) with gradients on is not "
+                    "supported through offload's parameter streaming. Run it under torch.no_grad() (it needs no "
+                    "backward there), or on the model unwrapped (offload.unwrap)") from err
+            group = self.coordinator.by_storage.get(ptr)
             if group is None:  # (detached: a saved output held as itself would keep its node alive)
-                return tensor.detach() if self.activations is None else self.activations.pack(tensor)
+                return kept(tensor.detach()) if self.activations is None else self.activations.pack(tensor)
             flat = self.coordinator.flat_of(group)
             offset = tensor.storage_offset() * tensor.element_size() - flat.storage_offset()
             return _SavedRef(group, tensor.dtype, offset, tensor.shape, tensor.stride(),
                              self.coordinator.written_version(group))
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, KeptTensor):
+            return packed.get()
         if isinstance(packed, SavedHandle):
             return packed.owner.unpack(packed)
         if not isinstance(packed, _SavedRef):
@@ -240,6 +251,7 @@ class ModuleHooks:
 
     # -- modules -----------------------------------------------------------------------------------
     def _pre_forward(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
+        _refuse_func_transforms()
         for group in groups:
             self.coordinator.acquire(group, "forward")
         if not torch.is_grad_enabled():
@@ -295,9 +307,8 @@ class ModuleHooks:
                 buffers = self._buffers(groups) if buffers is None else buffers
                 if not buffers:
                     return False
-                with torch._C.DisableTorchFunctionSubclass():
-                    if t.untyped_storage().data_ptr() in buffers:
-                        return True
+                if _storage_address(t) in buffers:
+                    return True
         return False
 
     def _own_outputs(self, groups: list[ParamGroup], output: Any) -> Any:
@@ -308,9 +319,7 @@ class ModuleHooks:
         def own(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
                 return t
-            with torch._C.DisableTorchFunctionSubclass():
-                alias = t.untyped_storage().data_ptr() in buffers
-            return t.clone() if alias else t
+            return t.clone() if _storage_address(t) in buffers else t
 
         return tree_map(own, output)
 
@@ -367,3 +376,29 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point()
+
+
+def _refuse_func_transforms() -> None:
+    """torch.func's jvp and grad wrap every tensor made inside them, the group buffers
+    offload materializes too, which then cannot be reused or looked at; vmap wraps only
+    what meets its batched inputs, and runs."""
+    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)() or []
+    for interpreter in stack:
+        kind = interpreter.key()
+        if kind != torch._C._functorch.TransformType.Vmap:
+            raise RuntimeError(
+                f"offload: a wrapped model's forward inside torch.func's {kind.name.lower()} transform is not "
+                "supported (it would wrap the weight buffers offload streams). torch.func.vmap of the model "
+                "works, and forward-mode AD under torch.no_grad() (torch.autograd.forward_ad) gives the same "
+                "tangents as torch.func.jvp; else run it on the model unwrapped (offload.unwrap)")
+
+
+def _storage_address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage lives, or None for a tensor without one to look at (torch.func's
+    batched and wrapped tensors): not a view of a group buffer offload can copy, and one that
+    wraps such a view keeps the buffer from reuse (the pool leaves viewed buffers alone)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
