@@ -329,3 +329,39 @@ def test_model_zero_grad_is_enough(tmp_path, lm_batches, tiny_gpt2, make_opt, of
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     offload.unwrap(model)
     opt.close()
+
+
+def test_a_setting_that_needs_a_row_it_was_not_built_with_is_refused_and_one_that_drops_a_row_runs(no_leaks):
+    """OneCycleLR (cycle_momentum) sets SGD's momentum after the optimizer laid out no
+    momentum rows: refused at the first step with the fix. Built with a momentum, the same
+    schedule follows torch's SGD; turning amsgrad off keeps following torch's Adam."""
+    def run(make, sched=None, steps=3, change=None):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = make(model.parameters())
+        s = sched(opt) if sched else None
+        for i in range(steps):
+            if change is not None and i == 1:
+                change(opt)
+            model(torch.randn(5, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if s is not None:
+                s.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    def cycle(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+
+    with pytest.raises(ValueError, match=r"momentum_buffer.*laid out with \[\].*non-zero momentum"):
+        run(lambda ps: offload.SGD(ps, lr=0.05), cycle)
+    for ours, ref in zip(run(lambda ps: offload.SGD(ps, lr=0.05, momentum=0.9), cycle),
+                         run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), cycle)):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+    def amsgrad_off(opt):
+        opt.param_groups[0]["amsgrad"] = False
+
+    for ours, ref in zip(run(lambda ps: offload.Adam(ps, lr=0.01, amsgrad=True), change=amsgrad_off),
+                         run(lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, fused=True), change=amsgrad_off)):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
