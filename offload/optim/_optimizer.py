@@ -41,7 +41,7 @@ from ._phase import OptimizerPhase, Phase
 from ._pipeline import Pipeline
 from ._scaler import LossScaler
 from ._shards import ShardBook
-from ._sink import GradientSink
+from ._sink import GradientSink, check_dense
 from ._persist import StateDicts
 from ._states import StateRows
 from ._writeback import WriteBack
@@ -171,6 +171,9 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._ensure_layout()
         shards = self._book.shards
         self._check_rows(shards)
+        for p in self._book.plain_params():
+            if p.grad is not None:
+                check_dense(p, p.grad)
         if self._scaler.enabled and any(s.takes_step for s in shards):
             self._scaler.check_scaled()
         self._scaler.scaled = False

@@ -9,11 +9,15 @@ already), in place, as torch's fused kernels do.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ._optimizer import OffloadOptimizer
 
 __all__ = ["AdamW", "Adam", "SGD", "state_rows"]
+
+log = logging.getLogger(__name__)
 
 
 class AdamW(OffloadOptimizer):
@@ -27,8 +31,10 @@ class AdamW(OffloadOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 maximize: bool = False, **kwargs):
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, **kwargs):
         _check_adam_args(lr, betas, eps, weight_decay)
+        _check_kernel_args(type(self).__name__, foreach, fused, capturable, differentiable)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=kwargs.pop("decoupled_weight_decay",
                                                                             self._decoupled))
@@ -70,7 +76,9 @@ class SGD(OffloadOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay, as ``torch.optim.SGD``."""
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False, **kwargs):
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None, differentiable: bool = False, **kwargs):
+        _check_kernel_args("SGD", foreach, fused, False, differentiable)
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"invalid SGD hyperparameters: lr={lr}, momentum={momentum}, "
                              f"weight_decay={weight_decay} (all must be >= 0)")
@@ -112,6 +120,23 @@ def state_rows(kind: str) -> tuple[str, ...]:
         raise ValueError(f"optimizer={kind!r}: use 'adamw', 'adam', 'sgd' or None")
     cls, group = settings[kind]
     return cls._rows_for(group)
+
+
+def _check_kernel_args(name: str, foreach, fused, capturable, differentiable) -> None:
+    """torch's kernel choices, as code written for a torch optimizer passes them: the update
+    here is always the one of torch's fused CPU kernel (said once where another was asked
+    for: the foreach and for-loop kernels round the last bits differently); what needs
+    autograd or CUDA graphs through the update is refused."""
+    if differentiable:
+        raise ValueError(f"offload.{name}(differentiable=True): the update runs outside autograd on "
+                         "offloaded states; use a torch optimizer on parameters offload does not stream")
+    if capturable:
+        raise ValueError(f"offload.{name}(capturable=True): CUDA graph capture of the step is not supported "
+                         "(the update runs on the CPU, shard by shard); drop the argument")
+    if fused is False or foreach is not None:
+        log.info("offload.%s runs the update as torch's fused kernel whatever foreach=%s, fused=%s ask: results "
+                 "equal torch.optim.%s(fused=True), and differ from its foreach and for-loop kernels in the "
+                 "last bits", name, foreach, fused, name)
 
 
 def _check_adam_args(lr, betas, eps, weight_decay) -> None:

@@ -35,7 +35,7 @@ from ._sizing import largest_grad_copy
 from ._staging import GradientCopies
 from ._moved import count
 
-__all__ = ["GradientSink", "Listener", "on_drain_thread"]
+__all__ = ["GradientSink", "Listener", "on_drain_thread", "check_dense"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ class GradientSink:
         grad = p.grad
         if grad is None:
             return
+        check_dense(p, grad)  # (before anything is taken: p.grad stays as backward left it)
         HEAP_PEAK.sample()  # autograd's gradients are among torch's largest tensors: look while this one lives
         p.grad = None
         self.before()
@@ -352,3 +353,12 @@ def _settle(shard: Shard, acc: torch.Tensor) -> None:
             part.mul_(seg.scale)
             seg.whole = None  # (torch would take the norm of the product, not scale the norm)
         seg.scale = 1.0
+
+
+def check_dense(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Refuse a sparse gradient (torch's SGD takes one; offload's shards hold dense sums)."""
+    if grad.layout is not torch.strided:
+        raise RuntimeError(
+            f"offload's optimizers take dense gradients; a parameter of shape {tuple(p.shape)} got a "
+            f"{str(grad.layout).removeprefix('torch.')} one (nn.Embedding(sparse=True), "
+            "F.embedding(sparse=True)). Build the embedding with sparse=False")

@@ -365,3 +365,34 @@ def test_a_setting_that_needs_a_row_it_was_not_built_with_is_refused_and_one_tha
     for ours, ref in zip(run(lambda ps: offload.Adam(ps, lr=0.01, amsgrad=True), change=amsgrad_off),
                          run(lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, fused=True), change=amsgrad_off)):
         torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+
+def test_torch_kernel_arguments_and_sparse_gradients(tmp_path, offload_config, no_leaks):
+    """Code written for torch's optimizers passes kernel choices: accepted (the update is
+    torch's fused kernel's), or refused where they need what offload cannot give. A sparse
+    gradient, which torch's SGD takes, is refused with the fix, wrapped or not."""
+    for kwargs in (dict(fused=True), dict(foreach=False), dict(capturable=False, differentiable=False)):
+        offload.AdamW(nn.Linear(2, 2).parameters(), **kwargs).close()
+    offload.SGD(nn.Linear(2, 2).parameters(), fused=True, foreach=None).close()
+    for kwargs, match in ((dict(capturable=True), "CUDA graph"), (dict(differentiable=True), "outside autograd")):
+        with pytest.raises(ValueError, match=match):
+            offload.AdamW(nn.Linear(2, 2).parameters(), **kwargs)
+
+    def sparse_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 8, sparse=True), nn.Linear(8, 4))
+
+    plain = sparse_model()
+    opt = offload.SGD(plain.parameters(), lr=0.1)
+    plain(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="dense gradients.*sparse=False"):
+        opt.step()
+    opt.close()
+    wrapped = offload.wrap(sparse_model(), offload_config(tmp_path, resident_bytes=0))
+    try:
+        opt = offload.SGD(wrapped.parameters(), lr=0.1)
+        with pytest.raises(RuntimeError, match="dense gradients.*sparse=False"):
+            wrapped(torch.tensor([1, 2])).sum().backward()
+        opt.close()
+    finally:
+        offload.unwrap(wrapped)
