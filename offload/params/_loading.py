@@ -153,6 +153,14 @@ class CheckpointReader:
             problems.append(f"unexpected keys ({len(unexpected)}): {sorted(unexpected)[:20]}")
         if mismatched:
             problems.append(f"shape mismatches ({len(mismatched)}): {mismatched[:20]}")
+        computed = _computed_on_load(model, missing)
+        if computed and not unexpected and not mismatched and len(computed) == len(missing):
+            raise ValueError(
+                f"checkpoint {self.path!r} lacks {sorted(computed)[:6]}: {type(model).__name__} does not save them "
+                "(_keys_to_ignore_on_save / _keys_to_ignore_on_load_missing) and computes them when from_pretrained "
+                "loads it (sinusoidal position tables), which a model built on the meta device cannot. Load the "
+                "model with from_pretrained(directory) and wrap it without checkpoint=, or save it once with "
+                "safetensors.torch.save_model(model, path) and wrap with checkpoint=path")
         if problems:
             raise ValueError(f"checkpoint {self.path!r} does not match the model: " + "; ".join(problems)
                              + ". Build the model from the config the checkpoint was saved with, as the class it "
@@ -211,6 +219,13 @@ def take_generation_config(model: nn.Module, path: str) -> None:
         return
     model.generation_config = GenerationConfig.from_pretrained(path)
     log.info("generation settings taken from %s, as from_pretrained takes them", file)
+
+
+def _computed_on_load(model: nn.Module, missing: list[str]) -> list[str]:
+    """Of ``missing``, the keys the model's class says it does not save or may lack."""
+    patterns = [re.compile(p) for attr in ("_keys_to_ignore_on_save", "_keys_to_ignore_on_load_missing")
+                for p in (getattr(model, attr, None) or ())]
+    return [k for k in missing if any(p.search(k) for p in patterns)]
 
 
 def _is_meta_buffer(model: nn.Module, name: str) -> bool:

@@ -64,6 +64,29 @@ def test_fused_tensors_are_refused_with_the_way_round(tmp_path, no_leaks):
     offload.unwrap(model)
 
 
+def test_parameters_computed_on_load_are_refused_with_the_way_round(tmp_path, no_leaks):
+    """Marian's sinusoidal position tables are parameters its class does not save and
+    from_pretrained computes: a meta model cannot; the message's way round reads."""
+    config = transformers.MarianConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                       decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                       vocab_size=96, max_position_embeddings=32, pad_token_id=0,
+                                       decoder_start_token_id=0)
+    torch.manual_seed(0)
+    transformers.MarianMTModel(config).save_pretrained(tmp_path / "ckpt")
+    build = lambda: transformers.MarianMTModel(config)  # noqa: E731
+    with pytest.raises(ValueError, match=r"embed_positions.*does not save them.*from_pretrained.*save_model"):
+        _wrap(build, tmp_path / "ckpt", tmp_path / "swap")
+    ref = transformers.MarianMTModel.from_pretrained(tmp_path / "ckpt").eval()
+    safetensors = pytest.importorskip("safetensors.torch")
+    safetensors.save_model(ref, str(tmp_path / "whole.safetensors"))
+    model = _wrap(build, tmp_path / "whole.safetensors", tmp_path / "swap2")
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.generate(ids, max_new_tokens=4, num_beams=2),
+                                   ref.generate(ids, max_new_tokens=4, num_beams=2))
+    offload.unwrap(model)
+
+
 def test_a_saved_buffer_takes_the_checkpoints_value(tmp_path, no_leaks):
     """A persistent buffer the model builds with a value of its own (Bart's
     final_logits_bias, zeros) is read from the checkpoint, as from_pretrained does."""
