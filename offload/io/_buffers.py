@@ -21,16 +21,15 @@ import torch
 from .._signals import DEFER, wait as _wait
 from .._tensors import lasting
 from .._units import format_size
+from ._registry import leave, register
 from ..accel import Accelerator
 from ._errors import BudgetError
 
-__all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE", "pool_bytes"]
+__all__ = ["HostBuffer", "BufferPool", "round_up", "PAGE_SIZE"]
 
 log = logging.getLogger(__name__)
 PAGE_SIZE = mmap.PAGESIZE
 _HUGE = 2 << 20  # buffers from this size up ask for transparent huge pages
-_POOLS: "weakref.WeakSet[BufferPool]" = weakref.WeakSet()  # every pool made, for pool_bytes()
-_POOLS_LOCK = threading.Lock()
 _RESIZABLE = True  # False once the system refused to resize an anonymous mapping (no mremap)
 
 
@@ -167,20 +166,6 @@ def _sharers(tensor: torch.Tensor) -> tuple[int, int] | None:
     return count(storage._cdata), sys.getrefcount(storage)
 
 
-def pool_bytes() -> dict[str, int]:
-    """Bytes held now by every open :class:`BufferPool` of this process, summed by pool
-    name ("host", "device", "checkpoint", ...), which ``offload.stats`` counts in the
-    process's RSS: resident memory, each buffer faulted in when made, or (a pool with
-    ``fault_in=False``) once its first use has written it."""
-    out: dict[str, int] = {}
-    with _POOLS_LOCK:
-        pools = list(_POOLS)
-    for pool in pools:
-        if not pool.closed:
-            out[pool.name] = out.get(pool.name, 0) + pool.held_bytes
-    return out
-
-
 class BufferPool:
     """Reusable :class:`HostBuffer` s under a byte budget.
 
@@ -217,8 +202,7 @@ class BufferPool:
         self.left_to_holders = 0  # cached buffers a tensor still viewed when their turn came (not reused)
         self._cond = threading.Condition()
         self._closed = False
-        with _POOLS_LOCK:
-            _POOLS.add(self)
+        register(self)
 
     # -- accounting -------------------------------------------------------------------
     @property
@@ -365,10 +349,12 @@ class BufferPool:
                 return buf
             self._held -= size
             self.left_to_holders += 1
+            leave(self.name, buf.nbytes, buf._map)  # (still resident: offload.stats counts it beside the pools)
             (log.warning if self.left_to_holders == 1 else log.debug)(
                 "%s buffer pool: a %s buffer is still viewed by a tensor offload did not hand out (a view of a "
                 "weight kept past its module's forward, as ctx.wt = w.t() in a custom Function); it is left to "
-                "that tensor, outside the budget, not reused", self.name, format_size(size))
+                "that tensor, outside the budget (counted in offload.stats' pools until it goes), not reused",
+                self.name, format_size(size))
             buf.close()
         return None
 

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from offload.io import PAGE_SIZE, BudgetError, BufferPool, HostBuffer
+from offload.io import PAGE_SIZE, BudgetError, BufferPool, HostBuffer, pool_bytes
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 10**6])
@@ -189,7 +189,10 @@ def test_a_cached_buffer_a_tensor_still_views_is_left_to_it():
     assert pool.held_bytes == PAGE_SIZE
     again.bytes.fill_(7)
     assert torch.equal(view, torch.arange(16, dtype=torch.int32))
+    assert pool_bytes()["host (left to views)"] == PAGE_SIZE  # (still resident: counted beside the pools)
     del view
+    gc.collect()
+    assert not pool_bytes().get("host (left to views)")
     pool.release(again)
     assert pool.acquire(PAGE_SIZE) is again and (pool.mapped, pool.left_to_holders) == (2, 1)
     pool.close()
