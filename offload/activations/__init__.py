@@ -24,7 +24,8 @@ from ._saved import KeptTensor, ModifiedSavedTensorError, SavedHandle, SavedStat
 from ._writer import COPY_BUFFERS, DeviceWriter
 
 __all__ = ["offloader_for", "ActivationOffloader", "ActivationCounts", "ActivationOffloadError",
-           "ModifiedSavedTensorError", "KeptTensor", "kept", "SavedHandle", "SavedState", "chunk_bytes", "NO_ACTIVATION_STATS",
+           "ModifiedSavedTensorError", "KeptTensor", "kept", "SavedHandle", "SavedState", "chunk_bytes",
+           "NO_ACTIVATION_STATS",
            "DeviceWriter", "COPY_BUFFERS", "on_device", "host_pool_bytes"]
 
 log = logging.getLogger("offload")

@@ -170,7 +170,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._phase.refuse_if_poisoned()
         self._ensure_layout()
         shards = self._book.shards
-        self._check_rows(shards)
+        self._book.check_rows(type(self).__name__)
         for p in self._book.plain_params():
             if p.grad is not None:
                 check_dense(p, p.grad)
@@ -389,21 +389,6 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             self._book.discard(new)  # (laid out again at the next call)
             raise
         self._book.commit(new)
-
-    def _check_rows(self, shards: list[Shard]) -> None:
-        """The state rows each shard was laid out with are the ones its group's settings
-        need now: a setting that adds a row after the first step (momentum from 0, as
-        OneCycleLR's cycle_momentum sets it; amsgrad turned on) has no row to update."""
-        for shard in shards:
-            gi = shard.segments[0].group_index
-            want = tuple(self._rows_for(self.param_groups[gi]))
-            if want != tuple(shard.names)[:len(want)]:  # (a row no longer used is kept, as torch keeps it)
-                raise ValueError(
-                    f"{type(self).__name__}: param group {gi}'s settings now need the state rows {list(want)}, but it "
-                    f"was laid out with {list(shard.names)} (a setting such as momentum or amsgrad changed from "
-                    "the value the optimizer was built with, e.g. by a scheduler's cycle_momentum). Build the "
-                    "optimizer with the setting the run will use (a non-zero momentum, amsgrad=True); offload "
-                    "lays out its states once")
 
     def _log(self, event: str, shard: Shard) -> None:
         if self.events is not None:

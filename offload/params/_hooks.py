@@ -44,6 +44,7 @@ from ._coordinator import Coordinator
 from ._demand import owner_of_param, refuse_copy
 from ._backward_end import BackwardEnd, input_edges
 from ._eager import EagerForwards
+from ._transforms import NO_STORAGE_SAVED, refuse_func_transforms, storage_address
 from ._groups import ParamGroup
 
 __all__ = ["ModuleHooks"]
@@ -123,7 +124,7 @@ class ModuleHooks:
 
     # -- root: pass boundaries and saved tensors -------------------------------------------------
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        _refuse_func_transforms()
+        refuse_func_transforms()
         depth = _call_depth()
         self._drop_interrupted(depth)
         grad = torch.is_grad_enabled()
@@ -183,14 +184,9 @@ class ModuleHooks:
         with torch._C.DisableTorchFunctionSubclass():
             if tensor.device.type == "meta":
                 return tensor
-            try:
-                ptr = tensor.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError) as err:  # (no storage offload can look at)
-                raise RuntimeError(
-                    f"offload: a tensor saved for backward in a wrapped model's forward has no storage it can "
-                    f"look at ({err}): forward-mode AD (torch.autograd.forward_ad) with gradients on is not "
-                    "supported through offload's parameter streaming. Run it under torch.no_grad() (it needs no "
-                    "backward there), or on the model unwrapped (offload.unwrap)") from err
+            ptr = storage_address(tensor)
+            if ptr is None:
+                raise RuntimeError(NO_STORAGE_SAVED)
             group = self.coordinator.by_storage.get(ptr)
             if group is None:  # (detached: a saved output held as itself would keep its node alive)
                 return kept(tensor.detach()) if self.activations is None else self.activations.pack(tensor)
@@ -251,7 +247,7 @@ class ModuleHooks:
 
     # -- modules -----------------------------------------------------------------------------------
     def _pre_forward(self, groups: list[ParamGroup], args: tuple, kwargs: dict) -> Any:
-        _refuse_func_transforms()
+        refuse_func_transforms()
         for group in groups:
             self.coordinator.acquire(group, "forward")
         if not torch.is_grad_enabled():
@@ -307,7 +303,7 @@ class ModuleHooks:
                 buffers = self._buffers(groups) if buffers is None else buffers
                 if not buffers:
                     return False
-                if _storage_address(t) in buffers:
+                if storage_address(t) in buffers:
                     return True
         return False
 
@@ -319,7 +315,7 @@ class ModuleHooks:
         def own(t: Any) -> Any:
             if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
                 return t
-            return t.clone() if _storage_address(t) in buffers else t
+            return t.clone() if storage_address(t) in buffers else t
 
         return tree_map(own, output)
 
@@ -376,29 +372,3 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
 
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point()
-
-
-def _refuse_func_transforms() -> None:
-    """torch.func's jvp and grad wrap every tensor made inside them, the group buffers
-    offload materializes too, which then cannot be reused or looked at; vmap wraps only
-    what meets its batched inputs, and runs."""
-    stack = getattr(torch._C._functorch, "get_interpreter_stack", lambda: None)() or []
-    for interpreter in stack:
-        kind = interpreter.key()
-        if kind != torch._C._functorch.TransformType.Vmap:
-            raise RuntimeError(
-                f"offload: a wrapped model's forward inside torch.func's {kind.name.lower()} transform is not "
-                "supported (it would wrap the weight buffers offload streams). torch.func.vmap of the model "
-                "works, and forward-mode AD under torch.no_grad() (torch.autograd.forward_ad) gives the same "
-                "tangents as torch.func.jvp; else run it on the model unwrapped (offload.unwrap)")
-
-
-def _storage_address(t: torch.Tensor) -> int | None:
-    """Where ``t``'s storage lives, or None for a tensor without one to look at (torch.func's
-    batched and wrapped tensors): not a view of a group buffer offload can copy, and one that
-    wraps such a view keeps the buffer from reuse (the pool leaves viewed buffers alone)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        try:
-            return t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return None
