@@ -245,9 +245,11 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
                 p.rows.append(PlanRow("parameters copied on first write", "nvme", in_place.trainable_bytes,
                                       "the trainable groups leave the checkpoint at the optimizer's first step"))
         if sum(streamed) > adopted:
+            copied = "".join(f"; {len(gs)} copied from the checkpoint at wrap ({format_size(sum(g.nbytes for g in gs))}"
+                             f": {reason})" for reason, gs in (in_place.copied if in_place is not None else {}).items())
             p.rows.append(PlanRow("parameters, streamed" if not whole else "parameters, this rank's slices", home,
                                   sum(streamed) - adopted, f"{len(streamed) - n_adopted} groups, largest "
-                                  f"{format_size(largest)}"))
+                                  f"{format_size(largest)}{copied}"))
         if whole:
             working = min(config.device_budget - (sum(streamed) if home == "device" else largest), sum(whole))
             p.rows.append(PlanRow("parameters gathered from all ranks", "device", working,

@@ -56,6 +56,10 @@ class CheckpointReader:
         self.entries: dict[str, _Entry] = {}
         files, weight_map = _checkpoint_files(path)
         for file in files:
+            if weight_map is not None and not os.path.exists(file):
+                raise FileNotFoundError(
+                    f"checkpoint {path!r}: its index lists {os.path.basename(file)!r}, which is not there (a copy or "
+                    "download that stopped?). Copy the missing shard in, or save the model again")
             for name, entry in _read_header(file).items():
                 if weight_map is not None and weight_map.get(name, file) != file:
                     continue  # (the index names another file for it: a stale copy)

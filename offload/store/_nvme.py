@@ -220,6 +220,8 @@ class SwapFiles:
                 raise PermissionError(
                     f"nvme_path {self.path!r} could not be created ({err.strerror}): {fix}") from err
         if not os.access(self.path, os.W_OK | os.X_OK):
+            if os.statvfs(self.path).f_flag & os.ST_RDONLY:
+                raise PermissionError(f"nvme_path {self.path!r} is on a read-only file system: {fix}")
             raise PermissionError(f"nvme_path {self.path!r} is not writable by this user: {fix}")
 
     def _take_lock(self) -> int:

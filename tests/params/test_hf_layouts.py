@@ -134,6 +134,11 @@ def test_the_files_from_pretrained_reads(tmp_path, no_leaks):
     (tmp_path / "ckpt" / "model.safetensors").rename(tmp_path / "ckpt" / "model.v1.safetensors")
     with pytest.raises(ValueError, match=r"is in both .*model.v1.safetensors.*model.v2.safetensors.*no index"):
         _wrap(build, tmp_path / "ckpt", tmp_path / "swap2")
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    shards[1].unlink()  # (a copy that stopped)
+    with pytest.raises(FileNotFoundError, match=rf"index lists '{shards[1].name}', which is not there"):
+        _wrap(build, tmp_path / "sharded", tmp_path / "swap3")
 
 
 def test_tied_names_with_different_values_are_refused(tmp_path, no_leaks):

@@ -189,6 +189,8 @@ def test_plan_and_setup_log_say_what_is_read_in_place(tmp_path, caplog):
     assert {r.item: r.nbytes for r in training.rows}["parameters copied on first write"] == streamed
     copying = {r.item: r for r in offload.plan(model, cfg.replace(read_in_place=False), checkpoint=path).rows}
     assert "parameters, read in place" not in copying and copying["parameters, streamed"].nbytes == sum(g.nbytes for g in groups)
+    assert "copied from the checkpoint at wrap" in copying["parameters, streamed"].note
+    assert "read_in_place=False" in copying["parameters, streamed"].note  # (which groups are copied, and why)
     with caplog.at_level("INFO", logger="offload"):
         offload.close(offload.wrap(model, cfg, checkpoint=path))
     assert "read in place from the checkpoint" in caplog.text

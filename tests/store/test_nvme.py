@@ -123,6 +123,21 @@ def test_unwritable_nvme_path_is_refused(tmp_path, as_nobody):
     assert out.returncode != 0 and "not writable" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.root
+def test_nvme_path_on_a_read_only_file_system_says_so(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only file system")
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mount is not available here")
+    try:
+        with pytest.raises(PermissionError, match="is on a read-only file system"):
+            small_store(mount)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 def test_disk_space_is_checked_before_it_is_claimed(disk_dir, faulty, no_leaks):
     with small_store(disk_dir, file_backend=faulty({"fallocate": [errno.ENOSPC]})) as store:
         with pytest.raises(DiskFullError, match=r"needed 4194304 bytes, \d+ free") as info:
