@@ -118,8 +118,9 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._states = StateRows(self._book)
         self._sink = GradientSink(self._book, self._phase, self.stats, self._before_gradient)
         self._writeback = WriteBack(self.stats)
-        self._pipeline = Pipeline(self._update_rows, lambda gi: len(self._rows_for(self.param_groups[gi])),
-                                  self._writeback, self._phase, self.stats, self._log, reserve=self._book.device_staging,
+        rows_used = lambda gi, groups: len(self._rows_for((groups or self.param_groups)[gi]))  # noqa: E731
+        self._pipeline = Pipeline(self._update_rows, rows_used, self._writeback, self._phase, self.stats, self._log,
+                                  reserve=self._book.device_staging,
                                   scratch=self._book.scratch)
         self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
                                    in_backward_update=lambda: self._early is not None, closed=lambda: self._closed,
@@ -170,7 +171,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._phase.refuse_if_poisoned()
         self._ensure_layout()
         shards = self._book.shards
-        self._book.check_rows(type(self).__name__)
+        self._book.check_rows(type(self).__name__, self.param_groups)
         for p in self._book.plain_params():
             if p.grad is not None:
                 check_dense(p, p.grad)
@@ -282,6 +283,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             raise RuntimeError("update_during_backward() was already used in this step: call step() "
                                "before the next one")
         self._ensure_layout()
+        self._book.check_rows(type(self).__name__, self.param_groups)
         early = EarlyUpdate(self._book.shards, self._pipeline, self._writeback, self._phase)
         self._phase.enter(OptimizerPhase.UPDATING_IN_BACKWARD)
         self._sink.listener = early

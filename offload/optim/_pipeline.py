@@ -37,8 +37,8 @@ Update = Callable[[int, list, list, list, list, float, "list[dict] | None"], Non
 
 
 class Pipeline:
-    def __init__(self, update: Update, row_count: Callable[[int], int], writeback: WriteBack, phase: Phase,
-                 stats: dict, log: Callable[[str, Shard], None], reserve: Callable[[Any], int] = lambda store: 0,
+    def __init__(self, update: Update, row_count: Callable[[int, "list[dict] | None"], int], writeback: WriteBack,
+                 phase: Phase, stats: dict, log: Callable[[str, Shard], None], reserve: Callable[[Any], int] = lambda store: 0,
                  scratch: Callable[[Any], Any] = lambda store: None):
         self.update, self.row_count, self.writeback = update, row_count, writeback
         self.scratch = scratch  # a store's buffer that coded shards are decoded into (ShardBook.scratch)
@@ -220,7 +220,12 @@ class Pipeline:
     def _update_group(self, shard: Shard, gi: int, segs: list[Segment], rows, grads, grad_scale: float,
                       temp: Any, views: dict | None, groups: list[dict] | None) -> Any:
         """One call of the update rule for the segments of torch param group ``gi``."""
-        params, gs, state_rows, steps = [], [], [[] for _ in range(self.row_count(gi))], []
+        # (the rows the settings this update runs with use: a prefix of those laid out)
+        used = self.row_count(gi, groups)
+        if used > len(shard.names):
+            raise ValueError(f"param group {gi}'s settings need {used} state rows; it was laid out with "
+                             f"{list(shard.names)}: build the optimizer with the settings the run will use")
+        params, gs, state_rows, steps = [], [], [[] for _ in range(used)], []
         first = 1 if shard.master else 0
         for seg in segs:
             a, b = seg.offset, seg.offset + seg.length

@@ -124,16 +124,16 @@ def state_rows(kind: str) -> tuple[str, ...]:
 
 def _check_kernel_args(name: str, foreach, fused, capturable, differentiable) -> None:
     """torch's kernel choices, as code written for a torch optimizer passes them: the update
-    here is always the one of torch's fused CPU kernel (said once where another was asked
-    for: the foreach and for-loop kernels round the last bits differently); what needs
-    autograd or CUDA graphs through the update is refused."""
+    here is always the same (Adam's and AdamW's is torch's fused CPU kernel, whose last bits
+    differ from its foreach and for-loop kernels: said where another was asked for; SGD's
+    equals all three of torch's); what needs autograd or CUDA graphs through it is refused."""
     if differentiable:
         raise ValueError(f"offload.{name}(differentiable=True): the update runs outside autograd on "
                          "offloaded states; use a torch optimizer on parameters offload does not stream")
     if capturable:
         raise ValueError(f"offload.{name}(capturable=True): CUDA graph capture of the step is not supported "
                          "(the update runs on the CPU, shard by shard); drop the argument")
-    if fused is False or foreach is not None:
+    if name != "SGD" and (fused is False or foreach is not None):
         log.info("offload.%s runs the update as torch's fused kernel whatever foreach=%s, fused=%s ask: results "
                  "equal torch.optim.%s(fused=True), and differ from its foreach and for-loop kernels in the "
                  "last bits", name, foreach, fused, name)

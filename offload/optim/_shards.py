@@ -75,21 +75,22 @@ class ShardBook:
         entry = self.entries.get(id(p))
         return entry.segments if entry is not None else []
 
-    def check_rows(self, optimizer: str) -> None:
-        """The state rows each shard was laid out with are the ones its group's settings
-        need now: a setting that adds a row after the first step (momentum from 0, as
-        OneCycleLR's cycle_momentum sets it; amsgrad turned on) has no row to update. A
-        row no longer used is kept, as torch keeps it."""
+    def check_rows(self, optimizer: str, param_groups: list[dict]) -> None:
+        """The state rows each shard was laid out with hold those its groups' settings need
+        now (checked where an update is decided: ``step()``, ``update_during_backward()``):
+        a setting that adds a row after the first step (momentum from 0, as OneCycleLR's
+        cycle_momentum sets it; amsgrad turned on) would have no row to update. A row no
+        longer used is kept, as torch keeps it (the rows are in order: the used come first)."""
         for shard in self.shards:
-            gi = shard.segments[0].group_index
-            want = tuple(self.rows_for(gi))
-            if want != tuple(shard.names)[:len(want)]:
-                raise ValueError(
-                    f"{optimizer}: param group {gi}'s settings now need the state rows {list(want)}, but it was "
-                    f"laid out with {list(shard.names)} (a setting such as momentum or amsgrad changed from the "
-                    "value the optimizer was built with, e.g. by a scheduler's cycle_momentum). Build the "
-                    "optimizer with the setting the run will use (a non-zero momentum, amsgrad=True); offload "
-                    "lays out its states once")
+            for gi in {seg.group_index for seg in shard.segments}:
+                want = tuple(self.rows_for(gi))
+                if want != tuple(shard.names)[:len(want)]:
+                    raise ValueError(
+                        f"{optimizer}: param group {gi}'s settings now need the state rows {list(want)}, but it "
+                        f"was laid out with {list(shard.names)} (a setting such as momentum or amsgrad changed "
+                        "from the value the optimizer was built with, e.g. by a scheduler's cycle_momentum). "
+                        "Build the optimizer with the setting the run will use (a non-zero momentum, "
+                        "amsgrad=True); offload lays out its states once")
 
     def plain_params(self) -> Iterator[torch.Tensor]:
         return (e.param for e in self.entries.values() if e.owner is None)

@@ -396,3 +396,54 @@ def test_torch_kernel_arguments_and_sparse_gradients(tmp_path, offload_config, n
         opt.close()
     finally:
         offload.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_settings_changed_after_a_step_of_a_wrapped_model(tmp_path, kind, offload_config, no_leaks):
+    """In the usual order (step, then a scheduler changes a setting): a row dropped keeps
+    following torch through the update in the next forward; a row added, in any param group
+    of a shard, is refused by step() and by update_during_backward(), never met inside an
+    update."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+    def build(ps, ours, on):
+        if kind == "sgd":
+            return (offload.SGD if ours else torch.optim.SGD)(ps, lr=0.1, momentum=0.9 if on else 0.0)
+        return offload.Adam(ps, lr=0.01, amsgrad=on) if ours else torch.optim.Adam(ps, lr=0.01, amsgrad=on, fused=True)
+
+    def flip(opt, group, on):
+        opt.param_groups[group]["momentum" if kind == "sgd" else "amsgrad"] = 0.9 if kind == "sgd" and on else on
+
+    xs = [torch.randn(4, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref, model = make(), offload.wrap(make(), offload_config(tmp_path, resident_bytes=0))
+    try:
+        for m, ours in ((ref, False), (model, True)):
+            opt = build(m.parameters(), ours, True)
+            for x in xs:
+                m(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                flip(opt, 0, False)  # (a row no longer used)
+            with torch.no_grad():
+                m(xs[0])  # (the last update, in the next forward)
+            if ours:
+                opt.close()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        halves = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+        opt = build(halves, True, False)  # (one shard holds both groups)
+        model(xs[0]).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        flip(opt, 1, True)
+        model(xs[1]).square().sum().backward()
+        with pytest.raises(ValueError, match="param group 1's settings now need the state rows"):
+            opt.step()
+        with pytest.raises(ValueError, match="param group 1's settings now need the state rows"):
+            with opt.update_during_backward():
+                pass
+        opt.close()
+    finally:
+        offload.unwrap(model)
