@@ -199,7 +199,7 @@ class BufferPool:
         self._asked: dict[int, int] = {}  # id(buffer) -> bytes asked, for reused larger ones
         self.peak_bytes = 0
         self.mapped = self.resized = 0  # buffers mapped anew, cached ones resized for another size
-        self.left_to_holders = 0  # cached buffers a tensor still viewed when their turn came (not reused)
+        self.left_to_holders = 0  # cached buffers dropped while a tensor still viewed them (never reused)
         self._cond = threading.Condition()
         self._closed = False
         register(self)
@@ -324,7 +324,9 @@ class BufferPool:
         need = self._held + size - self.budget
         enough = [s for s in self._free if s >= need]  # (as _make_room would drop: big buffers kept)
         old = min(enough) if enough else max(self._free)
-        buf = self._pop_cached(old)  # (held still counts it)
+        buf = self._pop_reusable(old)  # (held still counts it)
+        if buf is None:  # (each one of that size is still viewed: the room comes from dropping)
+            return None
         over = self._held - old + size - self.budget
         if over > 0:
             self._make_room(over)
@@ -340,23 +342,34 @@ class BufferPool:
     def _pop_reusable(self, size: int) -> HostBuffer | None:
         """A cached buffer of ``size`` that nothing views any more, or None. One a tensor still
         views (a view of a weight kept past its module's forward: a custom Function's
-        ``ctx.wt = w.t()``, an output the hooks cannot see into) is left to its holder, as
-        torch leaves memory to a view: unmapped with its last view, out of the budget from
-        now on. Reused, it would hand that holder another tensor's bytes."""
-        while size in self._free:
-            buf = self._pop_cached(size)
-            if not buf.shared():
+        ``ctx.wt = w.t()``, an output the hooks cannot see into; a graph recomputed by a
+        checkpoint, briefly) is not handed out: reused, it would give that holder another
+        tensor's bytes. It stays cached for when its views are gone (``_drop`` says what
+        happens to it when the room is needed first)."""
+        bufs = self._free.get(size, [])
+        for i in range(len(bufs) - 1, -1, -1):
+            if not bufs[i].shared():
+                buf = bufs.pop(i)
+                if not bufs:
+                    del self._free[size]
+                self._cached -= size
                 return buf
-            self._held -= size
-            self.left_to_holders += 1
-            leave(self.name, buf.nbytes, buf._map)  # (still resident: offload.stats counts it beside the pools)
-            (log.warning if self.left_to_holders == 1 else log.debug)(
-                "%s buffer pool: a %s buffer is still viewed by a tensor offload did not hand out (a view of a "
-                "weight kept past its module's forward, as ctx.wt = w.t() in a custom Function); it is left to "
-                "that tensor, outside the budget (counted in offload.stats' pools until it goes), not reused",
-                self.name, format_size(size))
-            buf.close()
         return None
+
+    def _drop(self, buf: HostBuffer) -> None:
+        """Unmap a cached buffer (popped) and stop counting it. One a tensor still views is
+        left to that tensor, as torch leaves memory to a view: unmapped with its last view,
+        counted by ``pool_bytes()`` beside the pools until then."""
+        self._held -= buf.nbytes
+        if buf.shared():
+            self.left_to_holders += 1
+            leave(self.name, buf.nbytes, buf._map)
+            (log.warning if self.left_to_holders == 1 else log.debug)(
+                "%s buffer pool: a %s buffer dropped for room is still viewed by a tensor offload did not hand "
+                "out (a view of a weight kept past its module's forward, as ctx.wt = w.t() in a custom "
+                "Function); it stays with that tensor, outside the budget (counted in offload.stats' pools)",
+                self.name, format_size(buf.nbytes))
+        buf.close()
 
     def _pop_cached(self, size: int) -> HostBuffer:
         bufs = self._free[size]
@@ -369,8 +382,7 @@ class BufferPool:
     def _drop_all(self) -> None:
         for size in list(self._free):
             while size in self._free:
-                self._pop_cached(size).close()
-                self._held -= size
+                self._drop(self._pop_cached(size))
 
     def _make_room(self, need: int) -> None:
         """Unmap cached buffers until ``need`` bytes are free or none is left: the one that
@@ -382,6 +394,5 @@ class BufferPool:
         freed = 0
         for size in order:
             while size in self._free and freed < need:
-                self._pop_cached(size).close()
-                self._held -= size
+                self._drop(self._pop_cached(size))
                 freed += size

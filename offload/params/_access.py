@@ -131,17 +131,18 @@ class DemandAccess:
             return self.coordinator.flat_of(group).untyped_storage().data_ptr()
 
     def saving(self) -> Any:
-        """What autograd saves in a demand call goes through the hooks' references, unless
-        hooks of another kind are on top (torch's non-reentrant checkpoint inside the
-        forward, a user's ``save_on_cpu``): those see the demand call's saves as they see
-        the module's own ops'. Hidden from a checkpoint's hooks in the forward but not in
-        its recompute (the group is held by then), the saves disagreed in number."""
+        """What autograd saves in a demand call goes through the hooks' references, unless,
+        inside a pass, hooks of another kind are on top (torch's non-reentrant checkpoint):
+        those see the demand call's saves as they see the module's own ops'. Hidden from a
+        checkpoint's hooks in the forward but not in its recompute (the group is held by
+        then), the saves disagreed in number."""
         if not torch.is_grad_enabled():
             return contextlib.nullcontext()
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and not isinstance(getattr(top[0], "__self__", None), type(self.hooks)):
+        foreign = top is not None and not isinstance(getattr(top[0], "__self__", None), type(self.hooks))
+        if foreign and (self.hooks.forward_open() or in_backward()):
             return contextlib.nullcontext()
-        return self.hooks.saving()
+        return self.hooks.saving()  # (outside the passes: a view a user's hooks kept would go stale unseen)
 
     def check_writable(self, owner: Owner) -> None:
         if self.partition is not None and not owner.group.resident:

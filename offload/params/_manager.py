@@ -294,6 +294,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             for slot in group.slots:
                 data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
                 point(slot.param, data.clone())  # own memory, not a store buffer
+            flat = data = None  # (views of the buffer: the pool would not hand it to the next group)
             if not group.resident:
                 manager.store.evict(group.key, Tier.DEVICE)
     except BaseException:

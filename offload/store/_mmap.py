@@ -285,3 +285,4 @@ class _PriorityWorkers:
     def _run(self) -> None:
         while (job := self._queue.get()[2]) is not None:
             job()
+            job = None  # (a done job's closure holds views of its buffers: the pool would not reuse them)

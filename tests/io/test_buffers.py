@@ -175,27 +175,37 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     assert HostBuffer(PAGE_SIZE, pin=Pins()).resize(2 * PAGE_SIZE) is False
 
 
-def test_a_cached_buffer_a_tensor_still_views_is_left_to_it():
+def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out():
     """A buffer released while a view of it lives (a weight's view kept past its module's
-    forward) is not handed out again: the view keeps its bytes, the pool maps another and
-    stops counting the one left; a buffer whose views are gone is reused."""
+    forward) is not handed out again while it does: the view keeps its bytes. It stays
+    cached, reused once the view is gone; dropped for room meanwhile, it is left to the view
+    and counted beside the pools until the view goes."""
     pool = BufferPool(4 * PAGE_SIZE)
     held = pool.acquire(PAGE_SIZE)
     view = held.view(torch.int32, (16,))
     view.copy_(torch.arange(16, dtype=torch.int32))
     pool.release(held)
-    again = pool.acquire(PAGE_SIZE)
-    assert again is not held and (pool.mapped, pool.left_to_holders) == (2, 1)
-    assert pool.held_bytes == PAGE_SIZE
-    again.bytes.fill_(7)
+    other = pool.acquire(PAGE_SIZE)
+    assert other is not held and (pool.mapped, pool.left_to_holders) == (2, 0)
+    other.bytes.fill_(7)
     assert torch.equal(view, torch.arange(16, dtype=torch.int32))
-    assert pool_bytes()["host (left to views)"] == PAGE_SIZE  # (still resident: counted beside the pools)
+    del view
+    assert pool.acquire(PAGE_SIZE) is held and pool.mapped == 2
+    pool.close()
+    tight = BufferPool(PAGE_SIZE)
+    held = tight.acquire(PAGE_SIZE)
+    view = held.view(torch.int32, (16,))
+    view.copy_(torch.arange(16, dtype=torch.int32))
+    tight.release(held)
+    other = tight.acquire(PAGE_SIZE)  # (no room beside it: dropped, left to the view)
+    assert other is not held and (tight.mapped, tight.left_to_holders, tight.held_bytes) == (2, 1, PAGE_SIZE)
+    other.bytes.fill_(7)
+    assert torch.equal(view, torch.arange(16, dtype=torch.int32))
+    assert pool_bytes()["host (left to views)"] == PAGE_SIZE
     del view
     gc.collect()
     assert not pool_bytes().get("host (left to views)")
-    pool.release(again)
-    assert pool.acquire(PAGE_SIZE) is again and (pool.mapped, pool.left_to_holders) == (2, 1)
-    pool.close()
+    tight.close()
 
 
 def test_the_buffer_resized_is_the_one_that_makes_the_room():
