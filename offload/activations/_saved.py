@@ -49,8 +49,9 @@ class KeptTensor:
             raise ModifiedSavedTensorError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"[{self.tensor.type()} {list(self.tensor.shape)}] is at version {now}; expected version "
-                f"{self.version} instead (checked by offload's saved-tensor hooks, as torch checks). Hint: make the "
-                "operation out of place (e.g. x = x * 2 instead of x.mul_(2)), or change it after backward")
+                f"{self.version} instead (checked by offload's saved-tensor hooks, as torch checks; torch's "
+                "allow_mutation_on_saved_tensors does not reach past them). Hint: make the operation out of place "
+                "(e.g. x = x * 2 instead of x.mul_(2)), or change it after backward")
         return self.tensor
 
 
