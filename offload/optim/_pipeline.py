@@ -38,8 +38,8 @@ Update = Callable[[int, list, list, list, list, float, "list[dict] | None"], Non
 
 class Pipeline:
     def __init__(self, update: Update, row_count: Callable[[int, "list[dict] | None"], int], writeback: WriteBack,
-                 phase: Phase, stats: dict, log: Callable[[str, Shard], None], reserve: Callable[[Any], int] = lambda store: 0,
-                 scratch: Callable[[Any], Any] = lambda store: None):
+                 phase: Phase, stats: dict, log: Callable[[str, Shard], None],
+                 reserve: Callable[[Any], int] = lambda store: 0, scratch: Callable[[Any], Any] = lambda store: None):
         self.update, self.row_count, self.writeback = update, row_count, writeback
         self.scratch = scratch  # a store's buffer that coded shards are decoded into (ShardBook.scratch)
         self.reserve = reserve  # host bytes of a store's pool that compute on a device needs (device_staging)

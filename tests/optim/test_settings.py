@@ -1,0 +1,130 @@
+"""Torch's optimizer arguments and settings as code written for torch passes and changes
+them: kernel choices, sparse gradients, a setting that needs a state row the optimizer was
+not laid out with (refused where the update is decided) or one that drops a row (runs as
+torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+
+
+def test_a_setting_that_needs_a_row_it_was_not_built_with_is_refused_and_one_that_drops_a_row_runs(no_leaks):
+    """OneCycleLR (cycle_momentum) sets SGD's momentum after the optimizer laid out no
+    momentum rows: refused at the first step with the fix. Built with a momentum, the same
+    schedule follows torch's SGD; turning amsgrad off keeps following torch's Adam."""
+    def run(make, sched=None, steps=3, change=None):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = make(model.parameters())
+        s = sched(opt) if sched else None
+        for i in range(steps):
+            if change is not None and i == 1:
+                change(opt)
+            model(torch.randn(5, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if s is not None:
+                s.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    def cycle(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+
+    with pytest.raises(ValueError, match=r"momentum_buffer.*laid out with \[\].*non-zero momentum"):
+        run(lambda ps: offload.SGD(ps, lr=0.05), cycle)
+    for ours, ref in zip(run(lambda ps: offload.SGD(ps, lr=0.05, momentum=0.9), cycle),
+                         run(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), cycle)):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+    def amsgrad_off(opt):
+        opt.param_groups[0]["amsgrad"] = False
+
+    for ours, ref in zip(run(lambda ps: offload.Adam(ps, lr=0.01, amsgrad=True), change=amsgrad_off),
+                         run(lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, fused=True), change=amsgrad_off)):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+
+def test_torch_kernel_arguments_and_sparse_gradients(tmp_path, offload_config, no_leaks):
+    """Code written for torch's optimizers passes kernel choices: accepted (the update is
+    torch's fused kernel's), or refused where they need what offload cannot give. A sparse
+    gradient, which torch's SGD takes, is refused with the fix, wrapped or not."""
+    for kwargs in (dict(fused=True), dict(foreach=False), dict(capturable=False, differentiable=False)):
+        offload.AdamW(nn.Linear(2, 2).parameters(), **kwargs).close()
+    offload.SGD(nn.Linear(2, 2).parameters(), fused=True, foreach=None).close()
+    for kwargs, match in ((dict(capturable=True), "CUDA graph"), (dict(differentiable=True), "outside autograd")):
+        with pytest.raises(ValueError, match=match):
+            offload.AdamW(nn.Linear(2, 2).parameters(), **kwargs)
+
+    def sparse_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 8, sparse=True), nn.Linear(8, 4))
+
+    plain = sparse_model()
+    opt = offload.SGD(plain.parameters(), lr=0.1)
+    plain(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="dense gradients.*sparse=False"):
+        opt.step()
+    opt.close()
+    wrapped = offload.wrap(sparse_model(), offload_config(tmp_path, resident_bytes=0))
+    try:
+        opt = offload.SGD(wrapped.parameters(), lr=0.1)
+        with pytest.raises(RuntimeError, match="dense gradients.*sparse=False"):
+            wrapped(torch.tensor([1, 2])).sum().backward()
+        opt.close()
+    finally:
+        offload.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_settings_changed_after_a_step_of_a_wrapped_model(tmp_path, kind, offload_config, no_leaks):
+    """In the usual order (step, then a scheduler changes a setting): a row dropped keeps
+    following torch through the update in the next forward; a row added, in any param group
+    of a shard, is refused by step() and by update_during_backward(), never met inside an
+    update."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+    def build(ps, ours, on):
+        if kind == "sgd":
+            return (offload.SGD if ours else torch.optim.SGD)(ps, lr=0.1, momentum=0.9 if on else 0.0)
+        return offload.Adam(ps, lr=0.01, amsgrad=on) if ours else torch.optim.Adam(ps, lr=0.01, amsgrad=on, fused=True)
+
+    def flip(opt, group, on):
+        opt.param_groups[group]["momentum" if kind == "sgd" else "amsgrad"] = 0.9 if kind == "sgd" and on else on
+
+    xs = [torch.randn(4, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref, model = make(), offload.wrap(make(), offload_config(tmp_path, resident_bytes=0))
+    try:
+        for m, ours in ((ref, False), (model, True)):
+            opt = build(m.parameters(), ours, True)
+            for x in xs:
+                m(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                flip(opt, 0, False)  # (a row no longer used)
+            with torch.no_grad():
+                m(xs[0])  # (the last update, in the next forward)
+            if ours:
+                opt.close()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+        halves = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+        opt = build(halves, True, False)  # (one shard holds both groups)
+        model(xs[0]).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        flip(opt, 1, True)
+        model(xs[1]).square().sum().backward()
+        with pytest.raises(ValueError, match="param group 1's settings now need the state rows"):
+            opt.step()
+        with pytest.raises(ValueError, match="param group 1's settings now need the state rows"):
+            with opt.update_during_backward():
+                pass
+        opt.close()
+    finally:
+        offload.unwrap(model)
