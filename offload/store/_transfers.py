@@ -204,6 +204,7 @@ class Transfers:
                 if source is None or not isinstance(error, TransferInterrupted):
                     copy.error = error  # (an interrupted fetch is simply fetched again)
             self._pump_all()
+            self._cond.notify_all()  # (the reader and in-flight counts moved: see _stored)
 
     def _stored(self, record: StoredTensor, copy: TierCopy, home: TierCopy, version: int, completion: Any) -> None:
         error = completion.exception()
@@ -228,6 +229,10 @@ class Transfers:
                 copy.drop_when_idle = False
                 self._drop(record, copy)
             self._pump_all()
+            # (the write may end with no state change: a copy revived while it was written
+            # stays resident; wait_unread() and wait_stored() wait on readers and in-flight
+            # counts, and slept on forever)
+            self._cond.notify_all()
 
     def _reader_done(self, record: StoredTensor, source: TierCopy) -> None:
         source.readers -= 1

@@ -264,3 +264,38 @@ def test_cuda_round_trip_through_pinned_staging(io_backend, disk_dir, no_leaks):
         store.evict("a", Tier.DEVICE)
         assert torch.equal(store.wait("a", Tier.HOST), t * 2)
         assert store.tiers[Tier.HOST].pool.pin
+
+
+def test_a_wait_for_readers_wakes_when_a_revived_copys_write_lands(disk_dir, no_leaks):
+    """A dirty host copy is evicted (written home), then fetched again while the write runs
+    (revived: it stays resident). The write's end changes no state; a wait_unread() on the
+    copy (the optimizer about to update it in place) slept on, forever, until it notified."""
+    import threading
+
+    from offload.io import FileBackend
+
+    gate, gating = threading.Event(), threading.Event()
+
+    class SlowWrites(FileBackend):
+        def pwritev(self, fd, buffer, offset):
+            if gating.is_set():
+                gate.wait(30)
+            return super().pwritev(fd, buffer, offset)
+
+    with small_store(disk_dir, file_backend=SlowWrites()) as store:
+        store.put("a", torch.ones(MiB // 4), Tier.NVME)
+        store.wait("a", Tier.NVME)
+        store.fetch("a", Tier.HOST)
+        store.wait("a", Tier.HOST).fill_(2)
+        store.mark_dirty("a", Tier.HOST)
+        gating.set()
+        store.evict("a", Tier.HOST)  # (written home: held by the gate)
+        store.fetch("a", Tier.HOST)  # revived while it is written
+        waiter = threading.Thread(target=store.wait_unread, args=("a", Tier.HOST), daemon=True)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # (the write still reads the copy)
+        gate.set()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert torch.equal(store.wait("a", Tier.HOST), torch.full((MiB // 4,), 2.0))
