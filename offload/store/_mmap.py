@@ -184,18 +184,19 @@ class MmapTier(SwapFileSlots):
     # -- internals --------------------------------------------------------------------------
     def _submit(self, fn: Callable[[], None], priority: int) -> Pending:
         done = Pending()
+        box = [fn]  # (emptied before the completion: the waiter may reuse the buffers fn views at once)
 
         def run() -> None:
             started = time.perf_counter()
+            error = None
             try:
-                fn()
+                box.pop()()
             except BaseException as err:  # never leave a completion pending
-                done._finish(err)
-                return
+                error = err
             finally:
                 with self._lock:
                     self.busy_seconds += time.perf_counter() - started
-            done._finish(None)
+            done._finish(error)
 
         self._workers.submit(priority, run)
         return done
