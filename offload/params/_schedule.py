@@ -10,9 +10,10 @@ replaces the recorded one when it ends.
 Before the first pass of a kind there is no recorded order, and a pass without one reads
 every group on demand: read and compute in series, which is most of the time to the first
 token of a model read from disk. So ``guess`` gives the first pass an order to prefetch
-by, the modules' registration order (``guess_from``); a first pass that
-departs from it falls back to demand fetches without a message, and its real order is
-recorded as usual.
+by, the modules' registration order (``guess_from``). A use that departs from it resyncs
+the guess where it can (a module run before its place moves the cursor on; the modules it
+passed are taken when they come); a first pass that departs from it otherwise falls back to
+demand fetches without a message, and its real order is recorded as usual.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class _Pass:
     actual: list[ParamGroup] = field(default_factory=list)
     cursor: int = 0  # position in the recorded order (wraps into the next pass)
     diverged: bool = False
+    skipped: dict[int, ParamGroup] = field(default_factory=dict)  # guessed groups the cursor passed unused
 
 
 class Schedule:
@@ -103,6 +105,8 @@ class Schedule:
             expected = trace[p.cursor % len(trace)] if trace else None
             if expected is group:
                 p.cursor += 1
+            elif p.key in self._guessed and self._resync(p, trace, group):
+                pass
             else:
                 p.diverged = departs = True
                 if p.key in self._guessed:
@@ -116,12 +120,32 @@ class Schedule:
         p.actual.append(group)
         return departs
 
+    @staticmethod
+    def _resync(p: _Pass, trace: list[ParamGroup], group: ParamGroup) -> bool:
+        """A guessed order (the modules' registration order) that a use departs from: a group
+        the cursor passed unused is taken late; one further on moves the cursor past it, the
+        groups between noted as passed (Llama registers a layer's norms after its attention
+        and MLP, and runs them first: giving up there read the whole first pass on demand).
+        False where the group is in neither (then the pass diverges as usual)."""
+        if id(group) in p.skipped:
+            del p.skipped[id(group)]
+            return True
+        half = len(trace) // 2  # (a guessed grad pass: the forward's order, then the backward's)
+        end = half if p.key == "grad" and p.cursor < half else len(trace)
+        for i in range(p.cursor, end):
+            if trace[i] is group:
+                p.skipped.update((id(g), g) for g in trace[p.cursor: i])
+                p.cursor = i + 1
+                return True
+        return False
+
     def upcoming(self) -> Iterator[ParamGroup]:
         """Groups after the cursor in the recorded order, wrapping into the next pass."""
         p = self.current
         trace = self.traces.get(p.key) if p is not None and not p.diverged else None
         if not trace:
             return
+        yield from list(p.skipped.values())  # (passed by a resync of the guess: used next)
         for i in range(len(trace)):
             yield trace[(p.cursor + i) % len(trace)]
 

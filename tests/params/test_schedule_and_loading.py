@@ -81,6 +81,38 @@ def test_the_first_passes_prefetch_in_the_modules_order(tmp_path, caplog, no_lea
             offload.unwrap(model)
 
 
+class _NormsRegisteredLast(nn.Module):
+    """A Llama-like layer: its norm is registered after the projections but runs first."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.mlp, self.norm = nn.Linear(64, 64), nn.Linear(64, 64), nn.LayerNorm(64)
+
+    def forward(self, x):
+        return x + self.mlp(torch.tanh(self.proj(self.norm(x))))
+
+
+def test_a_first_pass_that_runs_modules_before_their_place_keeps_prefetching(tmp_path, no_leaks, record_schedule):
+    """The guessed order resyncs where a module runs before its registered place (the
+    modules passed are read next and taken when they come): only the first group is read
+    on demand, in inference and in the first training step. Before, the first departure
+    gave the guess up and the rest of the pass was read on demand."""
+    for grad in (False, True):
+        model = nn.Sequential(*[_NormsRegisteredLast() for _ in range(6)])
+        (tmp_path / str(grad)).mkdir()
+        offload.wrap(model, cfg(tmp_path / str(grad), device_budget="128KiB", prefetch_bytes="40KiB"))
+        events = record_schedule(model)
+        try:
+            with torch.set_grad_enabled(grad):
+                out = model(torch.randn(4, 64)).sum()
+                if grad:
+                    out.backward()
+            demand = [k for e, k, ph in events if e == "fetch" and ph == "demand"]
+            assert demand == ["0.norm"], demand
+        finally:
+            offload.unwrap(model)
+
+
 class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
