@@ -250,6 +250,10 @@ class Pipeline:
                 state_rows[r].append(rows[first + r, a:b])
             steps.append(seg.step)
         self.update(gi, params, gs, state_rows, steps, grad_scale, groups)
+        # (written through .data, which torch's version check does not see: a graph saved before
+        # the step would give the new values where torch refuses; streamed groups count their writes)
+        torch.autograd.graph.increment_version(
+            [seg.param for seg in segs if not shard.wrapped or seg.owner.group.resident])
         return temp
 
 

@@ -128,3 +128,34 @@ def test_settings_changed_after_a_step_of_a_wrapped_model(tmp_path, kind, offloa
         opt.close()
     finally:
         offload.unwrap(model)
+
+
+@pytest.mark.parametrize("where", ["plain", "plain-bf16", "resident"])
+def test_a_graph_saved_before_the_step_is_refused_after_it_like_torch(where, tmp_path, offload_config, no_leaks):
+    """The update writes parameters it holds as themselves through ``.data``: their version
+    counters move as torch's optimizers' in-place updates move them, so a retained graph's
+    second backward after ``step()`` is refused as torch refuses it, not run on new weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    if where == "plain-bf16":
+        model = model.to(torch.bfloat16)
+    if where == "resident":  # (the update in step(): in the next forward, none happened before backward)
+        model = offload.wrap(model, offload_config(tmp_path))
+    opt = offload.AdamW(model.parameters(), lr=0.1, update_in_next_forward=False)
+    ref = torch.optim.AdamW(nn.Linear(1, 1).parameters())  # (torch's behaviour, asserted alongside)
+    try:
+        x = torch.randn(5, 8, dtype=next(model.parameters()).dtype)
+        loss = model(x).float().square().sum()
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        loss = ref.param_groups[0]["params"][0].square().sum()  # (square saves its input)
+        loss.backward(retain_graph=True)
+        ref.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    finally:
+        opt.close()
+        if where == "resident":
+            offload.unwrap(model)
