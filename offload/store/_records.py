@@ -45,6 +45,8 @@ class StoredTensor:
     copies: dict[Tier, TierCopy] = field(default_factory=dict)
     lost: BaseException | None = None  # set when no valid copy survived a failure
     version: int = 0  # bumped by mark_dirty; a write-back only cleans the version it wrote
+    writing: bool = False  # a write into the home copy is in flight (one at a time: the newest lands last)
+    next_write: TierCopy | None = None  # a copy (storing) whose write starts when that one lands
 
     def copy(self, tier: Tier) -> TierCopy:
         if tier not in self.copies:

@@ -228,7 +228,7 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
             for other in list(record.copies.values()):
                 if other is copy:
                     continue
-                other.valid = False
+                other.valid = other.dirty = False  # (stale: nothing in it is newer than home)
                 if other.tier is not record.home and other.state is Residency.RESIDENT:
                     self._drop(record, other)
             copy.valid, copy.dirty = True, tier is not record.home

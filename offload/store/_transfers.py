@@ -61,6 +61,9 @@ class Transfers:
         if record.lost is not None:
             raise lost_error(record) from record.lost
         copy = record.copy(tier)
+        while copy.state is Residency.STORING and not copy.valid:  # stale: dropped when its write lands
+            _wait(self._cond)
+            self._check_open()
         if copy.state is Residency.STORING:  # being dropped: keep it instead
             copy.drop_when_idle = False
             self._move(record, copy, Residency.RESIDENT)
@@ -132,13 +135,25 @@ class Transfers:
             raise interrupt
 
     def _write_home(self, record: StoredTensor, copy: TierCopy) -> None:
+        self._move(record, copy, Residency.STORING)
+        if record.writing:
+            # one write into the home at a time: an earlier one, of bytes another copy has
+            # since replaced, must not land last. This one starts when it lands (_stored)
+            earlier, record.next_write = record.next_write, copy
+            if earlier is not None and earlier is not copy:  # (replaced before it started)
+                self._move(record, earlier, Residency.RESIDENT)
+                self._drop(record, earlier)
+            return
+        self._start_write(record, copy)
+
+    def _start_write(self, record: StoredTensor, copy: TierCopy) -> None:
         self._move_out_of_checkpoint(record)
         home = record.copies[record.home]
         if home.stage is None and not self.tiers[home.tier].addressable \
                 and not self.tiers[copy.tier].addressable:
             home.stage = self._reserve_blocking(record, None, stage=True)
-        self._move(record, copy, Residency.STORING)
         self._in_flight += 1
+        record.writing = True
         copy.readers += 1
         version = record.version
         completion, interrupt = start_transfer(lambda: self._transfer(record, copy, home, priority=1),
@@ -210,9 +225,14 @@ class Transfers:
         error = completion.exception()
         with DEFER, self._cond:
             self._in_flight -= 1
-            self._release_stage(home)
+            record.writing = False
             copy.readers -= 1
-            if error is not None:
+            if not copy.valid and copy.state is Residency.STORING:
+                # another copy was changed (mark_dirty) while this one was written: its bytes,
+                # and the write's, are stale; the changed copy writes home in its turn
+                self._move(record, copy, Residency.RESIDENT)
+                self._drop(record, copy)
+            elif error is not None:
                 if not isinstance(error, TransferInterrupted):
                     copy.error = error  # the bytes are still here; raised at the next wait()
                 if copy.state is Residency.STORING:
@@ -228,11 +248,25 @@ class Transfers:
                 # for this write (a reader); its bytes are home now, so it goes
                 copy.drop_when_idle = False
                 self._drop(record, copy)
+            self._next_write(record, home)  # (which takes over the staging buffer, if any)
+            if not record.writing:
+                self._release_stage(home)
             self._pump_all()
             # (the write may end with no state change: a copy revived while it was written
             # stays resident; wait_unread() and wait_stored() wait on readers and in-flight
             # counts, and slept on forever)
             self._cond.notify_all()
+
+    def _next_write(self, record: StoredTensor, home: TierCopy) -> None:
+        """Start the write that waited for the one that landed, if it is still needed."""
+        copy, record.next_write = record.next_write, None
+        if copy is None or copy.state is not Residency.STORING:
+            return  # (none, or revived by a fetch meanwhile: dirty and resident)
+        if copy.valid and copy.dirty and not home.valid:
+            self._start_write(record, copy)
+        else:  # its bytes are home already (the write that landed), or stale
+            self._move(record, copy, Residency.RESIDENT)
+            self._drop(record, copy)
 
     def _reader_done(self, record: StoredTensor, source: TierCopy) -> None:
         source.readers -= 1

@@ -299,3 +299,43 @@ def test_a_wait_for_readers_wakes_when_a_revived_copys_write_lands(disk_dir, no_
         waiter.join(10)
         assert not waiter.is_alive()
         assert torch.equal(store.wait("a", Tier.HOST), torch.full((MiB // 4,), 2.0))
+
+
+def test_a_copy_changed_while_another_is_written_home_lands_last(disk_dir, no_leaks):
+    """A dirty host copy is being written home when a device copy taken from it is changed
+    (a weight written in place between an optimizer step and the next forward): the host
+    copy's write is stale. The device copy's write starts when it lands, so it lands last; the
+    stale copy is dropped then, not revived by a fetch (it stayed 'storing' with nothing in
+    flight, and the home kept whichever write landed last)."""
+    import threading
+
+    from offload.io import FileBackend
+
+    gate, gating = threading.Event(), threading.Event()
+
+    class SlowWrites(FileBackend):
+        def pwritev(self, fd, buffer, offset):
+            if gating.is_set():
+                gate.wait(30)
+            return super().pwritev(fd, buffer, offset)
+
+    n = MiB // 4
+    with small_store(disk_dir, file_backend=SlowWrites()) as store:
+        store.put("a", torch.ones(n), Tier.NVME)
+        store.wait("a", Tier.NVME)
+        store.fetch("a", Tier.HOST)
+        store.wait("a", Tier.HOST).fill_(2)
+        store.mark_dirty("a", Tier.HOST)
+        gating.set()
+        store.evict("a", Tier.HOST)  # (written home: held by the gate)
+        store.fetch("a", Tier.DEVICE)
+        store.wait("a", Tier.DEVICE).fill_(3)
+        store.mark_dirty("a", Tier.DEVICE)  # (the host copy's write is now stale)
+        store.evict("a", Tier.DEVICE)  # (returns at once; its write starts when the stale one lands)
+        assert store.state("a", Tier.DEVICE).value == "storing"
+        gate.set()
+        store.drain()
+        assert store.state("a", Tier.HOST).value == "absent"
+        assert store.state("a", Tier.DEVICE).value == "absent"
+        store.fetch("a", Tier.HOST)
+        assert torch.equal(store.wait("a", Tier.HOST), torch.full((n,), 3.0))
