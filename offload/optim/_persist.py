@@ -32,6 +32,7 @@ class StateDicts:
         to the same bytes by an optimizer of the same format and layout (``_formats``)."""
         self._settle()
         self._sink.sync()
+        self._phase.refuse_if_poisoned()  # (half a step's states would be saved as a whole one)
         self._ensure_layout()
         packed = super().state_dict()  # (torch.optim.Optimizer's: param_groups with indices; our self.state is empty)
         index: dict[int, int] = {}
@@ -108,6 +109,7 @@ class StateDicts:
         """What ``offload.save_checkpoint`` / ``load_checkpoint`` read and write."""
         def prepare() -> list[Shard]:
             self.synchronize()
+            self._phase.refuse_if_poisoned()  # (half a step's states would be saved as a whole one)
             self._ensure_layout()
             return self._book.shards
 

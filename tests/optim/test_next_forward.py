@@ -255,6 +255,11 @@ def test_a_failed_update_in_the_forward_poisons(tmp_path, failing, tiny_gpt2, lm
         said = rf"step\(\) stopped after updating {failing - 1} of \d+ shards \(its update, which runs in the next"
         with pytest.raises(RuntimeError, match=said):
             opt.step()
+        with pytest.raises(RuntimeError, match=said):  # (a save would pass half a step off as a whole one)
+            offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+        assert not (tmp_path / "ckpt").exists()
+        with pytest.raises(RuntimeError, match=said):
+            opt.state_dict()
         opt.close()
     finally:
         offload.close(model)
