@@ -19,7 +19,7 @@ import torch
 from ..store import Tier
 from ._formats import BLOCK, Packing, StateFormat, packing_for
 
-__all__ = ["Owner", "MasterMode", "master_mode", "Segment", "Shard", "ParamEntry", "Placement", "Item",
+__all__ = ["check_dtype", "Owner", "MasterMode", "master_mode", "Segment", "Shard", "ParamEntry", "Placement", "Item",
            "cut", "staggered", "check_master_format", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
 
 DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
@@ -355,3 +355,12 @@ def staggered(numel: int) -> int:
         return numel
     period = 2 << 20 if row >= 16 << 20 else 128 << 10
     return numel + ((_ROW_STAGGER - row) % period) // 4
+
+
+def check_dtype(p: torch.Tensor) -> None:
+    """The update runs in fp32 rows: a wider or complex parameter would not train as torch's."""
+    if p.dtype.is_complex or p.dtype == torch.float64:
+        lost = "drop its imaginary part" if p.dtype.is_complex else "train it at float32 precision"
+        raise TypeError(f"a {p.dtype} parameter of shape {tuple(p.shape)}: offload's optimizers update in "
+                        f"float32 rows and would {lost}, unlike torch's. Give it to a torch optimizer of its "
+                        "own (a plain parameter), or convert the model to float32, bf16 or fp16 before offload.wrap")

@@ -35,7 +35,7 @@ from ._formats import StateFormat
 from ._moved import counters, per_parameter
 from ._gradcalls import GradientCalls
 from ._grads import GradientBook
-from ._layout import Shard
+from ._layout import Shard, check_dtype
 from ._norms import found_inf
 from ._phase import OptimizerPhase, Phase
 from ._pipeline import Pipeline
@@ -149,6 +149,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         for p in self.param_groups[index]["params"]:
+            check_dtype(p)
             entry = self._book.register(p, index)
             if entry.owner is not None:
                 self._states.listen(entry.owner.manager)
@@ -395,3 +396,4 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     def _log(self, event: str, shard: Shard) -> None:
         if self.events is not None:
             self.events.append((event, shard.index))
+

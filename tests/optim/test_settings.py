@@ -159,3 +159,15 @@ def test_a_graph_saved_before_the_step_is_refused_after_it_like_torch(where, tmp
         opt.close()
         if where == "resident":
             offload.unwrap(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])
+def test_parameters_the_fp32_rows_cannot_train_as_torch_are_refused(dtype, no_leaks):
+    """A complex parameter lost its imaginary part and a float64 one trained at float32
+    precision, silently: refused when given to the optimizer, with the way round."""
+    p = nn.Parameter(torch.randn(4, dtype=dtype))
+    with pytest.raises(TypeError, match=r"float32 rows and would (drop its imaginary part|train it at float32 "
+                                        r"precision).*torch optimizer of its own"):
+        offload.AdamW([p], lr=0.1)
+    with pytest.raises(TypeError, match="float32 rows"):
+        offload.SGD([nn.Parameter(torch.randn(2))], lr=0.1).add_param_group({"params": [p]})
