@@ -49,6 +49,7 @@ _SCALE = {torch.Tensor.mul_: False, torch.Tensor.__imul__: False, torch.Tensor.d
           torch.Tensor.__itruediv__: True}
 _UNSCALE = torch._amp_foreach_non_finite_check_and_unscale_  # (GradScaler.unscale_)
 _SELF = {torch.Tensor.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_, torch._C.TensorBase.data.__get__}
+_DATA_SET = torch._C.TensorBase.data.__set__
 
 
 class OffloadedGrad(torch.Tensor):
@@ -73,6 +74,9 @@ class OffloadedGrad(torch.Tensor):
             g._book.check(g)
         if func in _SELF and args and args[0] is first:
             return first
+        if func == _DATA_SET and args[0] is first:  # (method-wrappers: ==, not is)  # p.grad.data = t: t's values become the gradient
+            _set_data(first, args[1])
+            return None
         if func in _NORMS and len(grads) == 1 and args[0] is first:
             order = _vector_order(func, args, kwargs)
             if order is not None:
@@ -90,6 +94,17 @@ class OffloadedGrad(torch.Tensor):
                 first._book.scale(first._param, 1.0 / factor if _SCALE[func] else factor)
                 return first
         return _on_copies(func, args, kwargs, grads)
+
+
+def _set_data(grad: "OffloadedGrad", new: Any) -> None:
+    if not isinstance(new, torch.Tensor) or new.shape != grad.shape or new.is_complex():
+        raise RuntimeError(
+            f"p.grad.data = {type(new).__name__} of shape {tuple(getattr(new, 'shape', ()))}: an offloaded "
+            f"parameter's gradient rests in the optimizer in shape {tuple(grad.shape)}; assign values of that "
+            "shape (p.grad.data = t or p.grad.copy_(t)), or p.grad = None to drop it")
+    with _plain():
+        values = new.detach().to(dtype=torch.float32, device="cpu")
+    grad._book.write(grad._param, values)
 
 
 def _unscale(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

@@ -62,6 +62,11 @@ def test_grad_values_and_inplace_writes(tmp_path, adamw_pair, lm_batches, assert
     key = "transformer.h.0.mlp.c_fc.weight"
     named[key].grad = torch.ones_like(named[key].grad)
     dict(ref.named_parameters())[key].grad = torch.ones_like(named[key].grad)
+    key = "transformer.h.1.attn.c_attn.weight"  # (.data assigned: the values taken, as torch's)
+    named[key].grad.data = torch.full_like(named[key].grad, 0.5)
+    dict(ref.named_parameters())[key].grad.data = torch.full_like(named[key].grad, 0.5)
+    with pytest.raises(RuntimeError, match=r"p.grad.data = Tensor of shape \(3,\).*assign values of that shape"):
+        named[key].grad.data = torch.ones(3)
     for n, q in ref.named_parameters():
         torch.testing.assert_close(named[n].grad.clone(), q.grad, msg=n)
     opt.step()
