@@ -269,7 +269,7 @@ class BufferPool:
     def close(self) -> None:
         with DEFER, self._cond:
             self._closed = True
-            self._drop_all()
+            self._drop_all(closing=True)
             self._cond.notify_all()
 
     # -- internals --------------------------------------------------------------------
@@ -356,15 +356,16 @@ class BufferPool:
                 return buf
         return None
 
-    def _drop(self, buf: HostBuffer) -> None:
+    def _drop(self, buf: HostBuffer, *, closing: bool = False) -> None:
         """Unmap a cached buffer (popped) and stop counting it. One a tensor still views is
         left to that tensor, as torch leaves memory to a view: unmapped with its last view,
-        counted by ``pool_bytes()`` beside the pools until then."""
+        counted by ``pool_bytes()`` beside the pools until then. (At close, the parameters of
+        a model never unwrapped still view theirs: expected, so not a warning.)"""
         self._held -= buf.nbytes
         if buf.shared():
             self.left_to_holders += 1
             leave(self.name, buf.nbytes, buf._map)
-            (log.warning if self.left_to_holders == 1 else log.debug)(
+            (log.warning if self.left_to_holders == 1 and not closing else log.debug)(
                 "%s buffer pool: a %s buffer dropped for room is still viewed by a tensor offload did not hand "
                 "out (a view of a weight kept past its module's forward, as ctx.wt = w.t() in a custom "
                 "Function); it stays with that tensor, outside the budget (counted in offload.stats' pools)",
@@ -379,10 +380,10 @@ class BufferPool:
         self._cached -= size
         return buf
 
-    def _drop_all(self) -> None:
+    def _drop_all(self, *, closing: bool = False) -> None:
         for size in list(self._free):
             while size in self._free:
-                self._drop(self._pop_cached(size))
+                self._drop(self._pop_cached(size), closing=closing)
 
     def _make_room(self, need: int) -> None:
         """Unmap cached buffers until ``need`` bytes are free or none is left: the one that

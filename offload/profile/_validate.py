@@ -68,6 +68,7 @@ def validate(path: str, report: dict[str, Any], nbytes: int,
                 data = store.wait(key, Tier.DEVICE)
                 if int(data[:8].view(torch.int64)) != count + i:
                     raise RuntimeError(f"validate: {key} read back from {directory} is not what was written")
+                del data  # (a view kept past evict would keep its buffer from reuse)
                 store.evict(key, Tier.DEVICE)
                 if i + ahead < count:
                     store.fetch(keys[i + ahead], Tier.DEVICE)

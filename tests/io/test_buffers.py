@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import random
 import threading
 import weakref
@@ -175,7 +176,7 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     assert HostBuffer(PAGE_SIZE, pin=Pins()).resize(2 * PAGE_SIZE) is False
 
 
-def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out():
+def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out(caplog):
     """A buffer released while a view of it lives (a weight's view kept past its module's
     forward) is not handed out again while it does: the view keeps its bytes. It stays
     cached, reused once the view is gone; dropped for room meanwhile, it is left to the view
@@ -197,7 +198,9 @@ def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out():
     view = held.view(torch.int32, (16,))
     view.copy_(torch.arange(16, dtype=torch.int32))
     tight.release(held)
-    other = tight.acquire(PAGE_SIZE)  # (no room beside it: dropped, left to the view)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        other = tight.acquire(PAGE_SIZE)  # (no room beside it: dropped, left to the view)
+    assert "dropped for room is still viewed" in caplog.text
     assert other is not held and (tight.mapped, tight.left_to_holders, tight.held_bytes) == (2, 1, PAGE_SIZE)
     other.bytes.fill_(7)
     assert torch.equal(view, torch.arange(16, dtype=torch.int32))
@@ -206,6 +209,15 @@ def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out():
     gc.collect()
     assert not pool_bytes().get("host (left to views)")
     tight.close()
+    closing = BufferPool(PAGE_SIZE)  # (at close, what still views a buffer is expected: the
+    held = closing.acquire(PAGE_SIZE)  # parameters of a model never unwrapped; no warning)
+    view = held.view(torch.int32, (16,))
+    closing.release(held)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        closing.close()
+    assert closing.left_to_holders == 1 and "still viewed" not in caplog.text
+    del view
 
 
 def test_the_buffer_resized_is_the_one_that_makes_the_room():
