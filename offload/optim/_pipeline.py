@@ -254,6 +254,8 @@ class Pipeline:
         # the step would give the new values where torch refuses; streamed groups count their writes)
         torch.autograd.graph.increment_version(
             [seg.param for seg in segs if not shard.wrapped or seg.owner.group.resident])
+        for group in {id(s.owner.group): s.owner for s in segs if shard.wrapped and s.owner.group.resident}.values():
+            group.manager.coordinator.note_updated(group.group)  # (copies taken before, as state_dict's, refuse)
         return temp
 
 

@@ -327,6 +327,10 @@ class Coordinator:
         if rec.flat is not None:
             rec.versions = versions(group)
 
+    def note_updated(self, group: ParamGroup) -> None:
+        """An optimizer updated the resident ``group`` where it rests: copies taken before are stale."""
+        self.records[group].written += 1
+
     def written_version(self, group: ParamGroup) -> int:
         return self.records[group].written
 
