@@ -34,6 +34,7 @@ from .._autograd import in_backward
 from ._groups import ParamGroup, Placeholders, point, versions
 from ._materializer import Materializer
 from ._pending import PendingWrites
+from ._replaced import adopt_replaced, refuse_replaced_before_update, replaced_slots
 from ._schedule import Schedule, choose_cached
 from ._sizing import no_room_error
 from ._state import Counts, GroupRecord, GroupState, check_transition
@@ -180,6 +181,7 @@ class Coordinator:
         source = rec.state
         if source is _AHEAD:  # taken for this use (see _state)
             self._move(group, rec, _RELEASED)
+        replaced = replaced_slots(group, self.placeholder)
         flat, rec.lease = self.materializer.materialize(group, source)
         self._move(group, rec, _MATERIALIZED)
         rec.flat = flat
@@ -187,6 +189,9 @@ class Coordinator:
             point(slot.param, flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape))
         rec.versions = versions(group)
         self.by_storage[flat.untyped_storage().data_ptr()] = group
+        if replaced:
+            adopt_replaced(group, flat, replaced)
+            self.note_written(group)
 
     def room_error(self, group: ParamGroup, err: BudgetError) -> BudgetError:
         """The store has no room for ``group`` at this point of the pass: the refusal."""
@@ -305,6 +310,7 @@ class Coordinator:
         if self.in_use(group):
             raise RuntimeError(f"parameter group {group.key!r} is in use by a forward or backward "
                                "pass: call the optimizer's step() after backward() returns")
+        refuse_replaced_before_update(group, self.placeholder)
         self.materializer.cancel_ahead(group)
         if rec.state is not _RELEASED:  # (the write that follows replaces or invalidates its device copy)
             self._move(group, rec, _RELEASED)

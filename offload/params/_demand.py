@@ -52,6 +52,7 @@ from .._autograd import in_backward
 from ._copies import DetachedCopy, read_only
 from ._gradients import DEFERRED, get_grad, set_grad
 from ._groups import ParamGroup, ParamSlot
+from ._replaced import replaced_slots
 
 __all__ = ["OffloadedParameter", "Owner", "owner_of_param", "register", "unregister", "value_of", "refuse_copy"]
 
@@ -211,6 +212,10 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
     if func is DETACH and access.snapshots is not None:  # model.state_dict() in progress
         # (a copy even of a resident or cached group: entries that alias one group buffer
         # would share storage, which safetensors' save_model and Accelerate refuse)
+        if replaced_slots(found[0].group, access.coordinator.placeholder) \
+                and not access.materialized(found[0].group):  # (p.set_(): its values become the group's)
+            access.coordinator.acquire(found[0].group, "demand", record=False)
+            access.coordinator.release(found[0].group, "demand")
         return access.snapshot(found[0])
     written = [o for o in (owner_of_param(t) for t in write_targets(kind, args, kwargs)) if o is not None]
     missing = [o for o in _unique(found) if not o.access.materialized(o.group)]

@@ -256,3 +256,28 @@ def test_parameters_as_autograd_inputs_are_not_fetched(tmp_path, no_leaks):
         assert offload.stats(model)["demand_fetches"] == 0
     finally:
         offload.unwrap(model)
+
+
+def test_a_parameter_set_to_other_storage_takes_its_new_values(tmp_path, no_leaks):
+    """p.set_(t) does not pass torch's dispatch (parametrize uses it to register on a wrapped
+    module and to assign a parametrized weight): it was silently undone by the next fetch.
+    The values it set become the group's; another shape is refused."""
+    from torch.nn.utils import parametrizations
+
+    model, ref = pair(lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tmp_path)
+    try:
+        x = torch.randn(3, 8)
+        for m in (model, ref):
+            parametrizations.orthogonal(m[1])  # (sets the original to -I through set_)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        with torch.no_grad():
+            model[0].weight.set_(torch.full((8, 8), 0.5))
+            ref[0].weight.set_(torch.full((8, 8), 0.5))
+        assert torch.equal(model.state_dict()["0.weight"], ref.state_dict()["0.weight"])
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        with torch.no_grad():
+            model[0].bias.set_(torch.zeros(3))
+        with pytest.raises(RuntimeError, match=r"set to a \(3,\).*keeps the shape \(8,\)"):
+            model(x)
+    finally:
+        offload.close(model)
