@@ -30,7 +30,9 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
     Weights stream a parameter group at a time from wherever they rest, so host memory
     holds one group, not the model. Tied parameters are written once, under the name the
     model registers first (as ``save_pretrained`` does). Each file appears atomically
-    (written under a temporary name, fsynced, renamed); the index is written last.
+    (written under a temporary name, fsynced, renamed); the index is written last, and an
+    earlier export's files in ``path`` are removed only then, so a failed or killed export
+    leaves the earlier one loadable.
     Returns the paths written.
 
     With several ranks every rank calls it with the same ``path`` (on a file system they
@@ -65,8 +67,8 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
         if lead:
             check_writable(path)
             os.makedirs(path, exist_ok=True)
-            for stale in glob.glob(os.path.join(glob.escape(path), "model*.safetensors*")):
-                os.remove(stale)
+            for stale in glob.glob(os.path.join(glob.escape(path), "model*.safetensors*.tmp")):
+                os.remove(stale)  # (a killed export's; an earlier export's files stay until this one is whole)
         headers = []
         for i, (name, members) in enumerate(zip(names, shards)):
             header, at = {}, 0
@@ -131,6 +133,8 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
             os.fsync(fh.fileno())
         os.rename(tmp, os.path.join(path, "model.safetensors.index.json"))
         written.append(os.path.join(path, "model.safetensors.index.json"))
+    for stale in set(glob.glob(os.path.join(glob.escape(path), "model*.safetensors*"))) - set(written):
+        os.remove(stale)  # an earlier export's other shards or index, now that this one is whole
     for attr in ("config", "generation_config"):
         cfg = getattr(model, attr, None)
         if cfg is not None and hasattr(cfg, "save_pretrained"):

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -430,6 +431,11 @@ def test_export_loads_with_from_pretrained(tmp_path, arch, tier, tiny_gpt2, tiny
     ids = torch.randint(0, wrapped.config.vocab_size, (2, 10))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, wrapped(input_ids=ids).logits)
+    before = sorted(os.listdir(out))
+    with mock.patch("offload.checkpoint._export._stream", side_effect=OSError(28, "No space left on device")):
+        with pytest.raises(OSError, match="No space"):  # (a failed export leaves the earlier one whole)
+            offload.export(wrapped, str(out))
+    assert sorted(os.listdir(out)) == before
     offload.export(wrapped, str(out))  # again, as one file: the old shards and index are gone
     assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]
     offload.unwrap(wrapped)
