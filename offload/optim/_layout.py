@@ -237,6 +237,12 @@ class Item:
     master_fmt: StateFormat = StateFormat.FP32  # the optimizer's master= setting
 
 
+# A split parameter's pieces hold whole multiples of this many elements: the fused kernels
+# run a piece's last partial vector as scalars (torch's whole-tensor run vectorises those
+# elements, and their last bits differ). 64 fp32 covers every CPU vector width.
+_PIECE = 64
+
+
 def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         grad_room: dict[int, int]) -> list[Shard]:
     """Consecutive segments of ``items`` into shards that share a store, a master layout
@@ -269,6 +275,11 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
             elif at is not None:
                 current.numel = at
             take = min(item.stop - start, size - current.numel)
+            if take < item.stop - start and size >= _PIECE:  # a split parameter: whole vectors per piece
+                take -= take % _PIECE
+                if take == 0:  # (less room left than one piece: the next shard)
+                    current = None
+                    continue
             step = torch.zeros((), dtype=torch.float32) if first is None else first.step.clone()
             seg = Segment(item.param, start, take, current.numel, item.group_index, step,
                           owner=item.owner, shard=current)
