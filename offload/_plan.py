@@ -376,6 +376,10 @@ def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
             p.problems.append(f"disk at {config.nvme_path}: {format_size(p.disk_need)} needed, "
                               f"{format_size(p.disk_free)} free: free space there, point nvme_path at a larger "
                               "disk, or keep a tier in memory (param_tier or optimizer_tier='host')")
+        elif p.disk_free is not None and config.file_size > p.disk_free:  # (space is claimed a file at a time)
+            p.problems.append(f"disk at {config.nvme_path}: swap space is claimed in files of file_size="
+                              f"{format_size(config.file_size)}, {format_size(p.disk_free)} free: set a smaller "
+                              "file_size, or free space there")
 
 
 def host_param_bytes(model: nn.Module) -> int:

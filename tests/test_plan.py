@@ -160,6 +160,17 @@ def test_wrap_refuses_before_creating_files_when_the_disk_is_short(tmp_path, mon
     assert not os.path.exists(tmp_path / "swap"), "wrap created the swap directory before refusing"
 
 
+def test_wrap_refuses_a_file_size_larger_than_the_free_disk(tmp_path, monkeypatch, tiny_gpt2, offload_config,
+                                                             no_leaks):
+    """The model's bytes fit, but swap space is claimed a file_size at a time: the plan said
+    it fits and the first claim failed naming only the disk."""
+    model = tiny_gpt2(**GPT2)
+    cfg = offload_config(tmp_path, PLAN, file_size="1GiB")
+    monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: 64 << 20)
+    with pytest.raises(offload.MemoryPlanError, match=r"claimed in files of file_size=1.00 GiB.*set a smaller file_size"):
+        offload.wrap(model, cfg)
+
+
 def test_optimizer_refuses_states_that_do_not_fit(tmp_path, monkeypatch, offload_config, no_leaks):
     params = [torch.nn.Parameter(torch.randn(1 << 20))]
     monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, 1 << 20))

@@ -112,7 +112,15 @@ class SwapFiles:
                 start = free.take(length)
                 if start is not None:
                     return Extent(file, start, length)
-            file, free = self._new_file(max(self.file_size, length))
+            try:
+                file, free = self._new_file(max(self.file_size, length))
+            except DiskFullError as err:
+                if self.file_size <= length or err.free is None or err.free < length:
+                    raise
+                raise DiskFullError(err.op, err.path, err.offset, err.length, err.errno,
+                                    f"swap space is claimed in files of {self.file_size} bytes (OffloadConfig "
+                                    f"file_size) and {length} were asked for: set a smaller file_size",
+                                    needed=err.needed, free=err.free) from None
             start = free.take(length)
             return Extent(file, start, length)
 

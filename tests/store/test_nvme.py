@@ -140,7 +140,8 @@ def test_nvme_path_on_a_read_only_file_system_says_so(tmp_path):
 
 def test_disk_space_is_checked_before_it_is_claimed(disk_dir, faulty, no_leaks):
     with small_store(disk_dir, file_backend=faulty({"fallocate": [errno.ENOSPC]})) as store:
-        with pytest.raises(DiskFullError, match=r"needed 4194304 bytes, \d+ free") as info:
+        with pytest.raises(DiskFullError, match=r"files of 4194304 bytes \(OffloadConfig file_size\).*set a smaller "
+                                                r"file_size; needed 4194304 bytes, \d+ free") as info:
             store.put("a", torch.ones(10), Tier.NVME)
         assert info.value.needed == 4 * MiB
         assert swap_files(disk_dir) == []
