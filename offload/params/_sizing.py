@@ -24,7 +24,7 @@ from torch import nn
 from .._units import format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
-from ..store import Tier, device_slot_size
+from ..store import Tier, device_slot_size, host_slot_size
 from ._groups import ParamGroup, build_groups
 
 __all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned", "no_room_error"]
@@ -196,7 +196,7 @@ def _refusal(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, expl
                            + (f" next to {format_size(layout.resident)} of resident parameters" if layout.resident
                               else "") + f": set device_budget >= {format_size(layout.need)}")
     if config.param_tier == "host":
-        total = sum(g.nbytes for g in layout.groups if not g.resident)
+        total = sum(host_slot_size(g.nbytes) for g in layout.groups if not g.resident)  # (whole pages each)
         if total > config.host_budget:
             return BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but host_budget is "
                                f"{format_size(config.host_budget)}: raise host_budget or set param_tier='nvme'")
@@ -242,8 +242,9 @@ def check_partitioned(groups: list[ParamGroup], config: OffloadConfig, mine: lis
             f"{largest.key!r} gathered ({format_size(largest.nbytes)}) next to "
             + ("this rank's slices of every group" if config.param_tier == "device" else "its slice")
             + f" ({format_size(slices)}): set device_budget >= {format_size(need)}")
-    if config.param_tier == "host" and sum(g.nbytes for g in mine) > config.host_budget:
-        raise BudgetError(f"param_tier='host' needs {format_size(sum(g.nbytes for g in mine))} of host memory on "
+    if config.param_tier == "host" and sum(host_slot_size(g.nbytes) for g in mine) > config.host_budget:
+        raise BudgetError(f"param_tier='host' needs {format_size(sum(host_slot_size(g.nbytes) for g in mine))} of "
+                          "host memory on "
                           f"each rank but host_budget is {format_size(config.host_budget)}: raise host_budget "
                           "or set param_tier='nvme'")
 

@@ -23,7 +23,7 @@ from ._tiers import Completion, DeviceTier, Done, HostMemoryTier, NvmeTier, Pend
 __all__ = [
     "create_store", "TensorStore", "StoredTensor", "Tier", "Residency", "StoreError", "TransferInterrupted",
     "BudgetError", "TierBackend", "HostMemoryTier", "DeviceTier", "NvmeTier", "Completion", "Done", "Pending",
-    "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size",
+    "SwapFiles", "Extent", "DirectoryLockedError", "MmapTier", "device_slot_size", "host_slot_size",
     "CheckpointRange", "CheckpointChangedError",
 ]
 
@@ -33,6 +33,11 @@ def device_slot_size(device: str | torch.device, nbytes: int) -> int:
     slots are rounded), for sizing before a store exists."""
     align = HostMemoryTier.SLOT_ALIGN if host_compute(device) else DeviceTier.SLOT_ALIGN
     return -(-max(nbytes, 1) // align) * align
+
+
+def host_slot_size(nbytes: int) -> int:
+    """Bytes of host budget a tensor of ``nbytes`` takes in the HOST tier (whole pages)."""
+    return -(-max(nbytes, 1) // HostMemoryTier.SLOT_ALIGN) * HostMemoryTier.SLOT_ALIGN
 
 
 def create_store(*, device: str | torch.device = "cpu", device_budget: int | str = "4GiB",

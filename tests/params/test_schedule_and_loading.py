@@ -255,6 +255,9 @@ def test_host_tier_larger_than_host_budget_is_refused(tmp_path, no_leaks):
     model = nn.Linear(512, 512)  # 1 MiB
     with pytest.raises(BudgetError, match="param_tier='host' needs 1.00 MiB.*host_budget"):
         offload.wrap(model, cfg(tmp_path, param_tier="host", host_budget="512KiB", device_budget="2MiB"))
+    two = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))  # 8.25 KiB, in two 8 KiB of whole pages
+    with pytest.raises(BudgetError, match="param_tier='host' needs 16.00 KiB.*host_budget is 12.00 KiB"):
+        offload.wrap(two, cfg(tmp_path, param_tier="host", host_budget="12KiB", device_budget="2MiB", resident_bytes=0))
 
 
 def test_wrapping_twice_and_stats_of_unwrapped_are_clear(tmp_path, no_leaks):
