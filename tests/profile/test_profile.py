@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import offload
-from offload._resolve import resolve_engine
+from offload._resolve import choose_io_backend, resolve_engine
 from offload.profile import CACHE_NAME, find_profile, recommend
 from offload.profile._run import REPORT_VERSION
 from offload.profile._disk import remove_stale_test_files
@@ -338,13 +338,33 @@ def test_io_auto_uses_a_cached_profile_and_keeps_given_values(tmp_path, caplog):
         offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path), io="sometimes")
 
 
-@pytest.mark.parametrize("damage", ["not json", "old version", "other disk", "no choice"])
+BAD_VALUES = {"zero block": ("engine_choice", "block_size", 0), "many threads": ("engine_choice", "threads", 100000),
+              "depth as text": ("engine_choice", "queue_depth", "32"), "no read figure": (None, "disk_read_gbps", None),
+              "mmap a list": (None, "disk_mmap", [1]), "warm read as text": ("disk_mmap", "warm_read_gbps", "fast")}
+
+
+@pytest.mark.parametrize("damage", ["not json", "old version", "other disk", "no choice", "a list", *BAD_VALUES])
 def test_io_auto_skips_a_bad_cache_with_a_warning(tmp_path, caplog, damage):
+    """(Values the library cannot use were taken: a zero block size failed wrap with a message
+    not naming the file, 100000 threads leaked the ones started, a missing figure raised.)"""
     report = fake_report(tmp_path)
     path = os.path.join(str(tmp_path), CACHE_NAME)
     if damage == "not json":
         with open(path, "w") as fh:
             fh.write("{ half a file")
+    elif damage == "a list":
+        write_cache(tmp_path, [report])
+    elif damage in BAD_VALUES:
+        where, key, value = BAD_VALUES[damage]
+        target = report if where is None else report.setdefault(where, {})
+        if value is None:
+            del target[key]
+        else:
+            target[key] = value
+        write_cache(tmp_path, report)
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            choice = choose_io_backend(offload.OffloadConfig(device="cpu", nvme_path=str(tmp_path)), 1 << 20)
+        assert choice.backend == "direct"
     else:
         if damage == "old version":
             report["version"] = 0
