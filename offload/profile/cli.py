@@ -85,6 +85,19 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _check_output(flag: str, target: str | None) -> None:
+    """Refuse an output path that cannot be written, before the run."""
+    if target is None:
+        return
+    folder = os.path.dirname(os.path.abspath(target))
+    if os.path.isdir(target):
+        raise ValueError(f"{flag} {target!r} is a directory: give a file path")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {target!r}: the directory {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {target!r}: the directory {folder!r} is not writable")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -94,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         check_target(args.path, args.size, args.device, validate=args.validate)
+        for flag, target in (("--json", args.json), ("--recommend", args.recommend)):
+            _check_output(flag, target)  # (found only after the whole run, the figures were lost)
     except (OSError, ValueError, RuntimeError) as err:
         parser.exit(EXIT_REFUSED, f"offload-profile: error: {err}\n")
     # SIGTERM (kill, a job scheduler) ends the run like Ctrl-C: the test files are removed

@@ -443,6 +443,14 @@ def test_refuses_an_unwritable_path(tmp_path):
     assert out.returncode == 2 and "not writable" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("flag", ["--json", "--recommend"])
+def test_refuses_an_output_path_it_could_not_write_before_the_run(tmp_path, flag):
+    for target, said in ((tmp_path / "no" / "r.json", "does not exist"), (tmp_path, "is a directory")):
+        out = cli("--path", str(tmp_path), "--size", "64MiB", flag, str(target))
+        assert out.returncode == 2 and said in out.stderr and flag in out.stderr, out.stderr
+        assert not leftover_files(tmp_path) and not (tmp_path / "offload-profile.json").exists()
+
+
 @pytest.mark.parametrize("size", ["lots", "-1GiB", "12XB"])
 def test_refuses_a_size_that_is_not_a_size(tmp_path, size):
     out = cli("--path", str(tmp_path), f"--size={size}")
