@@ -14,6 +14,8 @@ import time
 
 import psutil
 
+from offload._os import ram_file_system
+
 
 class PeakRss:
     """Largest resident set over the ``with`` block (``peak``) and its growth over the RSS at
@@ -191,31 +193,17 @@ def scratch_dir(name: str, given: str | None = None) -> str:
         path = os.path.join(os.environ["OFFLOAD_BENCH_DIR"], name)
     else:
         temp = tempfile.gettempdir()
-        if _ram_file_system(temp) is not None:
+        if ram_file_system(temp) is not None:
             temp = "/var/tmp"
         path = os.path.join(temp, "offload-bench", name)
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
-    in_ram = _ram_file_system(path)
+    in_ram = ram_file_system(path)
     if in_ram is not None:
         logging.getLogger("bench").warning("%s is on %s (files held in RAM, not on a disk): disk figures will "
                                            "measure memory; pass --path on a local disk or set OFFLOAD_BENCH_DIR",
                                            path, in_ram)
     return path
-
-
-def _ram_file_system(path: str) -> str | None:
-    """"tmpfs" or "ramfs" when ``path`` is on a file system held in RAM, else None
-    (statfs(2)'s f_type; None where statfs cannot be asked)."""
-    import ctypes
-
-    buf = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type
-    try:
-        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
-            return None
-    except (OSError, AttributeError):  # no statfs here (not Linux)
-        return None
-    return {0x01021994: "tmpfs", 0x858458F6: "ramfs"}.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
 
 
 class Balloon:

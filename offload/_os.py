@@ -6,7 +6,7 @@ import errno
 import mmap
 import os
 
-__all__ = ["pid_alive", "nearest_existing_dir"]
+__all__ = ["pid_alive", "nearest_existing_dir", "direct_io_supported", "ram_file_system"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -54,3 +54,17 @@ def direct_io_supported(path: str) -> bool:
             os.unlink(probe)
         except OSError:
             pass
+
+
+def ram_file_system(path: str) -> str | None:
+    """"tmpfs" or "ramfs" when ``path`` is on a file system held in RAM, else None
+    (statfs(2)'s f_type; None where statfs cannot be asked)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type
+    try:
+        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(path), buf) != 0:
+            return None
+    except (OSError, AttributeError):  # no statfs here (not Linux)
+        return None
+    return {0x01021994: "tmpfs", 0x858458F6: "ramfs"}.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import offload
+from offload._os import ram_file_system
 from offload.io import FileBackend
 
 
@@ -216,7 +217,7 @@ def disk_dir(tmp_path):
     """A directory on a disk, where O_DIRECT reaches the device: pytest's ``tmp_path``, or,
     when that is on a file system held in RAM (tmpfs, ramfs), a fresh directory under
     ``$OFFLOAD_TEST_DISK``. Skips, naming the fix, when neither is on a disk."""
-    in_ram = _ram_file_system(tmp_path)
+    in_ram = ram_file_system(tmp_path)
     if in_ram is None:
         yield str(tmp_path)
         return
@@ -224,8 +225,8 @@ def disk_dir(tmp_path):
     if not chosen:
         pytest.skip(f"tmp_path {tmp_path} is on {in_ram} (files in RAM, not a disk): set OFFLOAD_TEST_DISK to "
                     "a directory on a local disk, or run pytest with --basetemp on one")
-    if _ram_file_system(chosen) is not None:
-        pytest.fail(f"OFFLOAD_TEST_DISK={chosen!r} is on {_ram_file_system(chosen)}, not a disk: point it at a "
+    if ram_file_system(chosen) is not None:
+        pytest.fail(f"OFFLOAD_TEST_DISK={chosen!r} is on {ram_file_system(chosen)}, not a disk: point it at a "
                     "directory on a local disk")
     import shutil
     import tempfile
@@ -235,23 +236,6 @@ def disk_dir(tmp_path):
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-_RAM_FS_MAGIC = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs(2) f_type of file systems in RAM
-
-
-def _ram_file_system(path) -> str | None:
-    """"tmpfs" or "ramfs" when ``path`` lies on a file system that keeps its files in RAM,
-    else None: statfs(2)'s f_type, asked of the kernel for this path (no mount table to
-    match, so bind mounts and mounts over mounts are answered right)."""
-    import ctypes
-
-    buf = ctypes.create_string_buffer(512)  # struct statfs, whose first field is f_type
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.statfs(os.fsencode(str(path)), buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(path))
-    return _RAM_FS_MAGIC.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from .._os import ram_file_system
 from .._profile_cache import CACHE_NAME, REPORT_VERSION
 from .._units import format_size
 from ._disk import DiskProbe, DiskResult, DiskSetting, remove_stale_test_files, sweep_grid
@@ -52,10 +53,17 @@ def check_target(path: str, size: int, device: str, *, validate: int | None = No
                          f"{format_size(_VALIDATE_MIN)} (the default 6GiB gets past the caches the profile "
                          "gets past)")
     free = shutil.disk_usage(path).free
+    in_ram = ram_file_system(path)
+    if in_ram is not None:  # (its test file takes RAM; its figures are memory's)
+        log.warning("--path %r is on %s, held in RAM, not on a disk: the 'disk' figures will measure memory",
+                    path, in_ram)
+        free = min(free, psutil.virtual_memory().available // 2)
     # the test file is removed before the validation's swap files are made
     for flag, need in (("--size", size), ("--validate", validate or 0)):
         if free < need + (64 << 20):
-            raise OSError(f"--path {path!r} has {format_size(free)} free, less than {flag} {format_size(need)} "
+            raise OSError(f"--path {path!r} has {format_size(free)} free"
+                          + (f" (half the RAM available: {in_ram} holds files in RAM)" if in_ram else "")
+                          + f", less than {flag} {format_size(need)} "
                           f"plus 64 MiB of headroom: free space there or pass a smaller {flag}")
     try:
         dev = torch.device(device)
@@ -132,6 +140,7 @@ def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode
             report.update(_cuda_report(cuda_links(dev, disk_file=probe.path, disk_bytes=probe.measure_bytes,
                                                   engine_settings=settings), dev))
         report["disk_direct_supported"] = bool(probe.direct_supported)
+        report["disk_in_ram"] = ram_file_system(path)  # "tmpfs", "ramfs" or None
         report["disk_bytes_per_measurement"] = probe.measure_bytes
         report.update(disk_report(probe.results, choice, first, passes, cached))
         report["disk_mmap"] = {f"{k}_gbps": round(v, 4) for k, v in probe.mmap_results.items()}

@@ -192,6 +192,8 @@ def format_table(report: dict[str, Any]) -> str:
     known limit (fio, the PCIe link) where one is known."""
     fio = report.get("fio") or {}
     direct = "O_DIRECT" if report.get("disk_direct_supported") else "buffered: no O_DIRECT here"
+    if report.get("disk_in_ram"):
+        direct += f"; on {report['disk_in_ram']}: memory, not a disk"
     best_read = report["disk_best_read"]
     choice = report["engine_choice"]
     burst = report["disk_burst_seconds"]
