@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from .._os import ram_file_system
-from .._profile_cache import CACHE_NAME, REPORT_VERSION
+from .._profile_cache import CACHE_NAME, REPORT_VERSION, find_profile
 from .._units import format_size
 from ._disk import DiskProbe, DiskResult, DiskSetting, remove_stale_test_files, sweep_grid
 from ._figures import best, disk_report, engine_choice, leaders
@@ -168,8 +168,25 @@ def run_profile(path: str | os.PathLike, size: int, *, device: str = "cpu", mode
     report["adam"] = adam
     report["elapsed_s"] = round(time.perf_counter() - started, 2)
     if cache:
-        save_report(report, os.path.join(path, CACHE_NAME))
+        report["saved_as_cache"] = _cache(report, os.path.join(path, CACHE_NAME))
     return report
+
+
+def _cache(report: dict[str, Any], target: str) -> bool:
+    """Save ``report`` where io="auto" finds it, unless the profile cached there measured
+    more bytes per measurement on this file system (a quick check at a small --size would
+    replace it with settings it could not exercise: the in-flight bytes are capped by the
+    file). Returns whether it was saved."""
+    found = find_profile(os.path.dirname(target))
+    if found is not None and found.path == target:
+        before = found.report.get("disk_bytes_per_measurement") or 0
+        if before > report["disk_bytes_per_measurement"]:
+            log.warning("kept the cached profile %s, measured on %s per measurement (this run: %s); this run's "
+                        "figures are in its report only. Remove that file, or run with a --size as large, to "
+                        "replace it", target, format_size(before), format_size(report["disk_bytes_per_measurement"]))
+            return False
+    save_report(report, target)
+    return True
 
 
 def planned_steps(mode: str, cuda: bool, fio: bool, validate: bool = False) -> int:

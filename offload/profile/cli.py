@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         save_report(report, args.json)
         sys.stdout.write(f"\nreport: {args.json}\n")
-    if not args.no_cache:
+    if report.get("saved_as_cache"):
         sys.stdout.write(f"cached for io='auto': {os.path.join(report['path'], 'offload-profile.json')}\n")
     if args.recommend:
         write_recommendation(report, args.recommend, args.model_bytes, args.dtype)

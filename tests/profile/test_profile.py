@@ -414,3 +414,18 @@ def test_wrapped_model_runs_with_the_engine_settings_of_the_profile(tmp_path, no
         assert offload.stats(model)["read_bytes"] > 0
     finally:
         offload.unwrap(model)
+
+
+def test_a_smaller_run_does_not_replace_a_larger_cached_profile(tmp_path, caplog, monkeypatch):
+    """(A quick check at --size 64MiB silently replaced a 2 GiB profile, and io="auto" took
+    its settings, which the small file had capped.)"""
+    from offload.profile import _run
+
+    path = write_cache(tmp_path, fake_report(tmp_path, disk_bytes_per_measurement=1 << 30))
+    small = fake_report(tmp_path, disk_bytes_per_measurement=32 << 20)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        assert _run._cache(small, path) is False
+    assert "kept the cached profile" in caplog.text
+    assert find_profile(str(tmp_path)).report["disk_bytes_per_measurement"] == 1 << 30
+    assert _run._cache(fake_report(tmp_path, disk_bytes_per_measurement=2 << 30), path) is True
+    assert find_profile(str(tmp_path)).report["disk_bytes_per_measurement"] == 2 << 30
