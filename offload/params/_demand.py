@@ -37,6 +37,7 @@ written home when dropped; optimizers that keep a master copy are told to refres
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -96,6 +97,11 @@ class OffloadedParameter(nn.Parameter):
             return set_grad(args[0], args[1])
         if func in _AUTOGRAD:
             return _autograd_call(func, args, kwargs)
+        if func is DETACH and sys._getframe(1).f_code is _PARAMETER_NEW:
+            raise RuntimeError(
+                "nn.Parameter(p) of a parameter offload manages (as parametrize does when it registers on a "
+                "wrapped module): the new Parameter would share storage offload moves between tiers. Take "
+                "nn.Parameter(p.detach().clone()) for a copy, or register parametrizations before offload.wrap")
         if func not in NO_DATA:
             found = _find(args, kwargs)
             if found:
@@ -114,6 +120,7 @@ class OffloadedParameter(nn.Parameter):
 
 
 _CLASSES = {OffloadedParameter}
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 
 def offloaded_class(cls: type) -> type:

@@ -275,6 +275,8 @@ def test_a_parameter_set_to_other_storage_takes_its_new_values(tmp_path, no_leak
             ref[0].weight.set_(torch.full((8, 8), 0.5))
         assert torch.equal(model.state_dict()["0.weight"], ref.state_dict()["0.weight"])
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match=r"nn.Parameter\(p\) of a parameter offload manages.*clone\(\)"):
+            parametrizations.weight_norm(model[0])  # (makes a Parameter of the weight itself)
         with torch.no_grad():
             model[0].bias.set_(torch.zeros(3))
         with pytest.raises(RuntimeError, match=r"set to a \(3,\).*keeps the shape \(8,\)"):
