@@ -267,10 +267,8 @@ def test_cuda_round_trip_through_pinned_staging(io_backend, disk_dir, no_leaks):
         assert store.tiers[Tier.HOST].pool.pin
 
 
-def test_a_wait_for_readers_wakes_when_a_revived_copys_write_lands(disk_dir, no_leaks):
-    """A dirty host copy is evicted (written home), then fetched again while the write runs
-    (revived: it stays resident). The write's end changes no state; a wait_unread() on the
-    copy (the optimizer about to update it in place) slept on, forever, until it notified."""
+def gated_writes():
+    """A file backend whose writes wait at ``gate`` once ``gating`` is set: (backend, gate, gating)."""
     import threading
 
     from offload.io import FileBackend
@@ -283,14 +281,30 @@ def test_a_wait_for_readers_wakes_when_a_revived_copys_write_lands(disk_dir, no_
                 gate.wait(30)
             return super().pwritev(fd, buffer, offset)
 
-    with small_store(disk_dir, file_backend=SlowWrites()) as store:
-        store.put("a", torch.ones(MiB // 4), Tier.NVME)
-        store.wait("a", Tier.NVME)
-        store.fetch("a", Tier.HOST)
-        store.wait("a", Tier.HOST).fill_(2)
-        store.mark_dirty("a", Tier.HOST)
-        gating.set()
-        store.evict("a", Tier.HOST)  # (written home: held by the gate)
+    return SlowWrites(), gate, gating
+
+
+def write_a_changed_host_copy_home(store, gating, n):
+    """'a' (n ones on NVMe) fetched to the host, changed to 2s, and evicted: its write home
+    starts and waits at the gate."""
+    store.put("a", torch.ones(n), Tier.NVME)
+    store.wait("a", Tier.NVME)
+    store.fetch("a", Tier.HOST)
+    store.wait("a", Tier.HOST).fill_(2)
+    store.mark_dirty("a", Tier.HOST)
+    gating.set()
+    store.evict("a", Tier.HOST)
+
+
+def test_a_wait_for_readers_wakes_when_a_revived_copys_write_lands(disk_dir, no_leaks):
+    """A dirty host copy is evicted (written home), then fetched again while the write runs
+    (revived: it stays resident). The write's end changes no state; a wait_unread() on the
+    copy (the optimizer about to update it in place) slept on, forever, until it notified."""
+    import threading
+
+    backend, gate, gating = gated_writes()
+    with small_store(disk_dir, file_backend=backend) as store:
+        write_a_changed_host_copy_home(store, gating, MiB // 4)
         store.fetch("a", Tier.HOST)  # revived while it is written
         waiter = threading.Thread(target=store.wait_unread, args=("a", Tier.HOST), daemon=True)
         waiter.start()
@@ -308,27 +322,10 @@ def test_a_copy_changed_while_another_is_written_home_lands_last(disk_dir, no_le
     copy's write is stale. The device copy's write starts when it lands, so it lands last; the
     stale copy is dropped then, not revived by a fetch (it stayed 'storing' with nothing in
     flight, and the home kept whichever write landed last)."""
-    import threading
-
-    from offload.io import FileBackend
-
-    gate, gating = threading.Event(), threading.Event()
-
-    class SlowWrites(FileBackend):
-        def pwritev(self, fd, buffer, offset):
-            if gating.is_set():
-                gate.wait(30)
-            return super().pwritev(fd, buffer, offset)
-
     n = MiB // 4
-    with small_store(disk_dir, file_backend=SlowWrites()) as store:
-        store.put("a", torch.ones(n), Tier.NVME)
-        store.wait("a", Tier.NVME)
-        store.fetch("a", Tier.HOST)
-        store.wait("a", Tier.HOST).fill_(2)
-        store.mark_dirty("a", Tier.HOST)
-        gating.set()
-        store.evict("a", Tier.HOST)  # (written home: held by the gate)
+    backend, gate, gating = gated_writes()
+    with small_store(disk_dir, file_backend=backend) as store:
+        write_a_changed_host_copy_home(store, gating, n)
         store.fetch("a", Tier.DEVICE)
         store.wait("a", Tier.DEVICE).fill_(3)
         store.mark_dirty("a", Tier.DEVICE)  # (the host copy's write is now stale)
