@@ -74,7 +74,7 @@ class OffloadedGrad(torch.Tensor):
             g._book.check(g)
         if func in _SELF and args and args[0] is first:
             return first
-        if func == _DATA_SET and args[0] is first:  # (method-wrappers: ==, not is)  # p.grad.data = t: t's values become the gradient
+        if func == _DATA_SET and args[0] is first:  # p.grad.data = t: t's values (method-wrappers: ==)
             _set_data(first, args[1])
             return None
         if func in _NORMS and len(grads) == 1 and args[0] is first:

@@ -146,10 +146,14 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
 
     # -- torch.optim.Optimizer interface ----------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        if not isinstance(params, set):  # (a set: torch's refusal below)
+            param_group = {**param_group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+            for p in param_group["params"]:
+                check_dtype(p)  # (before torch's: a refused group must not stay in param_groups)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         for p in self.param_groups[index]["params"]:
-            check_dtype(p)
             entry = self._book.register(p, index)
             if entry.owner is not None:
                 self._states.listen(entry.owner.manager)
@@ -396,4 +400,3 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     def _log(self, event: str, shard: Shard) -> None:
         if self.events is not None:
             self.events.append((event, shard.index))
-

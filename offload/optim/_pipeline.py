@@ -252,8 +252,9 @@ class Pipeline:
         self.update(gi, params, gs, state_rows, steps, grad_scale, groups)
         # (written through .data, which torch's version check does not see: a graph saved before
         # the step would give the new values where torch refuses; streamed groups count their writes)
-        torch.autograd.graph.increment_version(
-            [seg.param for seg in segs if not shard.wrapped or seg.owner.group.resident])
+        for seg in segs:  # (one tensor a call: torch before 2.5 takes no list)
+            if not shard.wrapped or seg.owner.group.resident:
+                torch.autograd.graph.increment_version(seg.param)
         for group in {id(s.owner.group): s.owner for s in segs if shard.wrapped and s.owner.group.resident}.values():
             group.manager.coordinator.note_updated(group.group)  # (copies taken before, as state_dict's, refuse)
         return temp

@@ -70,6 +70,7 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
         self._queues: dict[Tier, list[tuple[StoredTensor, TierCopy]]] = {t: [] for t in self.tiers}
         self._cond = threading.Condition(threading.RLock())
         self._in_flight = 0
+        self._writes_waiting: set[StoredTensor] = set()  # a next write home short of a staging buffer
         self.wait_seconds = 0.0
         self.fetches = 0
         self.fetch_hits = 0  # fetches that found the copy already there or on its way

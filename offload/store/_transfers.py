@@ -135,23 +135,32 @@ class Transfers:
             raise interrupt
 
     def _write_home(self, record: StoredTensor, copy: TierCopy) -> None:
-        self._move(record, copy, Residency.STORING)
         if record.writing:
             # one write into the home at a time: an earlier one, of bytes another copy has
             # since replaced, must not land last. This one starts when it lands (_stored)
+            self._move(record, copy, Residency.STORING)
             earlier, record.next_write = record.next_write, copy
             if earlier is not None and earlier is not copy:  # (replaced before it started)
                 self._move(record, earlier, Residency.RESIDENT)
                 self._drop(record, earlier)
             return
-        self._start_write(record, copy)
+        self._start_write(record, copy, blocking=True)
 
-    def _start_write(self, record: StoredTensor, copy: TierCopy) -> None:
+    def _start_write(self, record: StoredTensor, copy: TierCopy, *, blocking: bool) -> bool:
+        """Start writing ``copy`` home. What it needs is reserved before the copy becomes
+        STORING, so a refusal leaves it resident and dirty. Not ``blocking`` (a completion
+        callback, which must not wait): False, nothing changed, if no staging buffer is free."""
         self._move_out_of_checkpoint(record)
         home = record.copies[record.home]
         if home.stage is None and not self.tiers[home.tier].addressable \
                 and not self.tiers[copy.tier].addressable:
-            home.stage = self._reserve_blocking(record, None, stage=True)
+            stage = self._reserve_blocking(record, None, stage=True) if blocking else \
+                self.staging.try_acquire(record.nbytes)
+            if stage is None:
+                return False
+            home.stage = stage
+        if copy.state is not Residency.STORING:
+            self._move(record, copy, Residency.STORING)
         self._in_flight += 1
         record.writing = True
         copy.readers += 1
@@ -162,6 +171,7 @@ class Transfers:
         completion.add_done_callback(lambda c: self._stored(record, copy, home, version, c))
         if interrupt is not None:
             raise interrupt
+        return True
 
     def _transfer(self, record: StoredTensor, source: TierCopy, dest: TierCopy, priority: int) -> Any:
         src, dst, n = self.tiers[source.tier], self.tiers[dest.tier], record.nbytes
@@ -258,15 +268,23 @@ class Transfers:
             self._cond.notify_all()
 
     def _next_write(self, record: StoredTensor, home: TierCopy) -> None:
-        """Start the write that waited for the one that landed, if it is still needed."""
+        """Start the write that waited for the one that landed, if it is still needed (lock
+        held; from a completion too, so it never waits: without a staging buffer free, it
+        waits in ``_writes_waiting`` for a later completion or release)."""
         copy, record.next_write = record.next_write, None
+        self._writes_waiting.discard(record)
         if copy is None or copy.state is not Residency.STORING:
             return  # (none, or revived by a fetch meanwhile: dirty and resident)
-        if copy.valid and copy.dirty and not home.valid:
-            self._start_write(record, copy)
-        else:  # its bytes are home already (the write that landed), or stale
+        if not (copy.valid and copy.dirty and not home.valid):  # home already (the write that landed), or stale
             self._move(record, copy, Residency.RESIDENT)
             self._drop(record, copy)
+        elif not self._start_write(record, copy, blocking=False):
+            if self._in_flight:  # a transfer in flight may free one
+                record.next_write = copy
+                self._writes_waiting.add(record)
+            else:  # none will: kept resident and dirty, the refusal raised at its next wait
+                self._move(record, copy, Residency.RESIDENT)
+                copy.error = self._stuck_error(record, Tier.HOST, staging=True)
 
     def _reader_done(self, record: StoredTensor, source: TierCopy) -> None:
         source.readers -= 1
@@ -295,6 +313,9 @@ class Transfers:
             copy.stage = None
 
     def _pump_all(self) -> None:
+        for record in list(self._writes_waiting):
+            if not record.writing:
+                self._next_write(record, record.copies[record.home])
         for tier, queue in self._queues.items():
             if queue:
                 self._pump(tier)

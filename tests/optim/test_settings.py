@@ -169,8 +169,11 @@ def test_parameters_the_fp32_rows_cannot_train_as_torch_are_refused(dtype, no_le
     with pytest.raises(TypeError, match=r"float32 rows and would (drop its imaginary part|train it at float32 "
                                         r"precision).*torch optimizer of its own"):
         offload.AdamW([p], lr=0.1)
+    opt = offload.SGD([nn.Parameter(torch.randn(2))], lr=0.1)
     with pytest.raises(TypeError, match="float32 rows"):
-        offload.SGD([nn.Parameter(torch.randn(2))], lr=0.1).add_param_group({"params": [p]})
+        opt.add_param_group({"params": iter([p])})
+    assert len(opt.param_groups) == 1  # (the refused group is not kept)
+    opt.close()
 
 
 def test_a_parameter_split_across_shards_updates_as_torchs_whole(no_leaks):

@@ -9,6 +9,8 @@ import torch
 from offload.io import BudgetError, BufferPool
 from offload.store import HostMemoryTier, Residency, StoreError, TensorStore, Tier
 
+from conftest import FakeTier  # (tests/store is on the path: no package)
+
 KB = 4096  # one slot of the host-memory tiers (page rounded)
 
 
@@ -243,3 +245,52 @@ def test_a_load_that_began_before_another_copy_changed_is_loaded_again(make_stor
     store.mark_dirty("t0", Tier.HOST)
     fake.complete()  # the device read of the old bytes lands: stale, loaded again (from host)
     assert torch.equal(store.wait("t0", Tier.DEVICE), torch.full((1000,), 7.0))
+
+
+class _DeviceNotHost(FakeTier):  # a device tier outside host memory (as CUDA's): writes home need staging
+    def tensor(self, slot):
+        return torch.frombuffer(slot["data"], dtype=torch.uint8)
+
+
+def _staged_store(host_slots: int, manual: bool):
+    pool = BufferPool(host_slots * KB, name="host")
+    nvme = FakeTier(Tier.NVME, manual=manual)
+    tiers = {Tier.DEVICE: _DeviceNotHost(Tier.DEVICE), Tier.HOST: HostMemoryTier(Tier.HOST, pool), Tier.NVME: nvme}
+    return TensorStore(tiers, staging=pool), nvme
+
+
+def test_a_write_home_short_of_a_staging_buffer_leaves_its_copy_resident_and_dirty():
+    """A write is refused before its copy becomes STORING (it was left storing with nothing
+    in flight: wait_stored slept for ever); a write queued behind another never waits in the
+    first one's completion (an engine thread), and fails at the next wait when nothing in
+    flight can free a staging buffer."""
+    n = KB // 4
+    store, nvme = _staged_store(2, manual=False)
+    store.put("a", torch.ones(n), Tier.NVME)
+    store.wait("a", Tier.DEVICE)
+    store.put("b", torch.ones(2 * n), Tier.HOST)  # (the host pool full)
+    store.mark_dirty("a", Tier.DEVICE)
+    with pytest.raises(BudgetError, match="waits for a host staging buffer"):
+        store.evict("a", Tier.DEVICE)
+    assert store.state("a", Tier.DEVICE) is Residency.RESIDENT
+    store.wait_stored("a", Tier.DEVICE)
+    store, nvme = _staged_store(3, manual=True)
+    for key in "ac":
+        store.put(key, torch.ones(n), Tier.NVME)
+        nvme.complete()
+    store.fetch("a", Tier.HOST)
+    nvme.complete()
+    store.wait("a", Tier.HOST).fill_(2)
+    store.mark_dirty("a", Tier.HOST)
+    store.evict("a", Tier.HOST)  # (written home)
+    store.wait("a", Tier.DEVICE).fill_(3)
+    store.mark_dirty("a", Tier.DEVICE)
+    store.evict("a", Tier.DEVICE)  # (queued behind the host copy's write)
+    store.put("b", torch.ones(2 * n), Tier.HOST)
+    store.fetch("c", Tier.HOST)  # (queued for host room)
+    nvme.complete(1)  # (the first write lands: the next finds no staging buffer, and waits)
+    assert store.state("a", Tier.DEVICE) is Residency.STORING
+    nvme.complete()
+    with pytest.raises(BudgetError, match="waits for a host staging buffer"):
+        store.wait_stored("a", Tier.DEVICE)
+    assert store.state("a", Tier.DEVICE) is Residency.RESIDENT
