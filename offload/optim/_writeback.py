@@ -173,7 +173,7 @@ class WriteBack:
         if entry.in_place:
             if entry.data is None:
                 return  # never read: no shard of it was updated
-            manager.coordinator.forget(group.whole or group)  # device copies hold the old bytes
+            manager.coordinator.forget(group.whole or group, replaced="refuse")  # device copies hold the old bytes
             manager.store.mark_dirty(group.key, Tier.HOST)
             if manager.home is not Tier.HOST:  # written home; the host copy dropped
                 manager.store.evict(group.key, Tier.HOST)
@@ -185,7 +185,7 @@ class WriteBack:
             for offset, n in entry.written:
                 current[offset: offset + n] = data[offset: offset + n]
             data = current
-        manager.write_group(group, data)
+        manager.write_group(group, data, update=True)
         if manager.home is not Tier.HOST:  # (as the in-place path above counts it)
             count(self.stats, "parameters", written=group.nbytes)
 
@@ -222,7 +222,7 @@ class WriteBack:
             if entry.data is not None and not entry.in_use:
                 # the host copy was (being) updated while the store held it as clean: a
                 # prefetch may have copied it to the device; that copy goes too
-                entry.manager.coordinator.forget(entry.group.whole or entry.group)
+                entry.manager.coordinator.forget(entry.group.whole or entry.group, replaced="keep")
                 if store.state(key, Tier.DEVICE) is Residency.RESIDENT:
                     store.evict(key, Tier.DEVICE)
             entry.fetched, entry.data = False, None

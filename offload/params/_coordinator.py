@@ -34,7 +34,7 @@ from .._autograd import in_backward
 from ._groups import ParamGroup, Placeholders, point, versions
 from ._materializer import Materializer
 from ._pending import PendingWrites
-from ._replaced import adopt_replaced, refuse_replaced_before_update, replaced_slots
+from ._replaced import adopt_replaced, replaced_slots, settle_replaced_before_write
 from ._schedule import Schedule, choose_cached
 from ._sizing import no_room_error
 from ._state import Counts, GroupRecord, GroupState, check_transition
@@ -301,7 +301,7 @@ class Coordinator:
         rec = self.records[group]
         return bool(rec.refs) or rec.state is _PARKED
 
-    def forget(self, group: ParamGroup) -> None:
+    def forget(self, group: ParamGroup, *, replaced: str = "discard") -> None:
         """The optimizer is about to replace ``group``'s bytes in its home tier: drop what
         the coordinator holds of the old ones (a prefetch, a resident-cache copy)."""
         rec = self.records[group]
@@ -310,7 +310,7 @@ class Coordinator:
         if self.in_use(group):
             raise RuntimeError(f"parameter group {group.key!r} is in use by a forward or backward "
                                "pass: call the optimizer's step() after backward() returns")
-        refuse_replaced_before_update(group, self.placeholder)
+        settle_replaced_before_write(group, self.placeholder, replaced)
         self.materializer.cancel_ahead(group)
         if rec.state is not _RELEASED:  # (the write that follows replaces or invalidates its device copy)
             self._move(group, rec, _RELEASED)

@@ -26,6 +26,7 @@ from ._hooks import ModuleHooks
 from ._inplace import InPlaceLayout, adopt_groups
 from ._loading import CheckpointReader, take_generation_config
 from ._mapped import MappedViews
+from ._replaced import replaced_slots
 from ._materializer import Materializer
 from ._originals import Originals
 from ._placing import load_groups, move_buffers
@@ -142,15 +143,15 @@ class ParamManager:
         checkpoint load): optimizers keeping master copies refresh them."""
         self.access.notify(group.whole or group)
 
-    def write_group(self, group: ParamGroup, data: torch.Tensor) -> None:
+    def write_group(self, group: ParamGroup, data: torch.Tensor, *, update: bool = False) -> None:
         """Replace ``group``'s bytes (host uint8 ``data``) with new values, e.g. after an
-        optimizer step; the old copies on the device are dropped."""
+        optimizer step (``update``); the old copies on the device are dropped."""
         if group.resident:
             for slot in group.slots:
                 view = data[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
                 slot.param.data.copy_(view)
             return
-        self.coordinator.forget(group.whole or group)
+        self.coordinator.forget(group.whole or group, replaced="refuse" if update else "discard")
         self.store.put(group.key, data, self.home)
 
     def whole_bytes(self, group: ParamGroup) -> torch.Tensor:
@@ -290,10 +291,13 @@ def unwrap(model: nn.Module) -> nn.Module:
             _release(inner, manager)
             return model
         for group in manager.groups:
+            # (a parameter p.set_() to other storage keeps it, as torch's would)
+            replaced = {} if group.resident else {id(slot): t for slot, t in
+                                                  replaced_slots(group, manager.coordinator.placeholder)}
             flat = manager.store.wait(group.key, Tier.DEVICE)
             for slot in group.slots:
                 data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-                point(slot.param, data.clone())  # own memory, not a store buffer
+                point(slot.param, replaced.get(id(slot), data).clone())  # own memory, not a store buffer
             flat = data = None  # (views of the buffer: the pool would not hand it to the next group)
             if not group.resident:
                 manager.store.evict(group.key, Tier.DEVICE)

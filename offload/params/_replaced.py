@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._groups import ParamGroup, ParamSlot, Placeholders
+from ._groups import ParamGroup, ParamSlot, Placeholders, point
 
-__all__ = ["replaced_slots", "adopt_replaced", "refuse_replaced_before_update"]
+__all__ = ["replaced_slots", "adopt_replaced", "settle_replaced_before_write"]
 
 _plain = torch._C.DisableTorchFunctionSubclass
 
@@ -40,12 +40,18 @@ def adopt_replaced(group: ParamGroup, flat: torch.Tensor, replaced: list[tuple[P
             flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(new)
 
 
-def refuse_replaced_before_update(group: ParamGroup, placeholder: Placeholders) -> None:
-    """An optimizer is about to update ``group`` from its stored bytes: a parameter set to
-    other storage since would lose either its new values or the update."""
-    replaced = replaced_slots(group, placeholder)
-    if replaced:
+def settle_replaced_before_write(group: ParamGroup, placeholder: Placeholders, replaced: str) -> None:
+    """``group``'s stored bytes are about to be replaced. ``replaced`` says what becomes of a
+    parameter set to other storage since its last use: "refuse" (an optimizer update, which
+    starts from the values offload holds, would lose its new values or the update), "discard"
+    (a load: the loaded values win, as torch's load_state_dict overwrites them) or "keep"."""
+    if replaced == "keep":
+        return
+    found = replaced_slots(group, placeholder)
+    if found and replaced == "refuse":
         raise RuntimeError(
-            f"parameter {replaced[0][0].names[0]!r} was set to other storage (p.set_(), as torch.nn.utils."
+            f"parameter {found[0][0].names[0]!r} was set to other storage (p.set_(), as torch.nn.utils."
             "parametrize does) between its last use and this optimizer update, which starts from the values "
             "offload holds. Run a forward (or read the parameter) after setting it, or set it after the step")
+    for slot, _ in found:
+        point(slot.param, placeholder(slot.dtype, slot.shape))

@@ -283,3 +283,18 @@ def test_a_parameter_set_to_other_storage_takes_its_new_values(tmp_path, no_leak
             model(x)
     finally:
         offload.close(model)
+
+
+def test_a_parameter_set_to_other_storage_then_loaded_or_unwrapped(tmp_path, no_leaks):
+    """A load overwrites what p.set_() gave (as torch's load_state_dict does; it was refused
+    as if an optimizer update), and unwrap keeps it (it was lost)."""
+    model, ref = pair(lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tmp_path)
+    offload.save_checkpoint(tmp_path / "ckpt", model)
+    with torch.no_grad():
+        model[0].weight.set_(torch.full((8, 8), 0.5))
+    offload.load_checkpoint(tmp_path / "ckpt", model)
+    assert torch.equal(model[0].weight.detach(), ref[0].weight.detach())
+    with torch.no_grad():
+        model[1].weight.set_(torch.full((8, 8), 0.25))
+    offload.unwrap(model)
+    assert torch.equal(model[1].weight.detach(), torch.full((8, 8), 0.25))
