@@ -106,6 +106,9 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
         if part is not None:  # every rank has written its elements
             _agree(part, None)
         if lead:
+            index = os.path.join(path, "model.safetensors.index.json")
+            if n > 1 and os.path.exists(index) and any(os.path.exists(os.path.join(path, m)) for m in names):
+                os.remove(index)  # (shards renamed over an earlier export's: killed midway, none loads, not a mix)
             for name in names:
                 os.rename(os.path.join(path, name + ".tmp"), os.path.join(path, name))
     except BaseException as err:
