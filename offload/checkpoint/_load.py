@@ -281,7 +281,9 @@ def _group_item(manager: Any, group: Any, members: list[tuple[Tensorish, list[di
             manager.keep_originals(group, wide)
 
     def in_place() -> Any:
-        if not group.resident:
+        if group.resident:
+            manager.repoint_resident(group)
+        else:
             manager.coordinator.forget(group.whole or group)
         manager.params_changed(group)  # (before the bytes land: the load of the optimizer comes after)
         return manager.store.overwrite_in_place(group.key)

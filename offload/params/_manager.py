@@ -154,6 +154,16 @@ class ParamManager:
         self.coordinator.forget(group.whole or group, replaced="refuse" if update else "discard")
         self.store.put(group.key, data, self.home)
 
+    def repoint_resident(self, group: ParamGroup) -> None:
+        """Point the resident ``group``'s parameters at its device copy again, where one was
+        p.set_() to other storage: a load writes that copy, and its values win (as torch's)."""
+        flat = self.store.wait(group.key, Tier.DEVICE)
+        for slot in group.slots:
+            view = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+            with torch._C.DisableTorchFunctionSubclass():
+                if slot.nbytes and slot.param.data_ptr() != view.data_ptr():
+                    point(slot.param, view)
+
     def whole_bytes(self, group: ParamGroup) -> torch.Tensor:
         """A host copy of the whole of ``group`` (one of ``self.groups``): with several ranks,
         every rank's slice gathered (a collective: every rank must call it, in the same
@@ -292,8 +302,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
         for group in manager.groups:
             # (a parameter p.set_() to other storage keeps it, as torch's would)
-            replaced = {} if group.resident else {id(slot): t for slot, t in
-                                                  replaced_slots(group, manager.coordinator.placeholder)}
+            # (a resident parameter's own data is its group's: what p.set_() gave it included)
+            replaced = {id(s): torch.Tensor.detach(s.param) for s in group.slots} if group.resident else \
+                {id(slot): t for slot, t in replaced_slots(group, manager.coordinator.placeholder)}
             flat = manager.store.wait(group.key, Tier.DEVICE)
             for slot in group.slots:
                 data = flat[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)

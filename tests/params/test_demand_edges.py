@@ -285,10 +285,11 @@ def test_a_parameter_set_to_other_storage_takes_its_new_values(tmp_path, no_leak
         offload.close(model)
 
 
-def test_a_parameter_set_to_other_storage_then_loaded_or_unwrapped(tmp_path, no_leaks):
+@pytest.mark.parametrize("resident", [0, "1MiB"], ids=["streamed", "resident"])
+def test_a_parameter_set_to_other_storage_then_loaded_or_unwrapped(tmp_path, resident, no_leaks):
     """A load overwrites what p.set_() gave (as torch's load_state_dict does; it was refused
-    as if an optimizer update), and unwrap keeps it (it was lost)."""
-    model, ref = pair(lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tmp_path)
+    as if an optimizer update, and a resident group kept it), and unwrap keeps it (it was lost)."""
+    model, ref = pair(lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), tmp_path, resident_bytes=resident)
     offload.save_checkpoint(tmp_path / "ckpt", model)
     with torch.no_grad():
         model[0].weight.set_(torch.full((8, 8), 0.5))
