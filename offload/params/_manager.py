@@ -301,8 +301,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             _release(inner, manager)
             return model
         for group in manager.groups:
-            # (a parameter p.set_() to other storage keeps it, as torch's would)
-            # (a resident parameter's own data is its group's: what p.set_() gave it included)
+            # (a parameter p.set_() to other storage keeps it, as torch's would; a resident
+            # parameter's own data is its group's bytes, what set_ gave it included)
             replaced = {id(s): torch.Tensor.detach(s.param) for s in group.slots} if group.resident else \
                 {id(slot): t for slot, t in replaced_slots(group, manager.coordinator.placeholder)}
             flat = manager.store.wait(group.key, Tier.DEVICE)
