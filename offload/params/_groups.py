@@ -164,6 +164,11 @@ class Placeholders:
             base = self._bases[dtype] = torch.full((1,), fill, dtype=dtype, device=self.device)
         return base.expand(shape) if len(shape) else base.view(())
 
+    def address(self, dtype: torch.dtype) -> int:
+        """Where every placeholder of ``dtype`` points (a released parameter's data_ptr)."""
+        base = self._bases.get(dtype)
+        return base.data_ptr() if base is not None else self(dtype, ()).data_ptr()
+
 
 def versions(group: ParamGroup) -> tuple:
     """The version counters of the group's parameters (an in-place op bumps its tensor's)."""

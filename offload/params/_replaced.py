@@ -22,7 +22,7 @@ def replaced_slots(group: ParamGroup, placeholder: Placeholders) -> list[tuple[P
     found = []
     with _plain():
         for slot in group.slots:
-            if slot.nbytes and slot.param.data_ptr() != placeholder(slot.dtype, ()).data_ptr():
+            if slot.nbytes and slot.param.data_ptr() != placeholder.address(slot.dtype):
                 found.append((slot, torch.Tensor.detach(slot.param)))
     return found
 
