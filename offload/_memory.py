@@ -33,7 +33,7 @@ import psutil
 
 from .io import pool_bytes
 
-__all__ = ["MMAP_THRESHOLD", "HeapUse", "MemoryBreakdown", "HeapPeak", "HEAP_PEAK",
+__all__ = ["MMAP_THRESHOLD", "CUDA_KERNEL_HOST_BYTES", "HeapUse", "MemoryBreakdown", "HeapPeak", "HEAP_PEAK",
            "mark_baseline", "baseline_rss_bytes", "rss_bytes", "peak_rss_bytes", "heap_use", "allocator",
            "resolve_allocator", "tune_allocator", "heap_overhead_factor", "breakdown"]
 
@@ -44,6 +44,10 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 # freed bytes glibc keeps beyond the tensors alive at once, as a share of them (GPT-2 124M to
 # 774M on a CPU device: 0.5 to 0.9; docs/memory.md)
 _GLIBC_HEAP_OVERHEAD = 1.0
+# host memory the CUDA driver takes as torch loads its kernels at first use (lazy module
+# loading: each dtype's matrix products, each elementwise and attention kernel), after
+# torch.cuda.init(); an allowance from the GPT-2 training steps measured in docs/memory.md
+CUDA_KERNEL_HOST_BYTES = 5 << 28
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -16,7 +16,8 @@ is given a ``batch``, what torch allocates beside them on a CPU device: the tens
 saves (estimated on the meta device, ``_activation_estimate``; for a model that trains
 nothing, what its forward holds at once), the largest gradient autograd hands over, and the
 freed memory glibc's malloc keeps (``host_allocator``, ``_memory``). On CUDA those count
-against the device's free memory instead.
+against the device's free memory instead, and the host RSS gets an allowance for what the
+CUDA driver takes as torch loads its kernels at first use (``CUDA_KERNEL_HOST_BYTES``).
 
 Note: what is counted. Budgets are upper bounds; the plan counts what the run will use up
 to them: the device budget or less if the whole model is smaller; host staging for NVMe
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from ._activation_estimate import ActivationEstimate
-from ._memory import heap_overhead_factor, resolve_allocator, rss_bytes
+from ._memory import CUDA_KERNEL_HOST_BYTES, heap_overhead_factor, resolve_allocator, rss_bytes
 from ._os import nearest_existing_dir
 from ._plan_activations import ACTIVATION_ITEM, plan_activations
 from ._resolve import choose_io_backend
@@ -88,6 +89,7 @@ class MemoryPlan:
     grad_bytes: int = 0        # the largest gradient autograd hands over (compute dtype)
     heap_overhead: int = 0     # freed memory malloc is expected to keep (host_allocator="system")
     mapped_bytes: int = 0      # swap-file pages the mmap backend may keep mapped (up to host_budget)
+    cuda_kernels: int = 0      # host memory CUDA's kernels take as they load at first use (an allowance)
     allocator: str = "system"  # host_allocator as it applies to this run
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -125,7 +127,8 @@ class MemoryPlan:
     def predicted_rss(self) -> int:
         """The process's peak RSS this plan promises (see the module's note)."""
         cuda = self.config.torch_device.type == "cuda"
-        return self.baseline_rss + self.ram_need + self.mapped_bytes + (0 if cuda else self.transient_bytes)
+        return (self.baseline_rss + self.ram_need + self.mapped_bytes + self.cuda_kernels
+                + (0 if cuda else self.transient_bytes))
 
     def bytes_on(self, tier: str) -> int:
         return sum(r.nbytes for r in self.rows if r.tier == tier)
@@ -172,6 +175,8 @@ class MemoryPlan:
         if self.mapped_bytes:
             parts.append(f"mapped swap-file pages {format_size(self.mapped_bytes)} (io_backend "
                          f"'{self.config.io_backend}')")
+        if self.cuda_kernels:
+            parts.append(f"CUDA kernels loaded at first use {format_size(self.cuda_kernels)} (an allowance)")
         act = self.activations
         if act is None:
             tail = "; activations not counted (give offload.plan a batch=)"
@@ -209,7 +214,8 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     p = MemoryPlan(config=config, ram_credit=ram_credit, world=world, activations=activations,
                    grad_bytes=grad_bytes if activations is not None else 0,
                    baseline_rss=max(0, rss_bytes() - ram_credit),
-                   allocator=resolve_allocator(config.host_allocator, config.torch_device.type))
+                   allocator=resolve_allocator(config.host_allocator, config.torch_device.type),
+                   cuda_kernels=CUDA_KERNEL_HOST_BYTES if cuda else 0)
     if refusal is not None:
         p.problems.append(f"parameters: {refusal}")
     offloaded = plan_activations(config, activations)
@@ -330,7 +336,7 @@ def check_disk(path: str, need: int, what: str, fix: str) -> None:
 
 def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
     p.ram_available = psutil.virtual_memory().available
-    ram = p.ram_need - p.ram_credit + (0 if cuda else p.transient_bytes)
+    ram = p.ram_need - p.ram_credit + (p.cuda_kernels if cuda else p.transient_bytes)
     if ram > p.ram_available and not cuda and p.transient_bytes and ram - p.transient_bytes <= p.ram_available:
         # the budgets fit: the batch's tensors do not
         p.problems.append(f"host RAM: {format_size(ram)} needed, {format_size(p.ram_available)} available, of which "

@@ -121,6 +121,31 @@ def test_rss_line_is_whole_when_torch_counts_nothing(tmp_path, offload_config, d
     assert not line.rstrip().endswith((";", ",")), line
 
 
+def test_a_cuda_plan_counts_the_host_memory_cuda_kernels_take(tmp_path, monkeypatch, tiny_gpt2, offload_config):
+    # measured on an H200: torch's kernels loading at first use took 1.2 GiB of host RSS that
+    # the plan left out; it is counted on CUDA (and against the RAM available), never on the CPU
+    model = tiny_gpt2(**GPT2)
+    on = {d: offload.plan(model, offload_config(tmp_path, PLAN, device=d), optimizer=None) for d in ("cpu", "cuda")}
+    assert on["cpu"].cuda_kernels == 0 and on["cuda"].cuda_kernels == offload._memory.CUDA_KERNEL_HOST_BYTES
+    assert on["cuda"].predicted_rss >= on["cuda"].baseline_rss + on["cuda"].ram_need + on["cuda"].cuda_kernels
+    assert "CUDA kernels loaded at first use" in str(on["cuda"]) and "CUDA kernels" not in str(on["cpu"])
+    need = on["cuda"].ram_need
+    monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, need + (256 << 20)))
+    assert offload.plan(model, offload_config(tmp_path, PLAN, device="cpu"), optimizer=None).fits
+    short = offload.plan(model, offload_config(tmp_path, PLAN, device="cuda"), optimizer=None)
+    assert not short.fits and any("host RAM" in problem for problem in short.problems), short.problems
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_plan_counts_the_staging_the_optimizer_reserves(tmp_path, tiny_gpt2, offload_config, device):
+    # bf16 groups on NVMe: the step assembles each from master rows in a write-back buffer,
+    # and on a device copies gradients out through host buffers: both are host rows
+    cfg = offload_config(tmp_path, PLAN, device=device, compute_dtype="bf16", host_budget="1GiB")
+    items = {r.item: r.nbytes for r in offload.plan(tiny_gpt2(**GPT2), cfg).rows if r.tier == "host"}
+    assert items.get("optimizer: write-back staging", 0) > 0, items
+    assert (items.get("optimizer: device staging", 0) > 0) == (device == "cuda"), items
+
+
 def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch, tiny_gpt2, offload_config, no_leaks):
     model = tiny_gpt2(**GPT2, n_embd=128)
     cfg = offload_config(tmp_path, PLAN, param_tier="host", optimizer_tier="host", nvme_path=None,

@@ -242,6 +242,20 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
                            reverse=True)[:SHARDS_IN_FLIGHT]
         out.append(PlanRow("optimizer: shards in flight", "host", min(config.host_budget, sum(in_flight)),
                            "read ahead, update, write back; within host_budget"))
+    for nbytes, item, note in ((placement.write_back, "optimizer: write-back staging",
+                                "the two largest parameter groups assembled from master rows, written home"),
+                               (placement.device_staging, "optimizer: device staging",
+                                "gradients and parameter groups copied between host and device")):
+        if nbytes:
+            out.append(PlanRow(item, "host", nbytes, note))
+    if home is Tier.NVME:  # (_ahead: the backward reads the next update's rows into the pool's room)
+        flying = sorted(shards, key=lambda s: s.bytes_in_flight + s.group_copy_bytes(param_home),
+                        reverse=True)[:SHARDS_IN_FLIGHT]
+        ahead = sum(s.state_bytes for s in shards) - sum(s.state_bytes for s in flying)
+        if ahead > 0:
+            out.append(PlanRow("optimizer: states read in the backward", "host", ahead,
+                               "the next update's rows, read while the backward leaves the disk idle, "
+                               "as far as host_budget's room goes"))
     return out
 
 

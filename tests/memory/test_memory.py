@@ -205,7 +205,8 @@ def test_the_plan_counts_a_batch_and_refuses_one_that_cannot_fit(tmp_path, tiny_
     with pytest.raises(ValueError, match="model\\(\\*\\*batch\\) refused the batch"):
         offload.plan(model, cfg, batch={"pixel_values": torch.empty(2, 3, 8, 8, device="meta")})
     on_cuda = offload.plan(model, cfg.replace(device="cuda"), batch={"input_ids": ids, "labels": ids})
-    assert grown(on_cuda) == on_cuda.ram_need + on_cuda.mapped_bytes  # the host rows (RSS), not torch's tensors
+    # the host rows and the CUDA kernels' allowance (RSS), not torch's tensors
+    assert grown(on_cuda) == on_cuda.ram_need + on_cuda.mapped_bytes + on_cuda.cuda_kernels
     assert on_cuda.device_need == min(cfg.device_budget, on_cuda.bytes_on("device")) + on_cuda.transient_bytes
     assert on_cuda.transient_bytes > 0
 
