@@ -242,12 +242,15 @@ def test_loading_another_format_converts_and_says_so(tmp_path, tiny_gpt2, lm_bat
         want = opt.state_dict()["state"]
         got = target_opt.state_dict()["state"]
         for i, entry in want.items():
-            ref = torch.optim.AdamW([torch.nn.Parameter(entry["exp_avg"].clone())])
-            ref.state[ref.param_groups[0]["params"][0]] = {k: v.clone() for k, v in entry.items()}
-            fake_coded(ref, "int8")
-            coded = next(iter(ref.state.values()))
-            for name in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(got[i][name], coded[name]), f"{i} {name}"
+            for name, unsigned in ADAM_ROWS.items():  # the codes of the fp32 rows (decoded codes code back)
+                pad = lambda t: np.pad(t.reshape(-1).double().numpy(), (0, -t.numel() % BLOCK))  # noqa: E731
+                codes, scales = ref_code(pad(entry[name]), unsigned)
+                mine, mine_scales = ref_code(pad(got[i][name]), unsigned)
+                assert np.array_equal(mine_scales, scales), f"{i} {name}"
+                # the coding computes in fp32: a value within its rounding of a half-code may round
+                # the other way than float64's (seen on an AMD EPYC: 1 code of 16,384)
+                flips = np.abs(mine - codes)
+                assert flips.max() <= 1 and (flips > 0).sum() <= max(1, codes.size // 500), f"{i} {name}"
         caplog.clear()
         with caplog.at_level(logging.INFO):
             target_opt.load_state_dict(opt.state_dict())
