@@ -5,6 +5,7 @@ reads back into the optimizer of the loading run, whatever its layout."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -140,7 +141,32 @@ def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catal
                     raise CheckpointError(f"corrupt manifest: optimizer state {key[1]} of {key[0]} has a gap "
                                           f"at element {at}")
                 at += e["numel"]
+    if info["format"] == "offload":
+        _check_complete(info, pieces, [n for here in names for n in here])
     return {"names": names, "pieces": pieces, "info": info}
+
+
+def _check_complete(info: dict, pieces: dict[tuple[str, str], list[dict]], names: list[str]) -> None:
+    """An offload checkpoint holds a step count and every state row whole for each of its
+    optimizer's parameters (``_offload_blobs`` writes them, zeros for a parameter never
+    updated). A manifest that lacks one was edited or damaged: refused rather than loaded
+    with a step of 0 or rows left as the load's scratch held them. (A master row may be
+    absent: it is then taken from the loaded weights.)"""
+    rows = {row for _, row in pieces if row != "master_param" and not row.endswith(".scales")}
+    problems = []
+    for name in names:
+        if "step" not in info["state"].get(name, {}):
+            problems.append(f"{name} has no step count")
+        for row in sorted(rows | ({"master_param"} if (name, "master_param") in pieces else set())):
+            entries = pieces.get((name, row), [])
+            numel = math.prod(entries[0]["shape"]) if entries else None
+            covered = sum(e["numel"] for e in entries)
+            if numel is None or covered != numel:
+                problems.append(f"{name}'s {row} " + ("is missing" if numel is None else
+                                                      f"covers {covered} of its {numel} elements"))
+    if problems:
+        raise CheckpointError("corrupt manifest: the optimizer state is incomplete: " + "; ".join(problems[:5])
+                              + (f" and {len(problems) - 5} more" if len(problems) > 5 else ""))
 
 
 def _restore_groups(optimizer: torch.optim.Optimizer, info: dict) -> None:
