@@ -222,6 +222,11 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     p.activations_kept = offloaded.kept_bytes
     if activations is not None and activations.error is None and not cuda:  # (on CUDA they are on the device)
         p.heap_overhead = int(heap_overhead_factor(p.allocator) * p.activation_bytes)
+    if activations is not None and not cuda and config.dtype in (torch.bfloat16, torch.float16):
+        p.warnings.append("predicted_rss leaves out what torch's bf16/fp16 CPU kernels (oneDNN) cache beside the "
+                          "tensors: measured 3-8% of the peak on dense models, growing each step on mixture-of-"
+                          "experts ones as it does without offload (docs/memory.md); "
+                          "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 keeps less")
     if activations is not None and activations.error is not None:
         p.warnings.append("predicted_rss leaves out torch's tensors (activations, gradients): the forward does "
                           f"not run on the meta device ({activations.error}); the first step's log line "
