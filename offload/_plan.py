@@ -285,12 +285,12 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     # -- needs -----------------------------------------------------------------------------
     # one host pool (host_budget) holds everything on the host tier, one device budget the rest;
     # offloaded activations have pools of their own (activation_host_budget, activation_prefetch)
-    def pooled(tier: str, budget: int) -> int:
-        own = sum(r.nbytes for r in p.rows if r.tier == tier and (r.item.startswith(ACTIVATION_ITEM) or not r.pooled))
-        return min(budget, p.bytes_on(tier) - own) + own
+    def own(tier: str) -> int:
+        return sum(r.nbytes for r in p.rows if r.tier == tier and (r.item.startswith(ACTIVATION_ITEM) or not r.pooled))
 
-    host_rows = pooled("host", config.host_budget)
-    device_rows = pooled("device", config.device_budget)
+    capped = {t: min(b, p.bytes_on(t) - own(t)) for t, b in (("host", config.host_budget),
+                                                               ("device", config.device_budget))}
+    host_rows, device_rows = capped["host"] + own("host"), capped["device"] + own("device")
     p.ram_need = host_rows + (0 if cuda else device_rows)
     p.device_need = device_rows + p.transient_bytes if cuda else 0
     p.disk_need = p.bytes_on("nvme")
@@ -301,7 +301,7 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
         if choose_io_backend(config, params_on_nvme).backend == "mmap":
             p.mapped_bytes = min(p.disk_need, config.host_budget)
     p.pinned = host_rows if cuda else 0
-    _check_machine(p, config, cuda)
+    _check_machine(p, config, cuda, capped["host"])
     return p
 
 
@@ -339,7 +339,8 @@ def check_disk(path: str, need: int, what: str, fix: str) -> None:
                               f"{format_size(free)} free: {fix}")
 
 
-def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
+def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool, host_pool: int) -> None:
+    """``host_pool``: the host bytes host_budget caps (the pool's rows), for the fix it suggests."""
     p.ram_available = psutil.virtual_memory().available
     ram = p.ram_need - p.ram_credit + (p.cuda_kernels if cuda else p.transient_bytes)
     if ram > p.ram_available and not cuda and p.transient_bytes and ram - p.transient_bytes <= p.ram_available:
@@ -353,7 +354,7 @@ def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool) -> None:
             fixes.append("param_tier='nvme'")
         if config.optimizer_tier == "host" and any(r.item.startswith("optimizer:") for r in p.rows):
             fixes.append("optimizer_tier='nvme'")
-        limit = max(0, p.ram_available - (ram - p.bytes_on("host")))
+        limit = max(0, p.ram_available - (ram - host_pool))
         if config.param_tier != "host":
             fixes.append(f"host_budget<={format_size(limit)}")
         if not cuda:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import namedtuple
 
 import psutil
@@ -144,6 +145,19 @@ def test_the_plan_counts_the_staging_the_optimizer_reserves(tmp_path, tiny_gpt2,
     items = {r.item: r.nbytes for r in offload.plan(tiny_gpt2(**GPT2), cfg).rows if r.tier == "host"}
     assert items.get("optimizer: write-back staging", 0) > 0, items
     assert (items.get("optimizer: device staging", 0) > 0) == (device == "cuda"), items
+
+
+def test_the_host_budget_a_refusal_suggests_would_fit(tmp_path, monkeypatch, tiny_gpt2, offload_config):
+    # the suggested host_budget is counted from the rows the budget caps, not all host rows
+    # (the states read ahead alone exceed the budget here): one byte short, it is the budget
+    with offload.init_empty_weights():  # (nothing in RAM that wrap would free)
+        model = tiny_gpt2(**GPT2, n_layer=4, n_embd=256)
+    cfg = offload_config(tmp_path, PLAN, host_budget="8MiB", device_budget="2MiB")
+    need = offload.plan(model, cfg).ram_need
+    monkeypatch.setattr(_plan.psutil, "virtual_memory", lambda: _VM(1 << 34, need - 1))
+    problem = " ".join(offload.plan(model, cfg).problems)
+    suggested = re.search(r"host_budget<=([\d.]+) (\w+)", problem)
+    assert suggested and float(suggested[1]) * {"KiB": 1 << 10, "MiB": 1 << 20}[suggested[2]] <= 8 << 20, problem
 
 
 def test_wrap_refuses_before_allocating_when_ram_is_short(tmp_path, monkeypatch, tiny_gpt2, offload_config, no_leaks):

@@ -329,6 +329,8 @@ def test_the_plan_counts_the_rows_read_in_the_backward(tmp_path, monkeypatch, ti
     monkeypatch.setattr(offload.optim._layout, "DEFAULT_SHARD", 100_000)
     cfg = offload_config(tmp_path, host_budget="64MiB")
     plan = offload.plan(tiny_gpt2(n_layer=4, n_embd=128), cfg, optimizer="adamw")
+    ranks = offload.plan(tiny_gpt2(n_layer=4, n_embd=128), cfg.replace(world_size=2), optimizer="adamw")
+    assert not any(r.item == "optimizer: states read in the backward" for r in ranks.rows)  # (ranks read none)
     model = offload.wrap(tiny_gpt2(n_layer=4, n_embd=128), cfg)
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     try:
