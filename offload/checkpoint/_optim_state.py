@@ -142,28 +142,33 @@ def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catal
                                           f"at element {at}")
                 at += e["numel"]
     if info["format"] == "offload":
-        _check_complete(info, pieces, [n for here in names for n in here])
+        sizes = {cat.param_name(p): p.numel() for group in optimizer.param_groups for p in group["params"]}
+        _check_complete(info, pieces, [[n for n in here if sizes[n]] for here in names])
     return {"names": names, "pieces": pieces, "info": info}
 
 
-def _check_complete(info: dict, pieces: dict[tuple[str, str], list[dict]], names: list[str]) -> None:
+def _check_complete(info: dict, pieces: dict[tuple[str, str], list[dict]], names: list[list[str]]) -> None:
     """An offload checkpoint holds a step count and every state row whole for each of its
     optimizer's parameters (``_offload_blobs`` writes them, zeros for a parameter never
-    updated). A manifest that lacks one was edited or damaged: refused rather than loaded
-    with a step of 0 or rows left as the load's scratch held them. (A master row may be
-    absent: it is then taken from the loaded weights.)"""
-    rows = {row for _, row in pieces if row != "master_param" and not row.endswith(".scales")}
+    updated); the rows are those of the parameter's group (SGD's momentum, AdamW's amsgrad
+    are settings of a group). A manifest that lacks one was edited or damaged: refused rather
+    than loaded with a step of 0 or rows left as the load's scratch held them. (A master row
+    may be absent: it is then taken from the loaded weights.) ``names``: per param group, its
+    parameters that have elements (one of none has nothing saved)."""
     problems = []
-    for name in names:
-        if "step" not in info["state"].get(name, {}):
-            problems.append(f"{name} has no step count")
-        for row in sorted(rows | ({"master_param"} if (name, "master_param") in pieces else set())):
-            entries = pieces.get((name, row), [])
-            numel = math.prod(entries[0]["shape"]) if entries else None
-            covered = sum(e["numel"] for e in entries)
-            if numel is None or covered != numel:
-                problems.append(f"{name}'s {row} " + ("is missing" if numel is None else
-                                                      f"covers {covered} of its {numel} elements"))
+    for group in names:
+        members = set(group)
+        rows = {row for n, row in pieces if n in members and row != "master_param" and not row.endswith(".scales")}
+        for name in group:
+            if "step" not in info["state"].get(name, {}):
+                problems.append(f"{name} has no step count")
+            for row in sorted(rows | ({"master_param"} if (name, "master_param") in pieces else set())):
+                entries = pieces.get((name, row), [])
+                numel = math.prod(entries[0]["shape"]) if entries else None
+                covered = sum(e["numel"] for e in entries)
+                if numel is None or covered != numel:
+                    problems.append(f"{name}'s {row} " + ("is missing" if numel is None else
+                                                          f"covers {covered} of its {numel} elements"))
     if problems:
         raise CheckpointError("corrupt manifest: the optimizer state is incomplete: " + "; ".join(problems[:5])
                               + (f" and {len(problems) - 5} more" if len(problems) > 5 else ""))
