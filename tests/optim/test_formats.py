@@ -247,10 +247,15 @@ def test_loading_another_format_converts_and_says_so(tmp_path, tiny_gpt2, lm_bat
                 codes, scales = ref_code(pad(entry[name]), unsigned)
                 mine, mine_scales = ref_code(pad(got[i][name]), unsigned)
                 assert np.array_equal(mine_scales, scales), f"{i} {name}"
-                # the coding computes in fp32: a value within its rounding of a half-code may round
-                # the other way than float64's (seen on an AMD EPYC: 1 code of 16,384)
-                flips = np.abs(mine - codes)
-                assert flips.max() <= 1 and (flips > 0).sum() <= max(1, codes.size // 500), f"{i} {name}"
+                flips = mine != codes
+                if not unsigned:
+                    assert not flips.any(), f"{i} {name}"
+                    continue
+                # the second moment's code is its root's: torch's fp32 root may be an ulp off float64's,
+                # so a root within that of a half-code may round the other way (on an AMD EPYC: 1 of 16,384)
+                at = np.sqrt(pad(entry[name])) / np.repeat(np.where(scales > 0, scales, 1.0), BLOCK)
+                assert np.abs(mine - codes).max() <= 1, f"{i} {name}"
+                assert np.all(np.abs(at[flips] % 1 - 0.5) < 1e-4), f"{i} {name}: a flip away from a half-code"
         caplog.clear()
         with caplog.at_level(logging.INFO):
             target_opt.load_state_dict(opt.state_dict())
