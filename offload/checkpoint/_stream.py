@@ -324,6 +324,7 @@ class BlobReader:
                 _release(self.pool, buf)
             self._verifier.shutdown()
             engine.close()
+            dest = data = holder = buf = handles = None  # (views of the last buffer, which trim() unmaps)
             self.pool.trim()
             if bar is not None:
                 bar.close()
