@@ -47,7 +47,7 @@ _GLIBC_HEAP_OVERHEAD = 1.0
 # host memory the CUDA driver takes as torch loads its kernels at first use (lazy module
 # loading: each dtype's matrix products, each elementwise and attention kernel), after
 # torch.cuda.init(); an allowance from the GPT-2 training steps measured in docs/memory.md
-CUDA_KERNEL_HOST_BYTES = 5 << 28
+CUDA_KERNEL_HOST_BYTES = 1280 << 20  # 1.25 GiB
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -248,8 +248,8 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
                                 "gradients and parameter groups copied between host and device")):
         if nbytes:
             out.append(PlanRow(item, "host", nbytes, note))
-    if home is Tier.NVME and not partitioned:  # (_ahead: the backward reads the next update's rows into the
-        # pool's room; with several ranks it reads none)
+    # the backward reads the next update's rows into the pool's room (_ahead); one process only
+    if home is Tier.NVME and not partitioned:
         flying = sorted(shards, key=lambda s: s.bytes_in_flight + s.group_copy_bytes(param_home),
                         reverse=True)[:SHARDS_IN_FLIGHT]
         ahead = sum(s.state_bytes for s in shards) - sum(s.state_bytes for s in flying)
