@@ -15,8 +15,9 @@ fp32 result plus a uniform dither below its last kept bit, truncated (``round_in
 before the new values go to the parameters), so that rounding is unbiased over steps: a
 step's change far below bf16's resolution still moves the weight in expectation, where
 rounding to nearest would lose it. The dither comes from a fixed table of 65536 values,
-read from an offset that a seed picks (the pipeline's: the shard's step counts and index),
-so a resumed run draws the same dither, with no generator state to save.
+read from an offset that each parameter's place among the optimizer's, its step and the
+element pick (``dither_at``), so a resumed run draws the same dither whatever shards hold
+the parameter (another host budget, tier or ``shard_size``), with no generator state to save.
 
 The block scale ``s`` is the block's absolute maximum over the top code, rounded up to a
 power of two (as the OCP microscaling formats' shared scales). Decoding is then exact in
@@ -41,7 +42,7 @@ import torch
 from .._tensors import lasting
 from ._coding import TOP, block_scales, code_blocks
 
-__all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece"]
+__all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece", "dither_at"]
 
 BLOCK = 256  # elements per block scale: 4 bytes of scale per 256 one-byte codes
 
@@ -177,13 +178,15 @@ class Packing:
             for r, span in enumerate(self.spans()):
                 _encode_row(span.code, rows[r], *self._views(packed, span))
 
-    def round_in_place(self, rows: torch.Tensor, seed: int) -> None:
+    def round_in_place(self, rows: torch.Tensor, pieces: list[tuple[int, int, int]]) -> None:
         """Round the stochastically rounded rows of ``rows`` (fp32) to the values they will
         rest as (``encode`` then stores them as they are): what a master row writes back to
-        the parameters is then the master itself."""
+        the parameters is then the master itself. ``pieces``: (first element in the row,
+        elements, where in the dither table the first one draws: ``dither_at``)."""
         for r, span in enumerate(self.spans()):
             if span.code is RowCode.BF16_SR:
-                _dithered(rows[r], seed).bitwise_and_(-(1 << 16))
+                for first, count, at in pieces:
+                    _dithered(rows[r, first: first + count], at).bitwise_and_(-(1 << 16))
 
     def _views(self, packed: torch.Tensor, span: RowSpan) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = self.numel
@@ -205,13 +208,19 @@ def packing_for(names: list[str], fmt: StateFormat, numel: int, master: StateFor
     return Packing(tuple(row_code(n, fmt, master) for n in names), numel)
 
 
-def _dithered(x: torch.Tensor, seed: int) -> torch.Tensor:
+def dither_at(number: int, step: int, element: int) -> int:
+    """Where in the dither table element ``element`` of parameter ``number`` (its place among
+    the optimizer's) draws at update ``step``: the parameter's own, whatever shard holds it."""
+    return ((number * 1_000_003 + step) * 2654435761 + element) % _PERIOD
+
+
+def _dithered(x: torch.Tensor, at: int) -> torch.Tensor:
     """``x``'s bits (int32, in place) plus the dither below bf16's last kept bit: a carry
     into the kept bits comes with the probability of the dropped fraction (on the
     magnitude: sign and magnitude are separate in the bits). Values bf16 holds exactly
     (dropped bits zero) never carry."""
     bits = x.view(torch.int32)
-    at = (seed * 2654435761) % _PERIOD
+    at %= _PERIOD
     whole = bits.numel() // _PERIOD * _PERIOD
     if whole:
         bits[:whole].view(-1, _PERIOD).add_(_DITHER[at: at + _PERIOD])

@@ -82,6 +82,7 @@ class Segment:
     # a split parameter's squared norm taken over its whole gradient as it arrived (torch's
     # own sum, which the pieces' sums only approach); None once the sum is anything else
     whole: float | None = None
+    number: int = 0  # the parameter's place among the optimizer's, in the order given (``ParamEntry``)
 
 
 @dataclass(eq=False)
@@ -205,6 +206,9 @@ class ParamEntry:
     segments: list[Segment] = field(default_factory=list)
     laid_out: bool = False  # (a rank's slice may hold none of its elements: no segments)
     hooked: bool = False  # its gradients come to the optimizer's sink
+    # its place among the optimizer's parameters: what its bf16 master's stochastic rounding
+    # draws from (with its step and element), so a resume into another shard layout rounds alike
+    number: int = 0
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,7 @@ class Item:
     fmt: StateFormat = StateFormat.FP32  # the optimizer's moments= setting
     names: tuple[str, ...] = ()  # its param group's state rows (``rows`` of them)
     master_fmt: StateFormat = StateFormat.FP32  # the optimizer's master= setting
+    number: int = 0  # ParamEntry.number
 
 
 # A split parameter's pieces hold whole multiples of this many elements: the fused kernels
@@ -282,7 +287,7 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
                     continue
             step = torch.zeros((), dtype=torch.float32) if first is None else first.step.clone()
             seg = Segment(item.param, start, take, current.numel, item.group_index, step,
-                          owner=item.owner, shard=current)
+                          owner=item.owner, shard=current, number=item.number)
             first = first or seg
             current.segments.append(seg)
             current.numel += take

@@ -15,6 +15,7 @@ import torch
 from .._memory import HEAP_PEAK
 from ..store import Residency, Tier
 from ._noted import noted_norms, renote
+from ._formats import dither_at
 from ._layout import SHARDS_IN_FLIGHT, Segment, Shard
 from ._moved import count, count_states
 from ._phase import Phase
@@ -162,7 +163,8 @@ class Pipeline:
         HEAP_PEAK.sample()
         self._update_shard(shard, rows, grads, grad_scale, views, where, groups)
         if shard.packed:
-            packing.round_in_place(rows, _seed(shard))  # (a bf16 master: the parameters get what it keeps)
+            packing.round_in_place(rows, [(seg.offset, seg.length, dither_at(seg.number, int(seg.step), seg.start))
+                                          for seg in shard.segments])  # (a bf16 master: the parameters get it)
             shard.store.wait_unread(shard.state_key, Tier.HOST)  # (no transfer reads what is coded over)
             # before any parameter is written: a failure here leaves the step's states and weights
             # both old (coding reads the master row and leaves it as it is)
@@ -258,13 +260,6 @@ class Pipeline:
         for group in {id(s.owner.group): s.owner for s in segs if shard.wrapped and s.owner.group.resident}.values():
             group.manager.coordinator.note_updated(group.group)  # (copies taken before, as state_dict's, refuse)
         return temp
-
-
-def _seed(shard: Shard) -> int:
-    """The dither seed of a shard's stochastic rounding (``_formats``): its segments' step
-    counts (one advances at every update of the shard, whichever parameters got a
-    gradient) and its index, so a resumed run rounds as the uninterrupted one."""
-    return sum(int(seg.step) for seg in shard.segments) * 1_000_003 + shard.index
 
 
 def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -> None:

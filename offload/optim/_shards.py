@@ -68,7 +68,7 @@ class ShardBook:
                              "offload.wrap(model, cfg, checkpoint=...) before building the optimizer")
         entry = self.entries.get(id(p))
         if entry is None:
-            entry = self.entries[id(p)] = ParamEntry(p, group_index, _owner(p))
+            entry = self.entries[id(p)] = ParamEntry(p, group_index, _owner(p), number=len(self.entries))
         return entry
 
     def segments(self, p: torch.Tensor) -> list[Segment]:
@@ -209,7 +209,7 @@ class ShardBook:
         if row:
             check_master_format(self.master_fmt, entry.owner.slot.dtype if entry.owner else p.dtype, tuple(p.shape))
         return Item(p, entry.group_index, entry.owner, len(names), row, placement, start, stop,
-                    fmt=self.fmt, names=names, master_fmt=self.master_fmt)
+                    fmt=self.fmt, names=names, master_fmt=self.master_fmt, number=entry.number)
 
     def _placement(self, manager: Any) -> Placement:
         store = manager.store
