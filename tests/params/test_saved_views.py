@@ -179,9 +179,10 @@ def test_no_buffer_of_offloads_own_is_left_to_views(tmp_path, io_backend, no_lea
     from offload.io._registry import _POOLS
 
     # (a budget with room beside the blocks: under a tighter one, the reentrant recompute's graph
-    # still views a released block's buffer when the prefetch wants its room, and it is left)
+    # still views a released block's buffer when the prefetch wants its room, and it is left;
+    # at 64 KiB that happened in half the runs on a faster machine)
     before = {id(p) for p in list(_POOLS)}
-    model, _ = pair(_CheckpointsItsBlocks, tmp_path, budget="64KiB", io_backend=io_backend)
+    model, _ = pair(_CheckpointsItsBlocks, tmp_path, budget="128KiB", io_backend=io_backend)
     pools = [p for p in list(_POOLS) if id(p) not in before]
     try:
         opt = offload.AdamW(model.parameters(), lr=1e-2)
