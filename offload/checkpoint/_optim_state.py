@@ -111,6 +111,7 @@ def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catal
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one "
                               f"{len(optimizer.param_groups)}")
     names: list[list[str]] = []
+    sizes: dict[str, int] = {}
     problems = []
     for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
         here = []
@@ -120,6 +121,7 @@ def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catal
                 raise CheckpointError(f"a parameter of param group {gi} (shape {tuple(p.shape)}) is not a "
                                       "parameter of the model being loaded")
             here.append(name)
+            sizes[name] = p.numel()
         if here != saved["params"]:
             gone = sorted(set(saved["params"]) - set(here))[:10]
             new = sorted(set(here) - set(saved["params"]))[:10]
@@ -142,7 +144,6 @@ def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catal
                                           f"at element {at}")
                 at += e["numel"]
     if info["format"] == "offload":
-        sizes = {cat.param_name(p): p.numel() for group in optimizer.param_groups for p in group["params"]}
         _check_complete(info, pieces, [[n for n in here if sizes[n]] for here in names])
     return {"names": names, "pieces": pieces, "info": info}
 

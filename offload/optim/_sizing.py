@@ -237,10 +237,11 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
         out.append(PlanRow("optimizer: compiling the 8-bit coding", "host", compiling,
                            "torch.compile's modules and caches, once per process, beside host_budget; "
                            "OFFLOAD_COMPILE_CODES=0 codes eagerly without them", pooled=False))
+    flight = {id(s): s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards}
+    flying = sorted(shards, key=lambda s: flight[id(s)], reverse=True)[:SHARDS_IN_FLIGHT]
     if home is Tier.NVME or any(s.group_copy_bytes(param_home) for s in shards):
-        in_flight = sorted((s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards),
-                           reverse=True)[:SHARDS_IN_FLIGHT]
-        out.append(PlanRow("optimizer: shards in flight", "host", min(config.host_budget, sum(in_flight)),
+        out.append(PlanRow("optimizer: shards in flight", "host",
+                           min(config.host_budget, sum(flight[id(s)] for s in flying)),
                            "read ahead, update, write back; within host_budget"))
     for nbytes, item, note in ((placement.write_back, "optimizer: write-back staging",
                                 "the two largest parameter groups assembled from master rows, written home"),
@@ -250,8 +251,6 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
             out.append(PlanRow(item, "host", nbytes, note))
     # the backward reads the next update's rows into the pool's room (_ahead); one process only
     if home is Tier.NVME and not partitioned:
-        flying = sorted(shards, key=lambda s: s.bytes_in_flight + s.group_copy_bytes(param_home),
-                        reverse=True)[:SHARDS_IN_FLIGHT]
         ahead = sum(s.state_bytes for s in shards) - sum(s.state_bytes for s in flying)
         if ahead > 0:
             out.append(PlanRow("optimizer: states read in the backward", "host", ahead,
