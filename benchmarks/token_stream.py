@@ -12,10 +12,11 @@ next to the same model in RAM (``memory``).
 
 Each mode a fresh process, interleaved per round; medians over the timed tokens of a
 round, then over rounds. Modes: ``inplace`` (``offload.wrap(..., checkpoint=dir)``, weights
-read from the checkpoint's files) and ``memory`` (``from_pretrained`` in RAM). JSON per
-mode: ``<mode>_tok_s``, ``<mode>_cpu_s_per_tok``, ``<mode>_sys_s_per_tok``,
-``<mode>_mapped_per_tok``, ``<mode>_resized_per_tok`` (offload only), per round and median;
-``inplace_vs_memory`` (tokens/s ratio).
+read from the checkpoint's files), ``copy`` (the same with ``read_in_place=False``: the
+weights copied into offload's swap files at ``wrap``, then read from there) and ``memory``
+(``from_pretrained`` in RAM). JSON per mode: ``<mode>_tok_s``, ``<mode>_cpu_s_per_tok``,
+``<mode>_sys_s_per_tok``, ``<mode>_mapped_per_tok``, ``<mode>_resized_per_tok`` (offload
+only), per round and median; ``inplace_vs_memory`` and ``inplace_vs_copy`` (tokens/s ratios).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from _common import SCRATCH_HELP, run_json_worker, start  # noqa: E402
 from time_to_first_token import MODELS, _model_class, prepare  # noqa: E402
 
 log = logging.getLogger("bench.stream")
-MODES = ("inplace", "memory")
+MODES = ("inplace", "copy", "memory")
 PROMPT = 16
 
 
@@ -45,7 +46,7 @@ def worker(args) -> dict:
     spec = MODELS[args.model]
     path, cls, dtype = args.model_path, _model_class(spec["family"]), getattr(torch, spec["dtype"])
     pool = None
-    if args.mode == "inplace":
+    if args.mode in ("inplace", "copy"):
         import offload
         from offload.store import Tier
 
@@ -59,7 +60,8 @@ def worker(args) -> dict:
             torch.set_default_dtype(default)
         cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme",
                                     nvme_path=os.path.join(args.scratch, "swap"), device_budget=args.device_budget,
-                                    host_budget="512MiB", io_backend="direct")  # (buffered where no O_DIRECT)
+                                    host_budget="512MiB", io_backend="direct",  # (buffered where no O_DIRECT)
+                                    read_in_place=args.mode == "inplace")
         model = offload.wrap(model, cfg, checkpoint=path)
         pool = offload.params.manager_of(model).store.tiers[Tier.DEVICE].pool
     else:
@@ -80,7 +82,7 @@ def worker(args) -> dict:
             per_token.append(dict(wall=wall, cpu=after.user + after.system - before.user - before.system,
                                   sys=after.system - before.system,
                                   **{k: now[k] - counts[k] if now[k] is not None else None for k in now}))
-    if args.mode == "inplace":
+    if args.mode != "memory":
         offload.close(model)
     timed = per_token[1:]  # (the first after the prompt still maps the pool's first buffers)
 
@@ -105,7 +107,8 @@ def main() -> None:
                         help="the model (time_to_first_token.py's, built once and saved under --path)")
     parser.add_argument("--path", default=None, help="where the model is saved and read from; default: "
                         + SCRATCH_HELP.format(name="token-stream") + "; /dev/shm takes the disk out")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma list of inplace, memory")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of inplace, copy, memory "
+                        "(default all three)")
     parser.add_argument("--tokens", type=int, default=6, help="single-token forwards per run; the first "
                         "is left out of the figures (default 6)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; medians reported (default 2)")
@@ -140,8 +143,9 @@ def main() -> None:
         for key in ("tok_s", "cpu_s_per_tok", "sys_s_per_tok", "mapped_per_tok", "resized_per_tok"):
             values = [r[mode][key] for r in rounds if r.get(mode) and r[mode][key] is not None]
             report[f"{mode}_{key}"] = statistics.median(values) if values else None
-    if report.get("inplace_tok_s") and report.get("memory_tok_s"):
-        report["inplace_vs_memory"] = report["inplace_tok_s"] / report["memory_tok_s"]
+    for other in ("memory", "copy"):
+        if report.get("inplace_tok_s") and report.get(f"{other}_tok_s"):
+            report[f"inplace_vs_{other}"] = report["inplace_tok_s"] / report[f"{other}_tok_s"]
     log.info("medians: %s", {k: round(v, 3) for k, v in report.items() if isinstance(v, float)})
     if args.json:
         with open(args.json, "w") as fh:
