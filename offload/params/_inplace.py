@@ -1,18 +1,21 @@
 """Which parameter groups are read where the checkpoint holds them (``read_in_place``).
 
-A group rests in the checkpoint's files, one range per tensor, when its parameters rest
-on NVMe and every tensor is in the file as the model computes on it: the same dtype, the
-same bytes. Its tensors are then laid out in its buffer as in the file, modulo a block
-(``align_to_files``): each tensor of ``DIRECT_MIN`` bytes or more starts where its file
-offset does, modulo 4 KiB, so the file engine reads its aligned body with O_DIRECT
-straight into place (no bounce copy). A file offset that is not a multiple of 16 (half of
-all safetensors files put every tensor 8 bytes off) starts that many bytes earlier: it is
-read to where the file's offset agrees and moved down once it has landed
-(``CheckpointRange.shift``), so every such tensor keeps 16 bytes of alignment. The smaller
-tensors keep the usual 256-byte slots and are read buffered. The padding costs under 4 KiB
-per large tensor, and those tensors are 16-byte aligned rather than 256; groups of the
-same tensors take the largest of their sizes, so that their buffers are reused across
-passes. The rest are copied into swap files at
+A group rests in the checkpoint's files when its parameters rest on NVMe and every tensor
+is in the file as the model computes on it: the same dtype, the same bytes. Its tensors
+are then laid out in its buffer as in the file (``align_to_files``). Tensors that lie next
+to each other in a file (a layer's, which safetensors sorts by name) form one run, laid
+out byte for byte as the file holds them and read as one range: one request per run, not
+one per tensor, and the small tensors (biases, norms) ride along with O_DIRECT instead of
+each taking a read through the page cache. A run of ``DIRECT_MIN`` bytes or more starts
+where its file offset does, modulo 4 KiB, so the file engine reads its aligned body with
+O_DIRECT straight into place (no bounce copy); only its unaligned ends (under a block
+each) are read buffered. A run's tensors share their file offset modulo 16 (a tensor at
+another one starts a new run). When that is not 0 (half of all safetensors files put every
+tensor 8 bytes off), the run is read to where the file's offset agrees and moved down
+once it has landed (``CheckpointRange.shift``), so every tensor keeps 16 bytes of
+alignment. A smaller run keeps the usual 256-byte start and is read buffered. The padding
+costs under 4 KiB per run; groups of the same tensors take the largest of their sizes, so
+that their buffers are reused across passes. The rest are copied into swap files at
 ``wrap``, as without the setting: groups that stay on the device (resident), tensors the
 file holds in another dtype (a bf16 model from an fp32 file: each is converted once), a
 rank's slices of a partitioned model. A group read in place moves to a swap file on its
@@ -36,7 +39,8 @@ __all__ = ["InPlaceChoice", "InPlaceLayout", "choose_in_place", "align_to_files"
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # O_DIRECT's alignment on the disks offload runs on (a page; logical blocks are at most that)
-DIRECT_MIN = 64 << 10  # smaller tensors are read buffered in full: not worth a block of padding
+DIRECT_MIN = 64 << 10  # smaller runs are read buffered in full: not worth a block of padding
+GAP_MAX = 64 << 10  # tensors further apart in a file are read as two runs: the bytes between are not worth reading
 MIN_ALIGN = 16  # a tensor placed as in its file keeps at least this alignment (vector loads, fp8 kernels)
 
 
@@ -46,6 +50,7 @@ class InPlaceChoice:
 
     adopted: list[ParamGroup] = field(default_factory=list)
     copied: dict[str, list[ParamGroup]] = field(default_factory=dict)  # reason -> groups
+    ranges: int = 0  # the adopted groups' runs of neighbouring tensors, each read as one range (align_to_files)
 
     @property
     def in_place_bytes(self) -> int:
@@ -58,7 +63,7 @@ class InPlaceChoice:
 
     def describe(self) -> str:
         parts = [f"{len(self.adopted)} parameter groups ({format_size(self.in_place_bytes)}) read in place "
-                 "from the checkpoint, tensor by tensor"]
+                 f"from the checkpoint, in {self.ranges} ranges of neighbouring tensors"]
         for reason, groups in self.copied.items():
             parts.append(f"{len(groups)} copied ({format_size(sum(g.nbytes for g in groups))}: {reason})")
         return "; ".join(parts)
@@ -114,27 +119,58 @@ def _why_copied(group: ParamGroup, reader: Any, config: Any, partitioned: bool) 
     return None
 
 
+@dataclass
+class _Run:
+    """Tensors of one group next to each other in one file (``GAP_MAX`` bytes apart at most),
+    at the same file offset modulo ``MIN_ALIGN``: read as one range."""
+
+    path: str
+    start: int  # the first tensor's file offset
+    end: int  # the last tensor's end
+    slots: list = field(default_factory=list)  # (slot, its file offset), in file order
+    dest: int = 0  # where the first tensor lands in the group's buffer
+    shift: int = 0  # read that many bytes past ``dest``, then moved down
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def _runs(group: ParamGroup, reader: Any) -> list[_Run]:
+    """``group``'s tensors as runs, in file order."""
+    placed = sorted(((reader.entries[reader.name_of(slot)], slot) for slot in group.slots),
+                    key=lambda e: (e[0].path, e[0].start))
+    runs: list[_Run] = []
+    for entry, slot in placed:
+        last = runs[-1] if runs else None
+        if last is None or last.path != entry.path or not 0 <= entry.start - last.end <= GAP_MAX \
+                or entry.start % MIN_ALIGN != last.start % MIN_ALIGN:
+            last = _Run(entry.path, entry.start, entry.end)
+            runs.append(last)
+        last.slots.append((slot, entry.start))
+        last.end = entry.end
+    return runs
+
+
 def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
-    """Lay each adopted group's tensors out as their file does, modulo ``BLOCK`` (see the
-    module's docstring); before anything sizes buffers from the groups."""
+    """Lay each adopted group's tensors out as their file does (see the module's docstring);
+    before anything sizes buffers from the groups."""
+    choice.ranges = 0
     for group in choice.adopted:
         end = 0
-        for slot in group.slots:
-            start = reader.entries[reader.name_of(slot)].start
-            shift = _shift(slot, start)
-            if shift is None:
-                slot.offset = -(-end // PARAM_ALIGN) * PARAM_ALIGN
-            else:  # (read to offset + shift, where the file's offset agrees; moved down to offset)
-                slot.offset = end + (start - shift - end) % BLOCK
-            end = slot.offset + slot.nbytes + (shift or 0)
+        runs = _runs(group, reader)
+        choice.ranges += len(runs)
+        for run in runs:
+            if run.length >= DIRECT_MIN:  # (read to dest + shift, where the file's offset agrees; moved down)
+                run.shift = run.start % MIN_ALIGN
+                run.dest = end + (run.start - run.shift - end) % BLOCK
+            else:
+                run.dest = -(-end // PARAM_ALIGN) * PARAM_ALIGN
+            for slot, start in run.slots:
+                slot.offset = run.dest + start - run.start
+            end = run.dest + run.length + run.shift
         group.nbytes = end
     _equal_sizes(choice.adopted)
-
-
-def _shift(slot: Any, start: int) -> int | None:
-    """How far past its place a tensor at file offset ``start`` is read (its offset modulo
-    ``MIN_ALIGN``), or None for a tensor read buffered in full (a small one)."""
-    return start % MIN_ALIGN if slot.nbytes >= DIRECT_MIN else None
 
 
 def _equal_sizes(groups: list[ParamGroup]) -> None:
@@ -150,11 +186,12 @@ def _equal_sizes(groups: list[ParamGroup]) -> None:
 
 
 def adopt_groups(choice: InPlaceChoice, reader: Any, store: TensorStore) -> None:
-    """Give each adopted group its home in the checkpoint files (nothing read or written)."""
+    """Give each adopted group its home in the checkpoint files, a range per run (nothing
+    read or written; the layout is ``align_to_files``')."""
     for group in choice.adopted:
         ranges = []
-        for slot in group.slots:
-            entry = reader.entries[reader.name_of(slot)]
-            ranges.append(CheckpointRange(store.open_checkpoint(entry.path), entry.start, slot.nbytes, slot.offset,
-                                          _shift(slot, entry.start) or 0))
+        for run in _runs(group, reader):
+            first, start = run.slots[0]
+            shift = run.start % MIN_ALIGN if run.length >= DIRECT_MIN else 0
+            ranges.append(CheckpointRange(store.open_checkpoint(run.path), run.start, run.length, first.offset, shift))
         store.adopt(group.key, torch.uint8, (group.nbytes,), ranges)  # (groups are kept as bytes)

@@ -1,7 +1,7 @@
 """Tensors read where a checkpoint already holds them: the NVMe tier's read-only slots.
 
-A ``CheckpointSlot`` is a list of byte ranges in checkpoint files (safetensors, one range
-per tensor) and where each lands in the stored tensor's bytes. It is a home that costs
+A ``CheckpointSlot`` is a list of byte ranges in checkpoint files (safetensors: one range
+per run of neighbouring tensors) and where each lands in the stored tensor's bytes. It is a home that costs
 no swap space and was never written: ``TensorStore.adopt`` makes one, and the first
 write of the tensor moves it to a swap extent (copy on first write, in
 ``TensorStore._write_home``).
@@ -238,17 +238,18 @@ class InPlaceHomes:
             return copy is not None and isinstance(copy.slot, CheckpointSlot)
 
     def checkpoint_stats(self) -> dict[str, Any]:
-        """Bytes resting in checkpoint files, read from them (and of those, read through the
-        page cache), and moved out by a first write."""
+        """Bytes resting in checkpoint files (and the file ranges they are read as), read from
+        them (and of those, read through the page cache), and moved out by a first write."""
         with DEFER, self._cond:
-            held = 0
+            held = ranges = 0
             for record in self._tensors.values():
                 home = record.copies.get(record.home)
                 if home is not None and isinstance(home.slot, CheckpointSlot):
                     held += record.nbytes
+                    ranges += len(home.slot.ranges)
             nvme = self.tiers.get(Tier.NVME)
             files = getattr(nvme, "opened_checkpoint", None)
-            return {"in_place_bytes": held, "read_bytes": files.read_bytes if files is not None else 0,
+            return {"in_place_bytes": held, "ranges": ranges, "read_bytes": files.read_bytes if files is not None else 0,
                     "buffered_read_bytes": files.buffered_read_bytes if files is not None else 0,
                     "moved_bytes": self.moved_bytes, "files": files.files if files is not None else []}
 

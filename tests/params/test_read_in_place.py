@@ -288,3 +288,37 @@ def test_a_file_with_tensors_8_bytes_off_16_is_read_direct_into_aligned_places(d
         assert 0 < stats["buffered_read_bytes"] <= passes * (small + len(large) * 2 * 4096)
     finally:
         offload.close(model)
+
+
+def test_neighbouring_tensors_are_read_as_one_range(disk_dir, no_leaks):
+    """A module's tensors lie next to each other in its file (safetensors sorts them by name):
+    each group is read as one range, its small tensors (biases) with O_DIRECT beside the
+    large ones, so only each range's unaligned ends go through the page cache. Bytes between
+    two tensors that the model does not use (an ignored key the file holds) are read along
+    when few, and split the group into two ranges when many; outputs bit for bit either way."""
+    from safetensors.torch import load_file, save_file
+
+    tmp_path = pathlib.Path(disk_dir)
+    config = transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=211, n_positions=64)
+    ref, path = _saved(tmp_path, build=lambda: transformers.GPT2LMHeadModel(config))
+    (file,) = glob.glob(os.path.join(path, "*.safetensors"))
+    tensors = load_file(file)
+    # (keys GPT-2 ignores on load, "...attn.bias", sorting between c_attn's bias and weight)
+    tensors["transformer.h.1.attn.c_attn.bias.old_attn.bias"] = torch.ones(1000)  # 4 KB: read along
+    tensors["transformer.h.2.attn.c_attn.bias.old_attn.bias"] = torch.ones(100_000)  # 400 KB: two ranges
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = _wrapped(transformers.GPT2LMHeadModel, config, path, tmp_path, "runs", device_budget="1MiB")
+    try:
+        manager = offload.params.manager_of(model)
+        streamed = [g for g in manager.coordinator.groups if not g.resident]
+        assert any(len(g.slots) > 1 for g in streamed)
+        stats = manager.store.checkpoint_stats()
+        assert stats["ranges"] == len(streamed) + 1  # (one range per group; h.2's c_attn split in two)
+        ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+        stats = manager.store.checkpoint_stats()
+        passes = stats["read_bytes"] / stats["in_place_bytes"]
+        assert 0 < stats["buffered_read_bytes"] <= passes * stats["ranges"] * 2 * 4096
+    finally:
+        offload.close(model)
