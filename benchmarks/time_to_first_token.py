@@ -51,7 +51,11 @@ wrote to disk before its first token, /proc/self/io), ``<mode>_tok_s`` (tokens p
 after the first), ``<mode>_peak_rss_bytes`` (the worker's VmHWM), and the first token's parts
 ``<mode>_imports_s`` (process start to its imports done), ``<mode>_load_s`` (building or
 loading and wrapping the model), ``<mode>_first_forward_s`` (the prompt to the first
-token); null where a mode
+token), and after the first token ``<mode>_read_bytes_per_tok`` (block-device bytes the
+worker read per token, /proc/self/io), ``<mode>_stall_s_per_tok`` (offload's
+``stall_seconds`` per token: the forward waiting on reads), ``<mode>_cpu_s_per_tok`` and
+``<mode>_sys_s_per_tok`` (the process's CPU seconds per token, all threads, and of those
+in the kernel); null where a mode
 did not run; and ``bound_s`` with ``bound_imports_s``, ``bound_read_s``,
 ``bound_compute_s``, ``read_gbps``, ``checkpoint_bytes``, the ratios to the bound and to
 the other modes, and whether every mode's tokens equal the memory mode's.
@@ -143,7 +147,9 @@ def worker(args) -> dict:
             torch.set_default_dtype(default)
         cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme", nvme_path=swap,
                                     device_budget=args.device_budget, host_budget=args.host_budget,
-                                    read_in_place=args.mode == "inplace", io_backend="direct")
+                                    read_in_place=args.mode == "inplace", io_backend="direct",
+                                    trace_path=os.path.join(args.trace, f"{args.name}-{args.mode}-{os.getpid()}.json")
+                                    if args.trace else None)
         model = offload.wrap(model, cfg, checkpoint=path)
     elif args.mode == "accelerate":
         model = cls.from_pretrained(path, dtype=dtype, device_map="auto", max_memory={"cpu": args.device_budget},
@@ -163,11 +169,19 @@ def worker(args) -> dict:
         def __init__(self):
             self.stamps: list[float] = []
             self.written: int | None = None
+            self.read: list[int] = []  # block-device bytes read at the first token and at the last
+            self.stalls: list[float] = []  # offload's stall seconds at the same two points
+            self.times: list = []  # the process's CPU times at the same two points
 
         def put(self, value):
             self.stamps.append(time.monotonic())
             if len(self.stamps) == 2:  # (the first put is the prompt)
                 self.written = disk_io_bytes()[1]
+            if len(self.stamps) in (2, NEW_TOKENS + 1):
+                self.read.append(disk_io_bytes()[0])
+                self.times.append(os.times())
+                if args.mode in ("inplace", "copy"):
+                    self.stalls.append(offload.stats(model)["stall_seconds"])
 
         def end(self):
             pass
@@ -185,12 +199,18 @@ def worker(args) -> dict:
     result = {"imported_at": imported_at, "loaded_at": loaded_at, "first_token_at": first, "last_token_at": last,
               "tok_s": (NEW_TOKENS - 1) / (last - first), "evict_s": pause,
               "setup_written_bytes": clock.written - evict_written, "peak_rss_bytes": _peak_rss(),
-              "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s}
+              "tokens": out[0, -NEW_TOKENS:].tolist(), "prefill_s": prefill_s,
+              "read_bytes_per_tok": (clock.read[-1] - clock.read[0]) / (NEW_TOKENS - 1),
+              "stall_s_per_tok": (clock.stalls[-1] - clock.stalls[0]) / (NEW_TOKENS - 1) if clock.stalls else None,
+              "cpu_s_per_tok": (sum(clock.times[-1][:2]) - sum(clock.times[0][:2])) / (NEW_TOKENS - 1),
+              "sys_s_per_tok": (clock.times[-1].system - clock.times[0].system) / (NEW_TOKENS - 1)}
     if args.mode in ("inplace", "copy"):
         import offload
 
         store = offload.params.manager_of(model).store
         result.update({f"checkpoint_{k}": v for k, v in store.checkpoint_stats().items() if k != "files"})
+        if args.trace:
+            offload.write_trace(model)
         offload.close(model)
     return result
 
@@ -218,7 +238,7 @@ def imports_seconds(name: str) -> float:
 def run_mode(args, name: str, path: str, mode: str) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--name", name, "--model-path", path,
            "--path", args.path, "--device-budget", args.device_budget, "--host-budget", args.host_budget,
-           "--evict", str(args.evict)]
+           "--evict", str(args.evict)] + (["--trace", args.trace] if args.trace else [])
     balloon = Balloon(args.reserve) if mode != "memory" else None
     try:
         if balloon is not None:
@@ -239,8 +259,11 @@ def run_mode(args, name: str, path: str, mode: str) -> dict | None:
                imports_s=got["imported_at"] - started, load_s=got["loaded_at"] - got["imported_at"],
                first_forward_s=got["first_token_at"] - got["loaded_at"])
     log.info("%s %s: first token %.1f s (imports %.1f, load %.1f, prompt to first token %.1f), 16 tokens %.1f s, "
-             "%.2f tokens/s after the first, %.2f GB written before the first token, peak RSS %.2f GiB", name, mode,
-             got["ttft_s"], got["imports_s"], got["load_s"], got["first_forward_s"], got["16tok_s"], got["tok_s"],
+             "%.2f tokens/s after the first (per token: %.2f GB read, stalled %s s, CPU %.2f s of which system %.2f), "
+             "%.2f GB written before the first token, peak RSS %.2f GiB", name, mode, got["ttft_s"], got["imports_s"],
+             got["load_s"], got["first_forward_s"], got["16tok_s"], got["tok_s"], got["read_bytes_per_tok"] / 1e9,
+             "-" if got["stall_s_per_tok"] is None else f"{got['stall_s_per_tok']:.2f}", got["cpu_s_per_tok"],
+             got["sys_s_per_tok"],
              (got["setup_written_bytes"] or 0) / 1e9, got["peak_rss_bytes"] / 2**30)
     return got
 
@@ -253,7 +276,7 @@ def summarize(name: str, rounds: list[dict], checkpoint_bytes: int) -> dict:
     rep: dict = {"checkpoint_bytes": checkpoint_bytes, "rounds": len(rounds)}
     for mode in MODES:
         for key in ("ttft_s", "16tok_s", "setup_written_bytes", "tok_s", "peak_rss_bytes", "imports_s", "load_s",
-                    "first_forward_s"):
+                    "first_forward_s", "read_bytes_per_tok", "stall_s_per_tok", "cpu_s_per_tok", "sys_s_per_tok"):
             rep[f"{mode}_{key}"] = med(key, mode)
     parts = {"bound_imports_s": statistics.median(r["imports_s"] for r in rounds),
              "read_gbps": statistics.median(r["read_gbps"] for r in rounds)}
@@ -295,6 +318,9 @@ def main() -> None:
                         "out of its times), so that no mode reads weights from the virtual disk's host cache, which "
                         "holds what the copy mode has just written; 0 turns it off (default 12GiB)")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--trace", default=None, help="a directory: each offload worker writes its Chrome trace "
+                        "there (OffloadConfig(trace_path=...): reads, compute and stalls on one timeline), named "
+                        "<model>-<mode>-<pid>.json; off by default (it adds a little work per group)")
     parser.add_argument("--worker", choices=MODES, dest="mode", help=argparse.SUPPRESS)
     parser.add_argument("--name", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
