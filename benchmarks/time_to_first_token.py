@@ -331,6 +331,9 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     start(args, "ttft")
+    if args.trace:
+        args.trace = os.path.abspath(args.trace)
+        os.makedirs(args.trace, exist_ok=True)
     from offload._units import parse_size
 
     args.evict = parse_size(args.evict, name="--evict", allow_zero=True)

@@ -3,23 +3,26 @@
 A group rests in the checkpoint's files when its parameters rest on NVMe and every tensor
 is in the file as the model computes on it: the same dtype, the same bytes. Its tensors
 are then laid out in its buffer as in the file (``align_to_files``). Tensors that lie next
-to each other in a file (a layer's, which safetensors sorts by name) form one run, laid
-out byte for byte as the file holds them and read as one range: one request per run, not
-one per tensor, and the small tensors (biases, norms) ride along with O_DIRECT instead of
-each taking a read through the page cache. A run of ``DIRECT_MIN`` bytes or more starts
-where its file offset does, modulo 4 KiB, so the file engine reads its aligned body with
-O_DIRECT straight into place (no bounce copy); only its unaligned ends (under a block
-each) are read buffered. A run's tensors share their file offset modulo 16 (a tensor at
-another one starts a new run). When that is not 0 (half of all safetensors files put every
-tensor 8 bytes off), the run is read to where the file's offset agrees and moved down
-once it has landed (``CheckpointRange.shift``), so every tensor keeps 16 bytes of
-alignment. A smaller run keeps the usual 256-byte start and is read buffered. The padding
-costs under 4 KiB per run; groups of the same tensors take the largest of their sizes, so
-that their buffers are reused across passes. The rest are copied into swap files at
-``wrap``, as without the setting: groups that stay on the device (resident), tensors the
-file holds in another dtype (a bf16 model from an fp32 file: each is converted once), a
-rank's slices of a partitioned model. A group read in place moves to a swap file on its
-first write (the optimizer's update, ``load_state_dict``): the checkpoint is never written.
+to each other in a file form one run (safetensors sorts a file's tensors by dtype, then
+by name, so a module's tensors of one dtype lie together), laid out byte for byte as the
+file holds them, the few bytes between them included, and read as one range: one request
+per run, not one per tensor, and the small tensors (biases, norms) ride along with
+O_DIRECT instead of each taking a read through the page cache. A run of ``DIRECT_MIN``
+bytes or more is read from a place that agrees with its file offset modulo 4 KiB, so the
+file engine reads its aligned body with O_DIRECT straight into place (no bounce copy);
+only its unaligned ends (under a block each) are read buffered. A run's tensors share
+their file offset modulo 16 (a tensor at another one starts a new run). When that is not
+0 (half of all safetensors files put every tensor 8 bytes off), the run is read that many
+bytes past its place, where the file's offset agrees, and moved down once it has landed
+(``CheckpointRange.shift``), so every tensor of a run is 16-byte aligned (not 256 as in
+swap-backed groups). A smaller run starts 256-byte aligned and is read buffered. A run
+costs under 4 KiB of padding and the bytes between its tensors (see ``_runs``); groups of
+the same tensors take the largest of their sizes, so that their buffers are reused across
+passes. The rest are copied into swap files at ``wrap``, as without the setting: groups
+that stay on the device (resident), tensors the file holds in another dtype (a bf16 model
+from an fp32 file: each is converted once), a rank's slices of a partitioned model. A
+group read in place moves to a swap file on its first write (the optimizer's update,
+``load_state_dict``): the checkpoint is never written.
 """
 
 from __future__ import annotations
@@ -40,8 +43,25 @@ log = logging.getLogger(__name__)
 
 BLOCK = 4096  # O_DIRECT's alignment on the disks offload runs on (a page; logical blocks are at most that)
 DIRECT_MIN = 64 << 10  # smaller runs are read buffered in full: not worth a block of padding
-GAP_MAX = 64 << 10  # tensors further apart in a file are read as two runs: the bytes between are not worth reading
+GAP_MAX = 64 << 10  # tensors further apart in a file are two runs: the bytes between are not worth reading
 MIN_ALIGN = 16  # a tensor placed as in its file keeps at least this alignment (vector loads, fp8 kernels)
+
+
+@dataclass
+class _Run:
+    """Tensors of one group next to each other in one file (see ``_runs``), at the same
+    file offset modulo ``MIN_ALIGN``: read as one range."""
+
+    path: str
+    start: int  # the first tensor's file offset
+    end: int  # the last tensor's end
+    slots: list = field(default_factory=list)  # (slot, its file offset), in file order
+    dest: int = 0  # where the first tensor lands in the group's buffer
+    shift: int = 0  # read that many bytes past ``dest``, then moved down
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
 
 
 @dataclass
@@ -50,7 +70,12 @@ class InPlaceChoice:
 
     adopted: list[ParamGroup] = field(default_factory=list)
     copied: dict[str, list[ParamGroup]] = field(default_factory=dict)  # reason -> groups
-    ranges: int = 0  # the adopted groups' runs of neighbouring tensors, each read as one range (align_to_files)
+    runs: dict[str, list[_Run]] = field(default_factory=dict)  # group key -> its runs as laid out (align_to_files)
+
+    @property
+    def ranges(self) -> int:
+        """The file ranges the adopted groups are read as: one per run."""
+        return sum(len(runs) for runs in self.runs.values())
 
     @property
     def in_place_bytes(self) -> int:
@@ -119,31 +144,17 @@ def _why_copied(group: ParamGroup, reader: Any, config: Any, partitioned: bool) 
     return None
 
 
-@dataclass
-class _Run:
-    """Tensors of one group next to each other in one file (``GAP_MAX`` bytes apart at most),
-    at the same file offset modulo ``MIN_ALIGN``: read as one range."""
-
-    path: str
-    start: int  # the first tensor's file offset
-    end: int  # the last tensor's end
-    slots: list = field(default_factory=list)  # (slot, its file offset), in file order
-    dest: int = 0  # where the first tensor lands in the group's buffer
-    shift: int = 0  # read that many bytes past ``dest``, then moved down
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
 def _runs(group: ParamGroup, reader: Any) -> list[_Run]:
-    """``group``'s tensors as runs, in file order."""
+    """``group``'s tensors as runs, in file order. The bytes between two tensors of a run are
+    read and held along (and ``_equal_sizes`` gives every group of the same tensors that
+    room): at most ``GAP_MAX``, and an eighth of the run so far beyond a block."""
     placed = sorted(((reader.entries[reader.name_of(slot)], slot) for slot in group.slots),
                     key=lambda e: (e[0].path, e[0].start))
     runs: list[_Run] = []
     for entry, slot in placed:
         last = runs[-1] if runs else None
-        if last is None or last.path != entry.path or not 0 <= entry.start - last.end <= GAP_MAX \
+        if last is None or last.path != entry.path \
+                or not 0 <= entry.start - last.end <= min(GAP_MAX, max(BLOCK, last.length // 8)) \
                 or entry.start % MIN_ALIGN != last.start % MIN_ALIGN:
             last = _Run(entry.path, entry.start, entry.end)
             runs.append(last)
@@ -155,11 +166,10 @@ def _runs(group: ParamGroup, reader: Any) -> list[_Run]:
 def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
     """Lay each adopted group's tensors out as their file does (see the module's docstring);
     before anything sizes buffers from the groups."""
-    choice.ranges = 0
+    choice.runs = {}
     for group in choice.adopted:
         end = 0
-        runs = _runs(group, reader)
-        choice.ranges += len(runs)
+        runs = choice.runs[group.key] = _runs(group, reader)
         for run in runs:
             if run.length >= DIRECT_MIN:  # (read to dest + shift, where the file's offset agrees; moved down)
                 run.shift = run.start % MIN_ALIGN
@@ -185,13 +195,10 @@ def _equal_sizes(groups: list[ParamGroup]) -> None:
         group.nbytes = largest[key]
 
 
-def adopt_groups(choice: InPlaceChoice, reader: Any, store: TensorStore) -> None:
-    """Give each adopted group its home in the checkpoint files, a range per run (nothing
-    read or written; the layout is ``align_to_files``')."""
+def adopt_groups(choice: InPlaceChoice, store: TensorStore) -> None:
+    """Give each adopted group its home in the checkpoint files: a range per run, as
+    ``align_to_files`` laid them out (nothing read or written)."""
     for group in choice.adopted:
-        ranges = []
-        for run in _runs(group, reader):
-            first, start = run.slots[0]
-            shift = run.start % MIN_ALIGN if run.length >= DIRECT_MIN else 0
-            ranges.append(CheckpointRange(store.open_checkpoint(run.path), run.start, run.length, first.offset, shift))
+        ranges = [CheckpointRange(store.open_checkpoint(run.path), run.start, run.length, run.dest, run.shift)
+                  for run in choice.runs[group.key]]
         store.adopt(group.key, torch.uint8, (group.nbytes,), ranges)  # (groups are kept as bytes)

@@ -240,7 +240,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                                   device_budget=config.device_budget, cache_bytes=config.cache_bytes)
         coordinator.schedule.guess_from(needs)  # (a first pass without an order would read in series)
         originals = Originals(store)
-        adopt_groups(in_place, reader, store)
+        adopt_groups(in_place, store)
         load_groups(model, groups, store, coordinator, _HOME[config.param_tier], reader, partition, originals,
                     frozenset(g.key for g in in_place.adopted))
         if reader is not None:

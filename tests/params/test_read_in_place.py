@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import pathlib
 
@@ -320,5 +321,76 @@ def test_neighbouring_tensors_are_read_as_one_range(disk_dir, no_leaks):
         stats = manager.store.checkpoint_stats()
         passes = stats["read_bytes"] / stats["in_place_bytes"]
         assert 0 < stats["buffered_read_bytes"] <= passes * stats["ranges"] * 2 * 4096
+    finally:
+        offload.close(model)
+
+
+class _Leaf(torch.nn.Module):
+    """Parameters of the given dtypes and shapes; its forward notes each one's bytes and
+    address as the forward sees them."""
+
+    def __init__(self, prefix, specs):
+        super().__init__()
+        self.prefix = prefix
+        for name, (dtype, shape) in specs.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False))
+
+    def forward(self, seen):
+        for name, p in self.named_parameters():
+            seen[f"{self.prefix}.{name}"] = (p.detach().clone(), p.data_ptr() % 16 if p.numel() else 0)
+        return seen
+
+
+class _Leaves(torch.nn.Module):
+    def __init__(self, modules):
+        super().__init__()
+        self.mods = torch.nn.ModuleDict({k: _Leaf(f"mods.{k}", v) for k, v in modules.items()})
+
+    def forward(self, seen):
+        for leaf in self.mods.values():
+            leaf(seen)
+        return seen
+
+
+def test_runs_keep_every_tensor_s_bytes_and_16_byte_alignment(disk_dir, no_leaks):
+    """Layouts that split runs: data 8 bytes off 16 (every run shifted), fp16 tensors of odd
+    length (the next tensor at another offset modulo 16), a tensor of no elements, a module
+    whose tensors are far apart in its file and one split over two files. Each parameter
+    holds the file's bytes at a 16-byte aligned address as its module's forward sees it."""
+    from safetensors.torch import save_file
+
+    f32, f16 = torch.float32, torch.float16
+    modules = {"a": {"w": (f32, (64, 300)), "b": (f16, (7,)), "c": (f16, (9, 5)), "e": (f32, (0,))},
+               "b": {"w": (f32, (40, 500)), "b": (f16, (3,)), "c": (f32, (17,))},
+               "c": {"w": (f32, (128, 130)), "v": (f16, (33, 21))}}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"mods.{m}.{n}": torch.randn(shape, generator=gen).to(dtype)
+               for m, specs in modules.items() for n, (dtype, shape) in specs.items()}
+    path = pathlib.Path(disk_dir) / "ckpt"
+    path.mkdir()
+    files = {"one.safetensors": [k for k in tensors if k != "mods.c.v"], "two.safetensors": ["mods.c.v"]}
+    for name, keys in files.items():
+        for pad in range(16):  # (the header's length puts the data 8 bytes off 16)
+            save_file({k: tensors[k] for k in keys}, str(path / name), metadata={"pad": "x" * pad})
+            with open(path / name, "rb") as fh:
+                if (8 + int.from_bytes(fh.read(8), "little")) % 16 == 8:
+                    break
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in files.items() for k in keys}}))
+    with offload.init_empty_weights():
+        model = _Leaves(modules)
+    model = offload.wrap(model, offload.OffloadConfig(
+        device="cpu", param_tier="nvme", nvme_path=str(pathlib.Path(disk_dir) / "swap"), device_budget="512KiB",
+        host_budget="16MiB", resident_bytes=0), checkpoint=str(path))
+    try:
+        stats = offload.params.manager_of(model).store.checkpoint_stats()
+        assert stats["in_place_bytes"] > 0 and stats["ranges"] > len(modules)  # (runs were split)
+        for _ in range(2):  # (the second pass in buffers the pool reuses)
+            with torch.no_grad():
+                seen = model({})
+            for key, want in tensors.items():
+                got, misaligned = seen[key]
+                assert misaligned == 0, key
+                assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
     finally:
         offload.close(model)
