@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 BLOCK = 4096  # O_DIRECT's alignment on the disks offload runs on (a page; logical blocks are at most that)
 DIRECT_MIN = 64 << 10  # smaller runs are read buffered in full: not worth a block of padding
 GAP_MAX = 64 << 10  # tensors further apart in a file are two runs: the bytes between are not worth reading
-MIN_ALIGN = 16  # a tensor placed as in its file keeps at least this alignment (vector loads, fp8 kernels)
+# A tensor placed as in its file keeps at least this alignment: vector loads and fp8 kernels
+# want it, and torch's fp32 matrix-vector product gives other bits for a weight 8 bytes off
+# 16 than at 16 or 64 (docs/benchmarks.md), so placing it less aligned would part the results
+# from the copying path's and the in-memory model's.
+MIN_ALIGN = 16
 
 
 @dataclass
