@@ -362,6 +362,22 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     def closed(self) -> bool:
         return self._closed
 
+    def give_up(self) -> bool:
+        """Close for a new optimizer over the same parameters, unless this one holds a
+        gradient: as in torch, a new optimizer then starts from fresh states, and the last
+        step's update owed to the next forward is applied first (``close``)."""
+        if self._sink.open:
+            return False
+        self._settle()  # (the owed update reads the gradients zero_grad() hid from the user)
+        if any(s.holds_gradient for s in self._book.shards):
+            return False
+        log.warning("offload: a new optimizer takes the parameters of an open %s (id %#x), which held no "
+                    "gradient: closing it (its last update applied, its states released; its step() now "
+                    "raises). close() an optimizer when done with it (Trainer: trainer.optimizer.optimizer."
+                    "close()) to free its states sooner", type(self).__name__, id(self))
+        self.close()
+        return True
+
     def __del__(self):
         if not getattr(self, "_closed", True):
             try:

@@ -279,6 +279,7 @@ def _refuse_torch_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
                     f"{owner.name!r}), which rest in offload's tiers between uses: a torch optimizer would keep "
                     "its states on the device outside the budgets and fetch and rewrite every parameter group "
                     "several times per step. Use offload.AdamW, offload.Adam or offload.SGD over "
-                    "model.parameters() (with HF Trainer: optimizers=(offload.AdamW(model.parameters(), "
-                    "lr=...), None)); trainable parameters added after wrap (LoRA adapters) may use any optimizer: "
-                    "pass only those, [p for p in model.parameters() if p.requires_grad]")
+                    "model.parameters() (with HF Trainer: optimizer_cls_and_kwargs=(offload.AdamW, dict(lr=...)), "
+                    "which builds it with Trainer's decay groups and schedule, as its default); trainable "
+                    "parameters added after wrap (LoRA adapters) may use any optimizer: pass only those, "
+                    "[p for p in model.parameters() if p.requires_grad]")

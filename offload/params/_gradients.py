@@ -43,6 +43,10 @@ class GradientHolder(Protocol):
     def set_gradient(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         """``param.grad = value`` while torch's own field is empty (None drops the gradient)."""
 
+    def give_up(self) -> bool:
+        """Close, handing its parameters to a new holder, unless it holds a gradient (which
+        the new one would not see); whether it closed."""
+
 
 # id(parameter) -> weak references to (parameter, holder): neither is kept alive by this
 _holders: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -56,14 +60,17 @@ def _entry(param: torch.Tensor) -> Any:
 
 
 def hold_gradients(param: torch.Tensor, holder: Any, name: str) -> None:
-    """Register ``holder`` for ``param``'s gradients; refuse a second open holder."""
+    """Register ``holder`` for ``param``'s gradients. An open holder before it gives the
+    parameter up where it holds no gradient (a Trainer built again over the same model, an
+    optimizer dropped without close(): the model's hooks keep it alive), else it is refused."""
     first = _entry(param)
-    if first is not None and first is not holder and not first.closed:
+    if first is not None and first is not holder and not first.closed and not first.give_up():
         raise ValueError(
-            f"parameter {name!r} already belongs to an open {type(first).__name__} (id {id(first):#x}), which takes "
-            "its gradients as backward produces them: a second optimizer over it would never see one. Give all "
-            "the parameters to one optimizer (several param groups for different settings), or close() the "
-            "first optimizer before building another")
+            f"parameter {name!r} already belongs to an open {type(first).__name__} (id {id(first):#x}) that holds "
+            "its gradient, taken as backward produced it: a second optimizer over it would never see it. Step the "
+            "first optimizer, or drop the gradients (model.zero_grad()): an optimizer that holds none is closed "
+            "when another takes its parameters. To train with both settings, give all the parameters to one "
+            "optimizer, in several param groups")
     _holders[id(param)] = (weakref.ref(param), weakref.ref(holder))
 
 

@@ -4,6 +4,8 @@ same model and torch optimizer without offload."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import math
 
 import pytest
@@ -122,10 +124,10 @@ def test_grad_scaler_unscale_and_skip(tmp_path, tiny_gpt2, make_opt, offload_con
 
 def test_refusals(tmp_path, adamw_pair, lm_batches, no_leaks):
     model, opt, ref, ref_opt = adamw_pair(tmp_path)
-    with pytest.raises(ValueError, match="already belongs to an open AdamW"):
-        offload.SGD(model.parameters(), lr=0.1)
     (ids,) = lm_batches(211, steps=1, micro=1)[0]
     backward(model, ids)
+    with pytest.raises(ValueError, match="already belongs to an open AdamW .* that holds its gradient"):
+        offload.SGD(model.parameters(), lr=0.1)
     grad = next(model.parameters()).grad
     opt.step()
     opt.zero_grad()
@@ -134,6 +136,32 @@ def test_refusals(tmp_path, adamw_pair, lm_batches, no_leaks):
         grad.norm()
     opt.close()
     second = offload.SGD(model.parameters(), lr=0.1)  # the first closed: allowed
+    second.close()
+    offload.unwrap(model)
+
+
+def test_an_optimizer_that_holds_no_gradient_gives_its_parameters_up(tmp_path, adamw_pair, lm_batches, caplog,
+                                                                     assert_same_weights,
+                                                                     no_leaks):
+    """A Trainer built again over the same model, or an optimizer dropped without close()
+    (the model's hooks keep it alive): a new optimizer takes the parameters, as in torch, and
+    the old one is closed, its last step's update (owed to the next forward) applied first."""
+    model, opt, ref, ref_opt = adamw_pair(tmp_path)
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    for m, o in ((model, opt), (ref, ref_opt)):
+        backward(m, ids)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)  # (the update waits for the next forward)
+        o.step()
+        o.zero_grad()
+    del opt
+    gc.collect()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        second = offload.SGD(model.parameters(), lr=0.1)
+    assert "held no gradient: closing it" in caplog.text
+    assert_same_weights(model, ref, rtol=0, atol=0)  # (the first one's update was applied)
+    backward(model, ids)
+    second.step()  # (the new optimizer sees the gradients)
+    second.zero_grad()
     second.close()
     offload.unwrap(model)
 
