@@ -368,7 +368,8 @@ class BufferPool:
             (log.warning if self.left_to_holders == 1 and not closing else log.debug)(
                 "%s buffer pool: a %s buffer dropped for room is still viewed by a tensor offload did not hand "
                 "out (a view of a weight kept past its module's forward, as ctx.wt = w.t() in a custom "
-                "Function); it stays with that tensor, outside the budget (counted in offload.stats' pools)",
+                "Function, or saved by the graph of a forward that raised, which its traceback keeps); it "
+                "stays with that tensor, outside the budget (counted in offload.stats' pools)",
                 self.name, format_size(buf.nbytes))
         buf.close()
 
