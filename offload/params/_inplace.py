@@ -190,7 +190,7 @@ def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
 def _equal_sizes(groups: list[ParamGroup]) -> None:
     """Give groups of the same tensors (a model's repeated layers) one size, the largest
     their paddings need: the buffer pool reuses freed buffers by exact size, and a few
-    bytes' difference per layer (up to 4 KiB per large tensor) made the pool map new buffers."""
+    bytes' difference per layer (up to 4 KiB per run) made the pool map new buffers."""
     keys = [tuple((slot.dtype, tuple(slot.shape)) for slot in group.slots) for group in groups]
     largest: dict[tuple, int] = {}
     for key, group in zip(keys, groups):
