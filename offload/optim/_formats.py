@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .._tensors import lasting
-from ._coding import TOP, block_scales, code_blocks
+from ._coding import TOP, block_scales, code_blocks, compile_ahead, exact_root_
 
 __all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece", "dither_at"]
 
@@ -173,6 +173,8 @@ class Packing:
         outside inference mode where ``rows`` and ``packed`` are ordinary tensors: a dtype
         view made in it is an inference tensor, which the compiled loop leaves to the eager
         path (``_coding``)."""
+        if any(code.scaled for code in self.codes):
+            compile_ahead(BLOCK)  # (once per process: meanwhile rows are coded eagerly, to the same bits)
         ordinary = not (rows.is_inference() or packed.is_inference())
         with lasting() if ordinary else contextlib.nullcontext():
             for r, span in enumerate(self.spans()):
@@ -239,18 +241,17 @@ def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: to
     if coded is not None and bool(torch.isfinite(coded[0]).all()):
         scales.copy_(coded[1])
         return
-    # eagerly: no compiled loop, or an inf or NaN moment (its block decodes to NaN)
+    # eagerly (no compiled loop yet, or none; an inf or NaN moment: its block decodes to NaN),
+    # to the loop's bits: the root correctly rounded, whose maximum is the maximum's root
+    if unsigned:
+        exact_root_(x)
     absmax = blocks.amax(1) if unsigned else torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
-    if unsigned:  # the root's maximum (the root is monotone), rounded correctly as the compiled loop's
-        absmax = absmax.double().sqrt_().float()
     s = block_scales(absmax, TOP[unsigned])
     if not bool(torch.isfinite(absmax).all()):
         s[~torch.isfinite(absmax)] = float("nan")
         x.nan_to_num_(0.0, 0.0, 0.0)  # (casting them to an integer code is undefined)
     scales.copy_(s)
     inverse = torch.where(s > 0, 1.0 / s.clamp(min=torch.finfo(torch.float32).tiny), 0.0)  # exact: powers of two
-    if unsigned:
-        x.sqrt_()
     blocks.mul_(inverse[:, None]).round_()
     if unsigned:
         x.clamp_(min=1.0)  # no element codes to zero (a zero block decodes to zero through s = 0)
