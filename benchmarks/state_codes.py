@@ -43,11 +43,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures as JSON to this path")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    from offload.optim._coding import compile_ahead, eager_coding, settle_compile
+    from offload.optim._coding import eager_coding
     from offload.optim._formats import BLOCK, Packing, RowCode, dither_at
-
-    compile_ahead(BLOCK)  # (what the first coding starts: waited for, so that the compiled loops are timed)
-    settle_compile()
 
     n = args.elements // BLOCK * BLOCK
     torch.manual_seed(0)

@@ -125,15 +125,12 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def timed_steps(step_fn, args, finish=None, ready=None) -> dict:
+def timed_steps(step_fn, args, finish=None) -> dict:
     """Run warm-up + timed steps; ``step_fn(ids)`` returns the loss (a float). ``finish()``
-    (writes still in flight) is timed as part of the last step; ``ready()`` is called,
-    untimed, before the first timed step (one-time work still running then)."""
+    (writes still in flight) is timed as part of the last step."""
     times, losses, reads, writes = [], [], [], []
     torch.manual_seed(0)  # the same dropout masks in every system (same ops, same order)
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and ready is not None:
-            ready()
         ids = batch(i, args)
         r0, w0 = DiskIo.now()
         t0 = time.perf_counter()
@@ -314,11 +311,8 @@ def worker_ours(path: str, args) -> dict:
                 log.info("  forward %.2f s, backward %.2f s, step() %.2f s", *phases[-1])
                 return float(loss)
 
-            # a step's write-backs overlap the next forward; the last step waits for them; the
-            # 8-bit coding's compile, begun in the background when the optimizer was made, ends first
-            from offload.optim._coding import settle_compile
-
-            out = timed_steps(step, args, finish=opt.synchronize, ready=settle_compile)
+            # a step's write-backs overlap the next forward; the last step waits for them
+            out = timed_steps(step, args, finish=opt.synchronize)
             timed = phases[args.warmup:]
             out["phases_s"] = {k: statistics.median(p[i] for p in timed)
                                for i, k in enumerate(("forward", "backward", "step"))}

@@ -13,7 +13,6 @@ import torch
 
 import offload
 from offload._os import ram_file_system
-from offload.optim._coding import settle_compile
 from offload.io import FileBackend
 
 
@@ -175,7 +174,6 @@ def no_leaks():
     threads_before = set(threading.enumerate())
     fds_before = _fds()
     yield
-    settle_compile()  # (the 8-bit coding's compile, once per process, ends by itself)
     leaked_threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()
                       and t.name != "tqdm_monitor"  # transformers' progress bars, not ours
                       and not isinstance(t, threading._DummyThread)]

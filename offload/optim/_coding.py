@@ -11,24 +11,28 @@ the mantissa is zero): the same power of two as ``block_scales``' ``frexp``,
 which inductor does not compile. Rounding is to nearest even, as eager ``round_``, and
 the square root is correctly rounded on both paths (eager ``torch.sqrt`` on the CPU may be
 an ulp off: the eager path takes the root through float64, ``exact_root_``), so the
-compiled loop and the eager path give the same bytes. Decoding is exact and decoded values
-code back to the same bytes.
+compiled loop and the eager path (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0``, a row with
+an inf or NaN, tensors made in inference mode) give the same bytes. Decoding is exact and
+decoded values code back to the same bytes.
 
 The loop is compiled for any number of blocks of the fixed width, as a parallel loop over
 the blocks (inductor's ``cpp.dynamic_threads``: otherwise it would keep the one thread it
 picks for the two blocks it is first compiled with). It is always called outside inference
 mode, without grad or autocast, so that an update owed to an evaluation, or a step under
-autocast, does not compile it again. Both loops are compiled on a background thread that
-the first row coded starts (``compile_ahead``); rows coded meanwhile are coded eagerly.
-Each loop is checked against a float64 reference on a row with a tie, a peak exactly a
+autocast, does not compile it again. Each loop is compiled the first time a row of its code
+is coded (an optimizer's initial states, in its constructor), on that thread, and checked against a float64 reference on a row with a tie, a peak exactly a
 power of two, a subnormal, a zero block and a NaN before it is used: a compiler whose flags
 lose any of those (a fast-math build dropping NaN) leaves the coding eager, with a warning.
+Not on a background thread, though a cold compile can take a minute: dynamo restores the
+process's random generator after tracing, which on another thread rewinds the user's draws
+(dropout masks), and ``torch.compiler.is_compiling()`` reads true in every thread meanwhile,
+on which transformers' and torch's optimizers' code branches (tried and measured: both
+changed a training run's results).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import enum
 import logging
 import math
@@ -42,8 +46,7 @@ import torch
 
 from .._tensors import lasting
 
-__all__ = ["block_scales", "code_blocks", "compile_ahead", "compile_bytes", "eager_coding", "exact_root_",
-           "settle_compile", "MIN_SCALE", "TOP"]
+__all__ = ["block_scales", "code_blocks", "compile_bytes", "eager_coding", "exact_root_", "MIN_SCALE", "TOP"]
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +127,15 @@ def _probe(width: int, rows: int, unsigned: bool) -> torch.Tensor:
 
 class _State(enum.Enum):
     UNTRIED = "untried"
-    COMPILING = "compiling"  # on the background thread ``compile_ahead`` started: rows are coded eagerly meanwhile
     COMPILED = "compiled"
     SWITCHED_OFF = "switched off"  # OFFLOAD_COMPILE_CODES=0: said once at the first row, then EAGER
     EAGER = "eager"  # compiling failed, was refused by the check or is switched off: the caller codes eagerly
 
 
 class _Loop:
-    """One code's compiled loop, compiled under a lock (a shard may be coded on autograd's
-    device thread), on the background thread ``compile_ahead`` starts or, for a direct
-    ``code_blocks`` call on an untried loop, at once; a failure leaves that code eager for
-    the process, with one warning that names the cause."""
+    """One code's compiled loop, made on first use under a lock (a shard may be coded on
+    autograd's device thread); a failure leaves that code eager for the process, with one
+    warning that names the cause."""
 
     def __init__(self, unsigned: bool, lock: threading.Lock) -> None:
         self.unsigned = unsigned
@@ -155,7 +156,7 @@ class _Loop:
                 elif self.state is _State.SWITCHED_OFF:
                     log.info("8-bit moments: coding the %s eagerly (OFFLOAD_COMPILE_CODES=0)", self.name)
                     self.state = _State.EAGER
-        if self.state is not _State.COMPILED:  # (COMPILING: eagerly, to the same bits, until it is done)
+        if self.state is not _State.COMPILED:
             return None
         from torch._dynamo.utils import counters  # (imported by the compile already)
 
@@ -168,9 +169,8 @@ class _Loop:
             self._give_up(exc, "torch.compile gave up on the coding loop", _RERUN)
             return None
         finally:
-            if counters["stats"]["unique_graphs"] != graphs and not _compiling():
-                # (process-wide counts: a compile of the user's on another thread meanwhile is counted too,
-                # and the other code's loop compiling in the background would be)
+            if counters["stats"]["unique_graphs"] != graphs:
+                # (process-wide counts: a compile of the user's on another thread meanwhile is counted too)
                 log.info("8-bit moments: the coding loop of the %s was compiled again, in %.1f s (dynamo "
                          "compiles anew when a global setting of torch's, such as the thread count, changes)",
                          self.name, time.perf_counter() - started)
@@ -194,15 +194,13 @@ class _Loop:
                 torch._dynamo.mark_dynamic(tensor, 0)  # (any number of blocks; one block is specialised)
             return self.compiled(blocks, out)
 
-    def _compile(self, width: int, ahead: bool = False) -> None:
+    def _compile(self, width: int) -> None:
         if torch._dynamo.config.disable:  # (torch.compile would hand back the function as it is)
             log.info("8-bit moments: torch.compile is disabled (TORCHDYNAMO_DISABLE); coding eagerly")
             for loop in _LOOPS.values():  # (said once, for both codes)
                 loop.state = _State.EAGER
             return
-        log.info("8-bit moments: compiling the coding loop of the %s (once per process%s)", self.name,
-                 ", in the background: rows coded before it is done are coded eagerly, to the same bits"
-                 if ahead else "")
+        log.info("8-bit moments: compiling the coding loop of the %s (once per process)", self.name)
         started = time.perf_counter()
         fn = _unsigned if self.unsigned else _signed
         try:
@@ -216,9 +214,7 @@ class _Loop:
             # the other code's loop would fail the same way: neither is tried again
             for loop in _LOOPS.values():
                 loop.state = _State.EAGER
-            if not threading.main_thread().is_alive():  # (the process is ending, and inductor
-                return  # refuses new work then: no compiler to blame)
-            self._give_up(exc, "could not compile the coding loop", _COMPILER)
+            self._give_up(exc, "could not compile the coding loop", _advice(exc))
             return
         self.state = _State.COMPILED
         log.info("8-bit moments: coding loop of the %s compiled in %.1f s", self.name, time.perf_counter() - started)
@@ -247,6 +243,17 @@ _COMPILER = ("A working C++ compiler (gcc or clang) on the PATH lets it compile;
 _RERUN = "The results stay right; a new process compiles the loop again."
 
 
+def _advice(exc: BaseException) -> str:
+    """What to do about a failed compile: dynamo's recompile limit set below the loop's two
+    graphs (a row of one block is compiled apart) is the user's setting, not the compiler."""
+    text = str(exc.__cause__ if exc.__cause__ is not None else exc).lower()
+    if "recompile" in text and "limit" in text:
+        return ("torch._dynamo.config.recompile_limit, set in this process, is below the two graphs the loop "
+                "needs (a row of one block is compiled apart); the results stay right. "
+                "OFFLOAD_COMPILE_CODES=0 skips trying.")
+    return _COMPILER
+
+
 def _settings() -> dict:
     """Inductor's settings for the loop, bound to it (its compile and any recompile, not the
     process's other compiles): one compile worker (a pool the size of the machine would stay
@@ -264,19 +271,14 @@ def _settings() -> dict:
 @contextlib.contextmanager
 def _quiet_build():
     """Torch's notice that a CPU machine has no CUDA runtime, logged while the loop builds,
-    held back: records below ERROR from this thread only (the compile may run on a
-    background thread for a minute; the user's own records pass)."""
+    held back (the first compile only: it runs under the lock)."""
     quiet = logging.getLogger("torch.utils.cpp_extension")
-    here = threading.get_ident()
-
-    def others(record: logging.LogRecord) -> bool:
-        return record.thread != here or record.levelno >= logging.ERROR
-
-    quiet.addFilter(others)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        quiet.removeFilter(others)
+        quiet.setLevel(level)
 
 
 def _autocasting() -> list[str]:
@@ -310,62 +312,10 @@ _LOOPS = {flag: _Loop(flag, _LOCK) for flag in (False, True)}
 _COMPILE_RSS, _COMPILE_RSS_IMPORTED = 288 << 20, 128 << 20
 
 
-_AHEAD: list[threading.Thread] = []  # the background compiles ``compile_ahead`` started
-_AHEAD_LOCK = threading.Lock()  # (the states' move to COMPILING; never held while compiling)
-
-
-def compile_ahead(width: int) -> None:
-    """Start compiling the loops not tried yet on a background thread; every coding of a
-    row calls it, and the first one (an optimizer's initial states, made in its
-    constructor) starts it. On a cold cache the first compile takes seconds here and took
-    a minute on a larger machine (inductor builds its headers and probes the CPU once per
-    cache): begun in the background, it runs beside setup and the first steps. Rows coded
-    meanwhile are coded eagerly, to the bits the loop gives (it is checked to give the
-    formulas' bits), so a run does not depend on when the compile ends. The thread is not a
-    daemon: a process that ends sooner waits for it at exit (a compile stopped inside
-    inductor aborts the process)."""
-    if all(loop.state is not _State.UNTRIED for loop in _LOOPS.values()):
-        return  # (every coding after the first: no lock taken)
-    with _AHEAD_LOCK:
-        todo = [loop for loop in _LOOPS.values() if loop.state is _State.UNTRIED]
-        if not todo:
-            return
-        for loop in todo:
-            loop.state = _State.COMPILING
-        # in the caller's context: torch's compile settings are per thread, held in context variables
-        thread = threading.Thread(target=contextvars.copy_context().run, args=(_compile_all, todo, width),
-                                  name="offload-compile-codes")
-        _AHEAD[:] = [t for t in _AHEAD if t.is_alive()] + [thread]
-        thread.start()
-
-
-def _compile_all(loops: list[_Loop], width: int) -> None:
-    for loop in loops:
-        with loop.lock:
-            if not threading.main_thread().is_alive():  # (the process ended first: it waits for this thread)
-                loop.state = _State.EAGER
-            elif loop.state is _State.COMPILING:  # (not when the other code's failure left it eager)
-                loop._compile(width, ahead=True)
-
-
-def settle_compile() -> None:
-    """Wait for the compiles ``compile_ahead`` started (tests and benchmarks that time or
-    check the compiled loop, ``eager_coding``)."""
-    with _AHEAD_LOCK:
-        threads = list(_AHEAD)
-    for thread in threads:
-        thread.join()
-
-
-def _compiling() -> bool:
-    """Whether a background compile is running (its graphs count in dynamo's counters)."""
-    return any(loop.state is _State.COMPILING for loop in _LOOPS.values())
-
-
 def compile_bytes() -> int:
     """The RSS compiling the coding loops will add: 0 once one is compiled (what it took is
     then in the process's baseline) or where the coding stays eager."""
-    if any(loop.state not in (_State.UNTRIED, _State.COMPILING) for loop in _LOOPS.values()):
+    if {loop.state for loop in _LOOPS.values()} != {_State.UNTRIED}:
         return 0
     return _COMPILE_RSS_IMPORTED if "torch._inductor.compile_fx" in sys.modules else _COMPILE_RSS
 
@@ -384,7 +334,6 @@ def eager_coding():
     """Code eagerly inside the block, as where compiling is not possible. For tests and
     ``benchmarks/state_codes.py``, which compare the two paths: it changes a process-wide
     setting, so no other thread should be coding meanwhile."""
-    settle_compile()  # (a background compile would otherwise set the states it saves)
     saved = {flag: loop.state for flag, loop in _LOOPS.items()}
     for loop in _LOOPS.values():
         loop.state = _State.EAGER

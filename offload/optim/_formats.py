@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .._tensors import lasting
-from ._coding import TOP, block_scales, code_blocks, compile_ahead, exact_root_
+from ._coding import TOP, block_scales, code_blocks, exact_root_
 
 __all__ = ["StateFormat", "RowCode", "Packing", "BLOCK", "packing_for", "decode_piece", "dither_at"]
 
@@ -173,8 +173,6 @@ class Packing:
         outside inference mode where ``rows`` and ``packed`` are ordinary tensors: a dtype
         view made in it is an inference tensor, which the compiled loop leaves to the eager
         path (``_coding``)."""
-        if any(code.scaled for code in self.codes):
-            compile_ahead(BLOCK)  # (once per process: meanwhile rows are coded eagerly, to the same bits)
         ordinary = not (rows.is_inference() or packed.is_inference())
         with lasting() if ordinary else contextlib.nullcontext():
             for r, span in enumerate(self.spans()):
@@ -241,8 +239,8 @@ def _encode_row(code: RowCode, x: torch.Tensor, values: torch.Tensor, scales: to
     if coded is not None and bool(torch.isfinite(coded[0]).all()):
         scales.copy_(coded[1])
         return
-    # eagerly (no compiled loop yet, or none; an inf or NaN moment: its block decodes to NaN),
-    # to the loop's bits: the root correctly rounded, whose maximum is the maximum's root
+    # eagerly (no compiled loop; an inf or NaN moment: its block decodes to NaN), to the
+    # loop's bits: the root correctly rounded, whose maximum is the maximum's root
     if unsigned:
         exact_root_(x)
     absmax = blocks.amax(1) if unsigned else torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
