@@ -20,9 +20,10 @@ the blocks (inductor's ``cpp.dynamic_threads``: otherwise it would keep the one 
 picks for the two blocks it is first compiled with). It is always called outside inference
 mode, without grad or autocast, so that an update owed to an evaluation, or a step under
 autocast, does not compile it again. Each loop is compiled the first time a row of its code
-is coded (an optimizer's initial states, in its constructor), on that thread, and checked against a float64 reference on a row with a tie, a peak exactly a
-power of two, a subnormal, a zero block and a NaN before it is used: a compiler whose flags
-lose any of those (a fast-math build dropping NaN) leaves the coding eager, with a warning.
+is coded (an optimizer's initial states, in its constructor), on that thread, and checked
+against a float64 reference on a row with a tie, a peak exactly a power of two, a
+subnormal, a zero block and a NaN before it is used: a compiler whose flags lose any of
+those (a fast-math build dropping NaN) leaves the coding eager, with a warning.
 Not on a background thread, though a cold compile can take a minute: dynamo restores the
 process's random generator after tracing, which on another thread rewinds the user's draws
 (dropout masks), and ``torch.compiler.is_compiling()`` reads true in every thread meanwhile,
