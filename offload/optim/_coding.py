@@ -11,8 +11,10 @@ the mantissa is zero): the same power of two as ``block_scales``' ``frexp``,
 which inductor does not compile. Rounding is to nearest even, as eager ``round_``, and
 the square root is correctly rounded on both paths (eager ``torch.sqrt`` on the CPU may be
 an ulp off: the eager path takes the root through float64, ``exact_root_``), so the
-compiled loop and the eager path (no C++ compiler, ``OFFLOAD_COMPILE_CODES=0``, a row with
-an inf or NaN, tensors made in inference mode) give the same bytes. Decoding is exact and
+compiled loop and the eager path give the same bytes. The eager path codes a row with an
+inf or NaN, tensors made in inference mode, and every row where compiling is off (no C++
+compiler, ``OFFLOAD_COMPILE_CODES=0``, ``TORCHDYNAMO_DISABLE``), fails, fails the check or
+is given up. Decoding is exact and
 decoded values code back to the same bytes.
 
 The loop is compiled for any number of blocks of the fixed width, as a parallel loop over
@@ -68,7 +70,7 @@ def block_scales(absmax: torch.Tensor, top: float) -> torch.Tensor:
 
 
 def exact_root_(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s square root in place, correctly rounded as the compiled loop's (eager
+    """``x``'s (contiguous) square root in place, correctly rounded as the compiled loop's (eager
     ``torch.sqrt`` on the CPU may be an ulp off), through float64 a slice at a time: the eager
     path's root, so that both paths give the same codes."""
     flat = x.view(-1)
@@ -249,7 +251,8 @@ def _advice(exc: BaseException) -> str:
     graphs (a row of one block is compiled apart) is the user's setting, not the compiler."""
     text = str(exc.__cause__ if exc.__cause__ is not None else exc).lower()
     if "recompile" in text and "limit" in text:
-        return ("torch._dynamo.config.recompile_limit, set in this process, is below the two graphs the loop "
+        setting = "accumulated_recompile_limit" if "accumulated" in text else "recompile_limit"
+        return (f"torch._dynamo.config.{setting}, set in this process, is below the two graphs the loop "
                 "needs (a row of one block is compiled apart); the results stay right. "
                 "OFFLOAD_COMPILE_CODES=0 skips trying.")
     return _COMPILER

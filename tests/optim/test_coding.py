@@ -67,7 +67,7 @@ def with_ties(n: int, unsigned: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def test_compiled_codes_equal_the_formulas_ties_included(code):
     unsigned = code is RowCode.SQRT8
     n = 64 * BLOCK
-    x, tie = with_ties(n, unsigned)
+    x, _ = with_ties(n, unsigned)
     codes, scales = coded(code, x)
     assert _coding._LOOPS[unsigned].state is _coding._State.COMPILED, "a compiler is here but the loop did not compile"
     want_codes, want_scales = ref_code(x.double().numpy(), unsigned)
@@ -88,7 +88,7 @@ def test_compiled_codes_equal_the_formulas_ties_included(code):
 
 
 def fresh_loops(monkeypatch) -> dict:
-    loops = {flag: _coding._Loop(flag, _coding._LOCK) for flag in (False, True)}  # (the lock the module's share)
+    loops = {flag: _coding._Loop(flag, _coding._LOCK) for flag in (False, True)}  # (the module's lock)
     for loop in loops.values():
         loop.state = _coding._State.UNTRIED
     monkeypatch.setattr(_coding, "_LOOPS", loops)
@@ -222,7 +222,8 @@ def test_torch_compile_disabled_is_said_and_codes_eagerly(monkeypatch, caplog):
     m, _ = moments(8 * BLOCK, 10)
     with caplog.at_level(logging.INFO, logger="offload.optim._coding"):
         codes, scales = coded(RowCode.SIGNED8, m)
-    assert loops[False].state is _coding._State.EAGER
+        coded(RowCode.SQRT8, m * m)  # (the other code: nothing more said)
+    assert loops[False].state is _coding._State.EAGER and loops[True].state is _coding._State.EAGER
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "TORCHDYNAMO_DISABLE" in said[0] and "eagerly" in said[0]
     want_codes, want_scales = ref_code(m.double().numpy(), False)
