@@ -84,7 +84,9 @@ def evict_host_cache(directory: str, size: int = 12 << 30, chunk: int = 16 << 20
     took. This machine's disk is virtual, and its host caches what was recently written
     or read: a file written a minute ago reads faster than one written days ago, so a
     mode that has just copied the weights would read them from that cache. Moving more
-    data than the host keeps leaves other data in it. Every 4 KiB block written differs
+    data than the host keeps leaves other data in it. It does not make old and new data
+    read alike: after 40 GiB of it, a file written minutes before still read 4-16% faster
+    than one written hours before (docs/benchmarks.md, "How old the data is"). Every 4 KiB block written differs
     (a host that stores equal blocks once would keep little otherwise), and the guest's
     page cache is untouched where O_DIRECT is available."""
     import torch

@@ -34,7 +34,11 @@ loading and the prompt each worker pauses to write and read back --evict bytes o
 data (O_DIRECT), left out of its times and of its bytes written: the virtual disk's host
 caches recently written data, and without the pause the copy mode reads the swap files it
 has just written from that cache (docs/benchmarks.md). Nothing is read in that pause:
-offload reads nothing between ``wrap`` and the first forward.
+offload reads nothing between ``wrap`` and the first forward. The pause does not undo
+everything: this disk also reads data written minutes before faster than data written
+hours before, 40 GiB of eviction or not, so the copy mode's tokens after the first, read
+from swap files it has just written, come out 4-16% faster than reading in place from an
+older checkpoint (docs/benchmarks.md, "How old the data is").
 
 The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
 the interpreter's start and the imports (a process that imports torch, transformers,

@@ -14,8 +14,7 @@ an ulp off: the eager path takes the root through float64, ``exact_root_``), so 
 compiled loop and the eager path give the same bytes. The eager path codes a row with an
 inf or NaN, tensors made in inference mode, and every row where compiling is off (no C++
 compiler, ``OFFLOAD_COMPILE_CODES=0``, ``TORCHDYNAMO_DISABLE``), fails, fails the check or
-is given up. Decoding is exact and
-decoded values code back to the same bytes.
+is given up. Decoding is exact and decoded values code back to the same bytes.
 
 The loop is compiled for any number of blocks of the fixed width, as a parallel loop over
 the blocks (inductor's ``cpp.dynamic_threads``: otherwise it would keep the one thread it

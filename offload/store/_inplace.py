@@ -9,15 +9,15 @@ write of the tensor moves it to a swap extent (copy on first write, in
 Note: alignment. O_DIRECT needs the file offset and the memory address to agree modulo
 the block size. A safetensors tensor starts at any multiple of its dtype's size, and so
 does a range (a run of neighbouring tensors), so a range is read by the file engine as
-any request is: the aligned body O_DIRECT, straight
-into place, and the unaligned head and tail (under a block each) buffered. That holds
+any request is: the aligned body O_DIRECT, straight into place, and the unaligned head
+and tail (under a block each) buffered. That holds
 when the range's destination agrees with its file offset modulo the block size, which
 is for the caller to arrange (``offload.params`` lays the groups it adopts out so); a
 range that does not agree is read buffered in full, through the page cache. A range
 with a ``shift`` lands that many bytes after its destination, where it agrees, and is
-moved down once read: the range's place, and so its tensors', keeps a stronger alignment
-than its file offset has (safetensors pads its header to 8 bytes, so about half of all files hold every
-tensor 8 bytes off a multiple of 16). A file system without O_DIRECT is read buffered
+moved down once read: the range's place, and so its tensors', keeps a stronger
+alignment than its file offset has (safetensors pads its header to 8 bytes, so about half
+of all files hold every tensor 8 bytes off a multiple of 16). A file system without O_DIRECT is read buffered
 throughout (the engine warns once).
 
 Note: a checkpoint that changes under a running model. Each file's size and
