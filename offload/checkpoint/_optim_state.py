@@ -144,22 +144,27 @@ def check_optimizer(manifest: dict, optimizer: torch.optim.Optimizer, cat: Catal
                                           f"at element {at}")
                 at += e["numel"]
     if info["format"] == "offload":
-        _check_complete(info, pieces, [[n for n in here if sizes[n]] for here in names])
+        _check_complete(info, pieces, [[n for n in here if sizes[n]] for here in names],
+                        [type(optimizer).rows_of(saved) for saved in saved_groups])
     return {"names": names, "pieces": pieces, "info": info}
 
 
-def _check_complete(info: dict, pieces: dict[tuple[str, str], list[dict]], names: list[list[str]]) -> None:
+def _check_complete(info: dict, pieces: dict[tuple[str, str], list[dict]], names: list[list[str]],
+                    rows_of_group: list[tuple[str, ...]]) -> None:
     """An offload checkpoint holds a step count and every state row whole for each of its
     optimizer's parameters (``_offload_blobs`` writes them, zeros for a parameter never
     updated); the rows are those of the parameter's group (SGD's momentum, AdamW's amsgrad
     are settings of a group). A manifest that lacks one was edited or damaged: refused rather
     than loaded with a step of 0 or rows left as the load's scratch held them. (A master row
     may be absent: it is then taken from the loaded weights.) ``names``: per param group, its
-    parameters that have elements (one of none has nothing saved)."""
+    parameters that have elements (one of none has nothing saved); ``rows_of_group``: the rows
+    the optimizer keeps under each saved group's settings, so a row deleted for every member of
+    a group is missed too."""
     problems = []
-    for group in names:
+    for group, expected in zip(names, rows_of_group):
         members = set(group)
         rows = {row for n, row in pieces if n in members and row != "master_param" and not row.endswith(".scales")}
+        rows |= set(expected)
         for name in group:
             if "step" not in info["state"].get(name, {}):
                 problems.append(f"{name} has no step count")

@@ -394,6 +394,12 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     def _rows_for(cls, group: dict) -> tuple[str, ...]:
         raise TypeError("use offload.AdamW, offload.Adam or offload.SGD")
 
+    @classmethod
+    def rows_of(cls, group: dict) -> tuple[str, ...]:
+        """The state rows this optimizer keeps for a param group with ``group``'s settings
+        (AdamW's ``amsgrad`` adds one, SGD keeps one only with momentum)."""
+        return cls._rows_for(group)
+
     def _update_rows(self, gi: int, params: list, grads: list, rows: list, steps: list, grad_scale: float,
                      groups: list[dict] | None = None) -> None:
         self._update((groups or self.param_groups)[gi], params, grads, rows, steps, grad_scale)

@@ -17,10 +17,10 @@ def read(path):
         return json.load(fh)
 
 
-@pytest.mark.parametrize("edit", ["step", "row", "piece"])
+@pytest.mark.parametrize("edit", ["step", "row", "piece", "row everywhere"])
 def test_a_manifest_without_part_of_the_optimizer_state_is_refused(saved, edit):
-    """A step count, a whole row, or the last piece of a row gone from the manifest (edited
-    by hand, or damaged): the load refuses, naming the parameter, rather than starting that
+    """A step count, a whole row (of one parameter, or of every parameter of the group), or the
+    last piece of a row gone from the manifest (edited by hand, or damaged): the load refuses, naming the parameter, rather than starting that
     parameter's Adam at step 0 or leaving its rows as the load's scratch held them."""
     path, m, opt = saved
     manifest = read(path / "manifest.json")
@@ -28,7 +28,8 @@ def test_a_manifest_without_part_of_the_optimizer_state_is_refused(saved, edit):
     if edit == "step":
         del manifest["optimizer"]["state"][name]
     else:
-        rows = [e for e in manifest["tensors"] if e.get("name") == name and e.get("row") == "exp_avg_sq"]
+        rows = [e for e in manifest["tensors"] if e.get("row") == "exp_avg_sq"
+                and (e.get("name") == name or edit == "row everywhere")]
         if edit == "piece":  # a row cut in two pieces, the second dropped
             first = dict(rows[0], numel=rows[0]["numel"] // 2)
             manifest["tensors"][manifest["tensors"].index(rows[0])] = first
@@ -36,8 +37,10 @@ def test_a_manifest_without_part_of_the_optimizer_state_is_refused(saved, edit):
             manifest["tensors"] = [e for e in manifest["tensors"] if e not in rows]
     with open(path / "manifest.json", "w") as fh:
         json.dump(manifest, fh)
-    what = {"step": "has no step count", "row": "exp_avg_sq is missing", "piece": "exp_avg_sq covers 8192 of its 16384"}[edit]
-    with pytest.raises(offload.CheckpointError, match=f"corrupt manifest: .*{name}.*{what}"):
+    what = {"step": "has no step count", "row": "exp_avg_sq is missing", "piece": "exp_avg_sq covers 8192 of its 16384",
+            "row everywhere": "exp_avg_sq is missing"}[edit]
+    where = name if edit != "row everywhere" else ""  # (then every parameter lacks it: the first is named)
+    with pytest.raises(offload.CheckpointError, match=f"corrupt manifest: .*{where}.*{what}"):
         offload.load_checkpoint(str(path), m, opt)
 
 
