@@ -6,6 +6,7 @@ elements, the bytes in the store), the loss scaler's state, and a load bracketed
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -18,6 +19,8 @@ from ._statedict import masters_to_take
 from ._states import StateRows
 
 __all__ = ["CheckpointView", "ShardRows"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,5 +122,8 @@ class CheckpointView:
             yield
             self._states.forget_writes()  # its master rows came with the weights
             self._states.masters_taken()
+            if self._holds_gradients():  # (torch's load_state_dict keeps p.grad: a load here does not)
+                log.warning("load_checkpoint: gradients accumulated since the last step() were dropped (the "
+                            "checkpoint's state has none); load before the backward whose step should use them")
             self._reset_gradients()
             self._scaler.load_state_dict(scaler_state or {})

@@ -77,7 +77,8 @@ def test_load_with_other_shard_boundaries(tmp_path, offload_config, lm_batches, 
 def test_unsaved_gradients_are_warned_of_only_when_added_since_the_step(tmp_path, offload_config, lm_batches,
                                                                          tiny_gpt2, caplog):
     """Gradients held after step() were that step's: saving then (before zero_grad, as the
-    loop may) loses nothing; a backward since, whose sum a checkpoint leaves out, is said."""
+    loop may) loses nothing; a backward since, whose sum a checkpoint leaves out, is said,
+    and so is a load that drops it."""
     model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "s"))
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     (ids,), (more,) = lm_batches(211, steps=2, micro=1)
@@ -89,6 +90,10 @@ def test_unsaved_gradients_are_warned_of_only_when_added_since_the_step(tmp_path
         model(input_ids=more, labels=more).loss.backward()
         offload.save_checkpoint(str(tmp_path / "b"), model, opt)
         assert "are not saved" in caplog.text
+        assert "were dropped" not in caplog.text
+        offload.load_checkpoint(str(tmp_path / "a"), model, opt)  # (drops them, as said; torch's would keep p.grad)
+        assert "gradients accumulated since the last step() were dropped" in caplog.text
+    assert all(p.grad is None for p in model.parameters())
     offload.unwrap(model)
     opt.close()
 
