@@ -5,7 +5,8 @@ Knows nothing of torch modules or tiers. See ``FileEngine`` for the request mode
 
 from ._asyncio import aread, awrite, wait_async
 from ._backend import FileBackend, logical_block_size
-from ._buffers import PAGE_SIZE, BufferPool, HostBuffer, round_up
+from ._buffers import BufferPool
+from ._hostbuffer import PAGE_SIZE, HostBuffer, round_up
 from ._registry import pool_bytes
 from ._engine import EngineFile, EngineStats, FileEngine
 from ._handle import IOHandle

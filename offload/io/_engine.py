@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ._backend import DIRECT_SUPPORTED, FileBackend, is_direct_refusal, logical_block_size
-from ._buffers import HostBuffer
+from ._hostbuffer import HostBuffer
 from ._errors import DiskFullError, EngineClosedError, OffloadIOError
 from ._handle import IOHandle
 

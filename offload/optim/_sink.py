@@ -143,6 +143,7 @@ class GradientSink:
             acc = self._open(shard)
             at = base + seg.start
             acc[seg.offset: seg.offset + seg.length].add_(flat[at: at + seg.length])
+            acc = None  # (_flush may release its buffer: see there)
             seg.has_grad = True
             shard.drained.add(id(p))
             if len(shard.drained) >= shard.expected:
@@ -270,6 +271,9 @@ class GradientSink:
         else:
             self._room(shard.store, round_up(shard.numel * 4, PAGE_SIZE))  # (the put stages the sum for NVMe)
             shard.store.put(shard.grad_key, acc, shard.grad_home)
+            # (no view of the buffer may outlive its release: the pool would not reuse it, and an
+            # I/O thread making room meanwhile would drop it as held by someone else)
+            shard.acc = acc = None
             shard.store.staging.release(shard.acc_buffer)
             shard.acc_buffer = None
             self.stats["write_bytes"] += shard.numel * 4

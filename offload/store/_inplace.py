@@ -157,16 +157,19 @@ class CheckpointFiles:
         if not pieces:
             read._finish()
             return read
+        address = dest.data_ptr()
         for r, length in pieces:
-            shift = r.shift if self._shifts(r, length, nbytes, dest.data_ptr()) else 0
+            shift = r.shift if self._shifts(r, length, nbytes, address) else 0
             try:
                 at = r.dest + shift
                 handle = self._engine.read(r.file, r.offset, dest[at: at + length], length, priority=priority)
             except Exception as err:  # (a request that cannot start fails the read like one that did)
                 self._landed(read, err, 0)
                 continue
-            handle.add_done_callback(lambda h, n=length, to=r.dest, by=shift: self._landed(
-                read, h.exception(), n, dest, to, by))
+            # (the callback holds the address, not ``dest``: it runs on after the read is done,
+            # and a view alive then would keep the pool from dropping the buffer once released)
+            handle.add_done_callback(lambda h, n=length, to=address + r.dest, by=shift: self._landed(
+                read, h.exception(), n, to, by))
         return read
 
     @staticmethod
@@ -189,12 +192,12 @@ class CheckpointFiles:
         self._files.clear()
         self._by_file.clear()
 
-    def _landed(self, read: _Read, error: BaseException | None, nbytes: int, dest: torch.Tensor | None = None,
-                to: int = 0, shift: int = 0) -> None:
+    def _landed(self, read: _Read, error: BaseException | None, nbytes: int, to: int = 0, shift: int = 0) -> None:
+        """``to``: the address the range belongs at (``shift`` bytes below where it was read)."""
         try:
             if error is None:
                 if shift:  # (overlapping: memmove, which releases the GIL; on the I/O thread that finished it)
-                    ctypes.memmove(dest.data_ptr() + to, dest.data_ptr() + to + shift, nbytes)
+                    ctypes.memmove(to, to + shift, nbytes)
                 with self._lock:
                     self.read_bytes += nbytes
         finally:  # (the read must finish, whatever happened here)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from offload.io import PAGE_SIZE, BudgetError, BufferPool, HostBuffer, pool_bytes
+from offload.io import _buffers as buffers_module
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 10**6])
@@ -176,11 +177,13 @@ def test_a_viewed_or_pinned_buffer_is_not_resized():
     assert HostBuffer(PAGE_SIZE, pin=Pins()).resize(2 * PAGE_SIZE) is False
 
 
-def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out(caplog):
+def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out(caplog, monkeypatch):
     """A buffer released while a view of it lives (a weight's view kept past its module's
     forward) is not handed out again while it does: the view keeps its bytes. It stays
     cached, reused once the view is gone; dropped for room meanwhile, it is left to the view
-    and counted beside the pools until the view goes."""
+    and counted beside the pools until the view goes, and said once the view has lasted
+    ``VIEW_GRACE_S`` (here 0)."""
+    monkeypatch.setattr(buffers_module, "VIEW_GRACE_S", 0.0)
     pool = BufferPool(4 * PAGE_SIZE)
     held = pool.acquire(PAGE_SIZE)
     view = held.view(torch.int32, (16,))
@@ -200,8 +203,10 @@ def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out(caplog):
     tight.release(held)
     with caplog.at_level(logging.WARNING, logger="offload"):
         other = tight.acquire(PAGE_SIZE)  # (no room beside it: dropped, left to the view)
-    assert "dropped for room is still viewed" in caplog.text
-    assert other is not held and (tight.mapped, tight.left_to_holders, tight.held_bytes) == (2, 1, PAGE_SIZE)
+        assert other is not held and (tight.mapped, tight.left_to_holders, tight.held_bytes) == (2, 1, PAGE_SIZE)
+        tight.release(other)  # (the view outlived the grace: said now)
+        assert tight.acquire(PAGE_SIZE) is other
+    assert "dropped for room is still viewed" in caplog.text and tight.lasting_views == 1
     other.bytes.fill_(7)
     assert torch.equal(view, torch.arange(16, dtype=torch.int32))
     assert pool_bytes()["host (left to views)"] == PAGE_SIZE
@@ -209,6 +214,17 @@ def test_a_cached_buffer_a_tensor_still_views_is_not_handed_out(caplog):
     gc.collect()
     assert not pool_bytes().get("host (left to views)")
     tight.close()
+    brief = BufferPool(PAGE_SIZE)  # (a view gone within the grace, as the releasing code's local: not said)
+    held = brief.acquire(PAGE_SIZE)
+    view = held.view(torch.int32, (16,))
+    brief.release(held)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        other = brief.acquire(PAGE_SIZE)
+        del view  # (by its reference count: no collection)
+        brief.release(other)
+    assert (brief.left_to_holders, brief.lasting_views) == (1, 0) and "still viewed" not in caplog.text
+    brief.close()
     closing = BufferPool(PAGE_SIZE)  # (at close, what still views a buffer is expected: the
     held = closing.acquire(PAGE_SIZE)  # parameters of a model never unwrapped; no warning)
     view = held.view(torch.int32, (16,))
