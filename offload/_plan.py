@@ -124,6 +124,13 @@ class MemoryPlan:
         return self.activations_kept
 
     @property
+    def disk_claim(self) -> int:
+        """What the swap files take on disk: ``disk_need`` in whole files of ``file_size``
+        (claimed with fallocate as they are opened)."""
+        size = self.config.file_size
+        return -(-self.disk_need // size) * size if self.disk_need else 0
+
+    @property
     def predicted_rss(self) -> int:
         """The process's peak RSS this plan promises (see the module's note)."""
         cuda = self.config.torch_device.type == "cuda"
@@ -158,7 +165,8 @@ class MemoryPlan:
             lines.append(f"  {c.device}: needs {format_size(self.device_need)}, {format_size(self.device_free)} free")
         if self.disk_need:
             free = "unknown" if self.disk_free is None else format_size(self.disk_free)
-            lines.append(f"  disk at {c.nvme_path}: needs {format_size(self.disk_need)}, {free} free")
+            lines.append(f"  disk at {c.nvme_path}: needs {format_size(self.disk_need)} (claims "
+                         f"{format_size(self.disk_claim)}, whole files of file_size), {free} free")
         if self.pinned:
             limit = "unlimited" if self.memlock_limit is None else format_size(self.memlock_limit)
             lines.append(f"  pinned host memory: {format_size(self.pinned)} (ulimit -l: {limit})")
@@ -388,9 +396,10 @@ def _check_machine(p: MemoryPlan, config: OffloadConfig, cuda: bool, host_pool: 
             p.problems.append(f"disk at {config.nvme_path}: {format_size(p.disk_need)} needed, "
                               f"{format_size(p.disk_free)} free: free space there, point nvme_path at a larger "
                               "disk, or keep a tier in memory (param_tier or optimizer_tier='host')")
-        elif p.disk_free is not None and config.file_size > p.disk_free:  # (space is claimed a file at a time)
+        elif p.disk_free is not None and p.disk_claim > p.disk_free:  # (space is claimed a file at a time)
             p.problems.append(f"disk at {config.nvme_path}: swap space is claimed in files of file_size="
-                              f"{format_size(config.file_size)}, {format_size(p.disk_free)} free: set a smaller "
+                              f"{format_size(config.file_size)}: {format_size(p.disk_claim)} for "
+                              f"{format_size(p.disk_need)}, {format_size(p.disk_free)} free: set a smaller "
                               "file_size, or free space there")
 
 

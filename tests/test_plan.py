@@ -208,6 +208,14 @@ def test_wrap_refuses_a_file_size_larger_than_the_free_disk(tmp_path, monkeypatc
     monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: 64 << 20)
     with pytest.raises(offload.MemoryPlanError, match=r"claimed in files of file_size=1.00 GiB.*set a smaller file_size"):
         offload.wrap(model, cfg)
+    # more than one file's worth: the second file is what would not fit
+    need = offload.plan(model, cfg, optimizer=None).disk_need
+    small = offload_config(tmp_path, PLAN, file_size=need // 2 + 4096)
+    plan = offload.plan(model, small, optimizer=None)
+    assert plan.disk_claim == 2 * small.file_size and "claims" in str(plan)
+    monkeypatch.setattr(_plan, "free_disk_bytes", lambda path: need + 4096)
+    with pytest.raises(offload.MemoryPlanError, match=r"claimed in files of file_size=.*set a smaller file_size"):
+        offload.wrap(model, small)
 
 
 def test_optimizer_refuses_states_that_do_not_fit(tmp_path, monkeypatch, offload_config, no_leaks):
