@@ -66,6 +66,7 @@ class NextForward:
         self.seconds = 0.0
         self._running = False  # (our own reads and writes of the groups ask nothing)
         self.closed = False
+        writeback.hold = self._room_to_hold
 
     # -- params._pending.Writer -------------------------------------------------------------
     def stale(self, group) -> bool:
@@ -77,6 +78,16 @@ class NextForward:
 
     def settle(self) -> None:
         self._advance(len(self.work) - 1, settling=True)
+
+    def _room_to_hold(self, store, nbytes: int) -> bool:
+        """Whether a group's new host copy may stay in host memory until the backward has
+        used it (``store.hold_back``: the backward reads it from there instead of the disk):
+        only while the pool keeps room beside it for the shards read next and for compute's
+        transfers, which the held copies must never wait on."""
+        ahead = sum(s.bytes_in_flight for s in self.work[self.position + 1: self.position + 2 + READ_AHEAD]
+                    if s.store is store)
+        pool = store.staging
+        return pool.budget - pool.in_use_bytes >= ahead + self.pipeline.reserve(store)
 
     # -- the work ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -172,6 +183,7 @@ class NextForward:
     def _finish(self) -> None:
         with DEFER:  # (closed, and handed back, together)
             self.closed = True
+            self.writeback.hold = None
             try:
                 self.stats["forward_update_seconds"] += self.seconds
                 self.phase.enter(OptimizerPhase.IDLE)
@@ -185,6 +197,7 @@ class NextForward:
         if self.closed:
             return
         self.closed = True
+        self.writeback.hold = None
         try:
             if self.began:
                 self.phase.poison(f"step() stopped after updating {self.position} of {len(self.work)} shards "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,6 +45,9 @@ class GroupWrite:
 class WriteBack:
     def __init__(self, stats: dict):
         self.stats = stats
+        # while an update runs in the next forward: whether a group's new host copy may stay
+        # in host memory for the backward (``store.hold_back``), given its store and bytes
+        self.hold: Callable[[Any, int], bool] | None = None
 
     def plan(self, work: list[Shard], pending: dict | None = None) -> dict[int, GroupWrite]:
         """For each wrapped parameter group touched by ``work`` and not in ``pending``: how
@@ -79,8 +82,10 @@ class WriteBack:
             entry = pending.get(id(seg.owner.group))
             if entry is not None and entry.in_place and not entry.fetched:
                 entry.fetched = True
-                if entry.manager.home is not Tier.HOST:  # else the host copy is its home
-                    entry.manager.store.fetch(entry.group.key, Tier.HOST)
+                store = entry.manager.store
+                # (else the host copy is its home, or one held back since the last update)
+                if entry.manager.home is not Tier.HOST and store.state(entry.group.key, Tier.HOST) is not Residency.RESIDENT:
+                    store.fetch(entry.group.key, Tier.HOST)
                     self.stats["read_bytes"] += entry.group.nbytes
                     count(self.stats, "parameters", read=entry.group.nbytes)
 
@@ -174,11 +179,18 @@ class WriteBack:
             if entry.data is None:
                 return  # never read: no shard of it was updated
             manager.coordinator.forget(group.whole or group, replaced="refuse")  # device copies hold the old bytes
-            manager.store.mark_dirty(group.key, Tier.HOST)
-            if manager.home is not Tier.HOST:  # written home; the host copy dropped
-                manager.store.evict(group.key, Tier.HOST)
+            store = manager.store
+            if manager.home is Tier.HOST:
+                store.mark_dirty(group.key, Tier.HOST)
+                return
+            if not store.held_back(group.key):  # (one held since the last update is written once)
                 self.stats["write_bytes"] += group.nbytes
                 count(self.stats, "parameters", written=group.nbytes)
+            if self.hold is not None and self.hold(store, group.nbytes):
+                store.hold_back(group.key, Tier.HOST)  # written home once the backward has used it
+            else:
+                store.mark_dirty(group.key, Tier.HOST)
+                store.evict(group.key, Tier.HOST)  # written home; the host copy dropped
             return
         data = entry.data
         if current is not None:

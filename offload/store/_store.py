@@ -18,8 +18,8 @@ fetch while nothing in flight could ever free space raises too, instead of deadl
 
 The store is one object (one lock, one set of books) written in three files: this one
 (the records' lifecycle and the issue/wait/evict calls), ``_transfers.py`` (routes,
-reservations, transfers and their completions) and ``_lending.py`` (reads and loans that
-make no copy in a tier).
+reservations, transfers and their completions), ``_lending.py`` (reads and loans that
+make no copy in a tier) and ``_behind.py`` (dirty copies whose write home waits for a use).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from .._signals import DEFER, wait as _wait
 from .._tensors import lasting
 from ..io import BufferPool
+from ._behind import WriteBehind
 from ._inplace import InPlaceHomes
 from ._lending import Lending
 from ._records import FASTEST_FIRST, StoredTensor, TierCopy, as_bytes
@@ -48,7 +49,7 @@ __all__ = ["TensorStore", "StoredTensor"]
 log = logging.getLogger(__name__)
 
 
-class TensorStore(Lending, InPlaceHomes, Transfers):
+class TensorStore(Lending, InPlaceHomes, WriteBehind, Transfers):
     """Tensors in tiers under budgets. See the module docstring for the operations.
 
     Args:
@@ -71,6 +72,7 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
         self._cond = threading.Condition(threading.RLock())
         self._in_flight = 0
         self._writes_waiting: set[StoredTensor] = set()  # a next write home short of a staging buffer
+        self._behind: dict[str, Tier] = {}  # copies held back, oldest first (_behind)
         self.wait_seconds = 0.0
         self.fetches = 0
         self.fetch_hits = 0  # fetches that found the copy already there or on its way
@@ -353,6 +355,7 @@ class TensorStore(Lending, InPlaceHomes, Transfers):
                 self._move(record, copy, Residency.ABSENT)
             self._release(record, copy)
         self._tensors.pop(record.key, None)
+        self._behind.pop(record.key, None)
         self._pump_all()
 
     # -- helpers --------------------------------------------------------------------------

@@ -329,3 +329,42 @@ def test_an_inference_mode_forward_between_steps(tmp_path, shard_size, moments, 
             offload.close(model)
     for k, v in runs[0].items():
         assert torch.equal(runs[1][k], v), k
+
+
+def test_groups_updated_in_the_forward_stay_in_memory_for_the_backward(tmp_path, tiny_gpt2, lm_batches,
+                                                                        offload_config, no_leaks):
+    """The update writes a group's new bytes into its host copy; the forward reads them from
+    there, and the copy stays (held back) for the backward, which reads it from memory and
+    writes it home once it has used it. synchronize() writes home what no backward used. The
+    weights are those of the update inside step() (``update_in_next_forward=False``)."""
+    (ids,), (ids2,) = lm_batches(211, steps=2, micro=1)
+    runs = {}
+    for name, deferred in (("in step", False), ("next forward", True)):
+        model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / name, optimizer_tier="host", device_budget="128KiB"))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, update_in_next_forward=deferred)
+        manager = offload.params.manager_of(model)
+        store, nvme = manager.store, manager.store.tiers[offload.store.Tier.NVME]
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        loss = model(input_ids=ids2, labels=ids2).loss  # (the update runs in this forward)
+        streamed = [g for g in manager.groups if not g.resident]
+        held = [g for g in streamed if store.held_back(g.key)]
+        before = nvme.read_bytes
+        loss.backward()
+        if deferred:
+            assert held and len(held) == len(streamed)  # (the budget holds them all)
+            # what the backward read from the disk: only groups no update held for it
+            assert nvme.read_bytes - before == 0
+            assert [g.key for g in held if store.held_back(g.key)] == ["transformer.wpe"]  # (its backward reads no weight)
+        else:
+            assert not held and nvme.read_bytes - before > 0
+        opt.step()
+        opt.synchronize()
+        assert store.behind_bytes == 0
+        runs[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+        offload.close(model)
+    for key, want in runs["in step"].items():
+        assert torch.equal(runs["next forward"][key], want), key
