@@ -125,8 +125,9 @@ class MemoryPlan:
 
     @property
     def disk_claim(self) -> int:
-        """What the swap files take on disk: ``disk_need`` in whole files of ``file_size``
-        (claimed with fallocate as they are opened)."""
+        """The least the swap files take on disk: ``disk_need`` in whole files of
+        ``file_size`` (claimed with fallocate as they are opened; an extent never spans two
+        files, so the packing can need one more)."""
         size = self.config.file_size
         return -(-self.disk_need // size) * size if self.disk_need else 0
 

@@ -66,7 +66,6 @@ class NextForward:
         self.seconds = 0.0
         self._running = False  # (our own reads and writes of the groups ask nothing)
         self.closed = False
-        writeback.hold = self._room_to_hold
 
     # -- params._pending.Writer -------------------------------------------------------------
     def stale(self, group) -> bool:
@@ -92,7 +91,9 @@ class NextForward:
     # -- the work ---------------------------------------------------------------------------
     def start(self) -> None:
         """At ``step()``: read the first shards, so the forward's first groups find them. A
-        read refused now (an I/O error) is made again at the use that needs it."""
+        read refused now (an I/O error) is made again at the use that needs it. From now on
+        the groups it writes may be held in host memory for the backward."""
+        self.writeback.hold = self._room_to_hold
         try:
             for shard in self.work[: 1 + READ_AHEAD]:
                 if self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(shard):

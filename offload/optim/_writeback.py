@@ -24,6 +24,8 @@ from ._sizing import wrapped_mode
 
 __all__ = ["GroupWrite", "WriteBack", "settled"]
 
+_KEPT = (Residency.RESIDENT, Residency.STORING)  # a host copy a fetch finds in memory
+
 
 @dataclass(eq=False)
 class GroupWrite:
@@ -35,11 +37,22 @@ class GroupWrite:
     written: list = field(default_factory=list)  # (byte offset, bytes) assembled so far
     in_place: bool = False  # updated in a host copy of the group (fp32, no master row)
     fetched: bool = False  # that host copy was asked for
+    owed: bool = False  # that copy was held back with its write still owed (counted then)
 
     @property
     def in_use(self) -> bool:
         """Whether a forward or backward pass still computes with the group's old bytes."""
         return self.manager.coordinator.in_use(self.group.whole or self.group)
+
+
+def _taken(entry: GroupWrite) -> torch.Tensor:
+    """The group's host copy, for an update to write in place; one held back is no longer
+    (``unhold``: nothing writes it home or sheds it while it is being updated; ``finish``
+    holds it again or writes it)."""
+    store, key = entry.manager.store, entry.group.key
+    data = store.wait(key, Tier.HOST)
+    entry.owed = store.unhold(key)
+    return data
 
 
 class WriteBack:
@@ -83,8 +96,9 @@ class WriteBack:
             if entry is not None and entry.in_place and not entry.fetched:
                 entry.fetched = True
                 store = entry.manager.store
-                # (else the host copy is its home, or one held back since the last update)
-                if entry.manager.home is not Tier.HOST and store.state(entry.group.key, Tier.HOST) is not Residency.RESIDENT:
+                # (else the host copy is its home, one held back since the last update, or one
+                # still being written home, which the fetch keeps: nothing is read)
+                if entry.manager.home is not Tier.HOST and store.state(entry.group.key, Tier.HOST) not in _KEPT:
                     store.fetch(entry.group.key, Tier.HOST)
                     self.stats["read_bytes"] += entry.group.nbytes
                     count(self.stats, "parameters", read=entry.group.nbytes)
@@ -102,7 +116,7 @@ class WriteBack:
                 views[id(seg)] = slot.param.data.view(-1)[seg.start: seg.start + seg.length]
                 continue
             if entry.data is None:
-                entry.data = manager.store.wait(group.key, Tier.HOST)
+                entry.data = _taken(entry)
             if id(group) not in unread:  # (no transfer may read the host copy the update writes)
                 manager.store.wait_unread(group.key, Tier.HOST)
                 unread.add(id(group))
@@ -114,7 +128,7 @@ class WriteBack:
         """Wait for the host copies of the groups ``shard`` updates in place."""
         for entry in self._in_place(shard, pending):
             if entry.data is None:
-                entry.data = entry.manager.store.wait(entry.group.key, Tier.HOST)
+                entry.data = _taken(entry)
 
     def unfetch(self, shard: Shard, pending: dict) -> None:
         """A read for ``shard`` failed: its groups' host copies that are not in memory are
@@ -183,7 +197,7 @@ class WriteBack:
             if manager.home is Tier.HOST:
                 store.mark_dirty(group.key, Tier.HOST)
                 return
-            if not store.held_back(group.key):  # (one held since the last update is written once)
+            if not entry.owed:  # (one held since the last update, its write still owed, is written once)
                 self.stats["write_bytes"] += group.nbytes
                 count(self.stats, "parameters", written=group.nbytes)
             if self.hold is not None and self.hold(store, group.nbytes):
@@ -223,8 +237,10 @@ class WriteBack:
 
     def drop_copies(self, entries: list[GroupWrite]) -> None:
         """After an exception: drop the host copies of groups read for an in-place update and
-        not written back (their tier keeps the bytes from before the step). Each copy is
-        waited for first, so no read is left landing in a freed slot."""
+        not written back (their tier keeps the bytes from before the step; a copy held back
+        with the last step's bytes, its write owed, is written home first, with whatever of
+        this step's update it had taken when the step stopped, which poisons the optimizer).
+        Each copy is waited for first, so no read is left landing in a freed slot."""
         for entry in entries:
             if not entry.in_place or not entry.fetched or entry.manager.home is Tier.HOST:
                 continue  # (a home copy in host memory was updated where it rests)

@@ -212,8 +212,6 @@ class Coordinator:
         rec.refs -= 1
         if phase == "backward":
             rec.backward_refs -= 1
-            if rec.backward_refs == 0:  # (new bytes an update left in host memory for this use: written now)
-                self.store.flush_behind(group.key)
         self.log_event("release", group, phase)
         if self.tracer is not None and rec.started:
             began_phase, began = rec.started.pop()

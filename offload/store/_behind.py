@@ -1,13 +1,13 @@
 """Copies held back: a copy the caller changed (``mark_dirty``) that stays where it is, its
-write home left for later, because the bytes will be read from it again soon.
+write home left for later, because the bytes will be read from it again.
 
 The optimizer's update in the next forward writes a parameter group's new bytes into its
-host copy; the forward reads them from there, and so does the backward after it. Written
-home at once and dropped, the group would be read back from the disk for the backward;
-held back, it is written home when the backward has used it (``flush_behind``), or when
-room is needed first (``shed_behind``: the oldest first, which a backward reaches last).
-Either way it is written once per change, and every reader meanwhile gets the newest bytes
-from the copy (``evict`` of a held copy writes it home like any dirty copy).
+host copy; the forward reads them from there, then the backward, then the next step's
+update, which changes them again. Written home at once and dropped, the group would be read
+back from the disk for each of those. Held back, it is written home only when the room is
+needed (``shed_behind``, the oldest first; the update holds no copy where the pool would be
+short), at ``synchronize`` (``flush_all_behind``), or by any ``evict``: once per hold,
+however many updates it took meanwhile, and every reader gets the newest bytes from it.
 
 Part of :class:`~offload.store.TensorStore` (a mixin: the store keeps the records and the
 lock).
@@ -34,7 +34,7 @@ class WriteBehind:
                 self._behind[key] = tier
 
     def held_back(self, key: str) -> bool:
-        """Whether ``key`` has a copy held back now (one evicted since is not)."""
+        """Whether ``key`` has a copy held back now (one evicted or replaced since is not)."""
         with self._cond:
             tier = self._behind.get(key)
             record = self._tensors.get(key)
@@ -44,11 +44,20 @@ class WriteBehind:
                 return False
             return True
 
+    def unhold(self, key: str) -> bool:
+        """Stop holding ``key``'s copy back without writing it (it stays changed, its write
+        owed: the caller is about to change it again, and holds it back or evicts it after);
+        whether it was held."""
+        with self._cond:
+            held = self.held_back(key)
+            self._behind.pop(key, None)
+            return held
+
     def flush_behind(self, key: str) -> None:
         """Start writing ``key``'s held copy home (dropped once written); nothing if none."""
         with DEFER, self._cond:
-            tier = self._behind.pop(key, None)
-            if tier is not None and key in self._tensors:
+            tier = self._behind.get(key)
+            if self.unhold(key):
                 self.evict(key, tier)
 
     def shed_behind(self, nbytes: int) -> int:
@@ -58,12 +67,8 @@ class WriteBehind:
         with DEFER, self._cond:
             while self._behind and started < nbytes:
                 key = next(iter(self._behind))
-                tier = self._behind.pop(key)
-                record = self._tensors.get(key)
-                if record is None or record.state(tier) is not Residency.RESIDENT:
-                    continue
-                self.evict(key, tier)
-                started += record.nbytes
+                started += self._tensors[key].nbytes if self.held_back(key) else 0
+                self.flush_behind(key)
         return started
 
     def flush_all_behind(self) -> None:

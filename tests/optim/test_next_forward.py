@@ -334,9 +334,9 @@ def test_an_inference_mode_forward_between_steps(tmp_path, shard_size, moments, 
 def test_groups_updated_in_the_forward_stay_in_memory_for_the_backward(tmp_path, tiny_gpt2, lm_batches,
                                                                         offload_config, no_leaks):
     """The update writes a group's new bytes into its host copy; the forward reads them from
-    there, and the copy stays (held back) for the backward, which reads it from memory and
-    writes it home once it has used it. synchronize() writes home what no backward used. The
-    weights are those of the update inside step() (``update_in_next_forward=False``)."""
+    there, and the copy stays (held back) for the backward, which reads it from memory, and
+    for the next update. synchronize() writes every held copy home. The weights are those of
+    the update inside step() (``update_in_next_forward=False``)."""
     (ids,), (ids2,) = lm_batches(211, steps=2, micro=1)
     runs = {}
     for name, deferred in (("in step", False), ("next forward", True)):
@@ -355,14 +355,37 @@ def test_groups_updated_in_the_forward_stay_in_memory_for_the_backward(tmp_path,
         loss.backward()
         if deferred:
             assert held and len(held) == len(streamed)  # (the budget holds them all)
-            # what the backward read from the disk: only groups no update held for it
-            assert nvme.read_bytes - before == 0
-            assert [g.key for g in held if store.held_back(g.key)] == ["transformer.wpe"]  # (its backward reads no weight)
+            assert nvme.read_bytes - before == 0  # (the backward read every group from memory)
+            assert all(store.held_back(g.key) for g in held)  # (kept for the next update)
         else:
             assert not held and nvme.read_bytes - before > 0
         opt.step()
         opt.synchronize()
         assert store.behind_bytes == 0
+        runs[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+        offload.close(model)
+    for key, want in runs["in step"].items():
+        assert torch.equal(runs["next forward"][key], want), key
+
+
+def test_a_held_group_updated_during_the_next_backward(tmp_path, tiny_gpt2, lm_batches, offload_config, no_leaks):
+    """Groups held in host memory since the last update, then updated during a backward
+    (``update_during_backward``) in several shards each, while that backward still uses
+    them: no write or drop of a copy being updated, and the weights are those of updates
+    inside step()."""
+    batches = [b for (b,) in lm_batches(211, steps=3, micro=1)]
+    runs = {}
+    for name, deferred in (("in step", False), ("next forward", True)):
+        model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / name, optimizer_tier="host", device_budget="128KiB"))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, shard_size=6000, update_in_next_forward=deferred)
+        for i, ids in enumerate(batches):
+            loss = model(input_ids=ids, labels=ids).loss
+            with opt.update_during_backward() if i == 1 else contextlib.nullcontext():
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
         runs[name] = {k: v.clone() for k, v in model.state_dict().items()}
         opt.close()
         offload.close(model)

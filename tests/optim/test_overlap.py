@@ -260,12 +260,12 @@ def test_grad_tier(tmp_path, grad_tier, tiny_gpt2, lm_batches, train, make_opt, 
         opt.synchronize()  # (the last step's update runs in the next forward: finish it before counting)
         stats = opt.stats
         # states each step; gradients once per micro-batch (2) only when they rest on NVMe;
-        # parameters each step, but for a group held in host memory for a backward that never
-        # reads it (a position embedding's backward needs no weight), written once for two steps
+        # parameters at most each step: a group held in host memory between updates is
+        # written once when the room is needed or at synchronize()
         assert (stats["master_write_bytes"] + stats["moments_write_bytes"]) / 3 == state
         assert stats["gradients_write_bytes"] / 3 == (2 * grads if grad_tier == "nvme" else 0)
-        largest = max(g.nbytes for g in groups if not g.resident)
-        assert params - largest <= stats["parameters_write_bytes"] / 3 <= params
+        assert params <= stats["parameters_write_bytes"] <= 3 * params
+        assert offload.params.manager_of(model).store.behind_bytes == 0
         opt.close()
     finally:
         offload.unwrap(model)
