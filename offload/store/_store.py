@@ -174,6 +174,8 @@ class TensorStore(Lending, InPlaceHomes, WriteBehind, Transfers):
                 if copy.state is Residency.QUEUED and self._in_flight == 0:
                     self._pump(tier)
                     if copy.state is Residency.QUEUED:
+                        if self._shed_for(tier, copy.short_of_staging, record.nbytes):
+                            continue  # (writes started: their landing frees the room)
                         raise self._stuck_error(record, tier, staging=copy.short_of_staging)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

@@ -119,8 +119,15 @@ class Transfers:
             if got is not None:
                 return got
             if self._in_flight == 0:
+                if self._shed_for(backend.tier if backend else Tier.HOST, stage, record.nbytes):
+                    continue  # (writes started: their landing frees the room)
                 raise self._stuck_error(record, Tier.HOST if stage else backend.tier, staging=stage)
             _wait(self._cond)
+
+    def _shed_for(self, tier: Tier, staging: bool, nbytes: int) -> bool:
+        """Nothing in flight frees the room a transfer waits for: where that room is host
+        memory, start writing home copies held back there (``_behind``); whether any went."""
+        return (staging or tier is Tier.HOST) and bool(self._behind) and self.shed_behind(nbytes) > 0
 
     def _start_load(self, record: StoredTensor, copy: TierCopy, source: TierCopy) -> None:
         copy.version = record.version
@@ -347,19 +354,25 @@ class Transfers:
                 f"tensor {record.key!r} ({record.nbytes} bytes) waits for a host staging buffer (a transfer "
                 f"between tiers outside host memory passes through one; {self.staging.in_use_bytes} of "
                 f"{self.staging.budget} bytes of the host pool in use) and nothing in flight will free any: "
-                "raise the host budget")
+                f"raise host_budget (OffloadConfig) above {self.staging.in_use_bytes + record.nbytes} bytes, "
+                "with room to spare: what else the run holds grows with it")
             error.short_of = Tier.HOST
             return error
         holders = sorted(((c.state.value, r.key) for r in self._tensors.values()
                           for c in r.copies.values() if c.tier is tier and c.slot is not None))[:8]
         backend = self.tiers.get(tier)
         used = f"{backend.used_bytes} of {backend.budget} bytes held" if backend else ""
+        need = backend.used_bytes + backend.slot_size(record.nbytes) if backend else record.nbytes
         error = BudgetError(
             f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in the {tier.value} tier ({used}, by "
-            f"{holders}) and nothing in flight will free any: evict() tensors first or raise "
-            f"the {tier.value} budget")
+            f"{holders}) and nothing in flight will free any: raise {_SETTING.get(tier, f'the {tier.value} budget')} "
+            f"above {need} bytes, with room to spare (what else the run holds grows with it); using the store "
+            "directly, evict() tensors first")
         error.short_of = tier
         return error
+
+
+_SETTING = {Tier.HOST: "host_budget (OffloadConfig)", Tier.DEVICE: "device_budget (OffloadConfig)"}
 
 
 class _Chained(Pending):

@@ -276,7 +276,9 @@ def test_the_backward_takes_room_back_from_rows_read_ahead(tmp_path, tiny_gpt2, 
         assert opt.stats["backward_read_bytes"] == read  # (stopped until the next step)
         opt.step()
         opt.zero_grad()
-        model(input_ids=ids2, labels=ids2).loss.backward()
+        loss = model(input_ids=ids2, labels=ids2).loss
+        opt.synchronize()  # (the weights the update held in host memory go home: that room is the rows' again)
+        loss.backward()
         assert opt.stats["backward_read_bytes"] > read
         opt.step()
         opt.synchronize()

@@ -69,3 +69,20 @@ def test_an_evicted_or_deleted_held_copy_is_no_longer_held(make_store):
     log.clear()
     store.flush_all_behind()
     assert log == []
+
+
+def test_a_fetch_short_of_room_writes_held_copies_home_instead_of_failing(make_store):
+    """Held copies fill the host tier; a fetch into it, with nothing else in flight that could
+    free room, starts their writes (oldest first) and waits for them rather than raising."""
+    store, fake, log = make_store(host_slots=3)
+    store.put("t3", torch.full((1000,), 3.0), Tier.NVME)
+    fake.complete()
+    held(store, fake, 3)
+    store.fetch("t3", Tier.HOST)
+    assert store.state("t3", Tier.HOST) is Residency.QUEUED
+    fake.manual = False  # (the writes the wait starts land at once)
+    assert torch.equal(store.wait("t3", Tier.HOST), torch.full((1000,), 3.0))
+    assert not store.held_back("t0") and store.held_back("t2")
+    store.flush_all_behind()
+    store.fetch("t0", Tier.HOST)
+    assert torch.equal(store.wait("t0", Tier.HOST), torch.full((1000,), 100.0))
