@@ -218,18 +218,21 @@ def _merged_manifest(everyone: list[dict], model: nn.Module, cat: Catalog, extra
 
 def resources(cat: Catalog, optimizer: Any = None) -> tuple[BufferPool, int, dict]:
     """The host buffer pool to stream through (the wrapped model's, so buffers count in its
-    host budget), the window of bytes held at once, and the file engine's settings."""
+    host budget), the window of bytes held at once, and the file engine's settings. The
+    window is half of what the pool has free now (what the run holds already, gradients
+    resting in host memory, is not the stream's), so that a load's puts, which stage a group
+    for NVMe beside the buffers read ahead, find the other half."""
     manager = cat.manager
     own = optimizer.checkpoint_view().staging if isinstance(optimizer, OffloadOptimizer) else None
     if manager is None and own is not None:
-        return own, min(_WINDOW, own.budget // 2), {}
+        return own, min(_WINDOW, (own.budget - own.in_use_bytes) // 2), {}
     if manager is None:
         return BufferPool(1 << 62, name="checkpoint"), _WINDOW, {}
     cfg = manager.config
     pool = manager.store.staging
     settings = resolve_engine(cfg)
     engine = {"block_size": settings.block_size, "threads": settings.threads, "queue_depth": settings.queue_depth}
-    return pool, min(_WINDOW, pool.budget // 2), engine
+    return pool, min(_WINDOW, (pool.budget - pool.in_use_bytes) // 2), engine
 
 
 def _check_extra(extra: Any) -> Any:

@@ -257,3 +257,34 @@ def test_atomic_directory_exchange_is_used_here(tmp_path):
     (b / "x").write_text("b")
     assert _format._exchange(str(a), str(b))
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
+
+
+def test_a_checkpoint_loads_at_the_host_budget_it_was_saved_at(tmp_path, tiny_gpt2, lm_batches, offload_config, train):
+    """A new user's trial: trained and saved at a tight host budget, the load into a fresh
+    model at the same budget found no room to stage a group for NVMe beside the buffers it
+    had read ahead (a window of half the budget, though the gradients resting in host memory
+    held much of the rest). The window is half the pool's free room now; the states load."""
+    def build(where):
+        m = offload.wrap(tiny_gpt2(), offload_config(tmp_path / where, host_budget="768KiB", device_budget="128KiB",
+                                                     resident_bytes=0))
+        return m, offload.AdamW(m.parameters(), lr=1e-2)
+
+    m, opt = build("a")
+    train(m, opt, lm_batches(211, steps=2))
+    offload.save_checkpoint(str(tmp_path / "ckpt"), m, opt)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    want_opt = opt.state_dict()["state"]
+    opt.close()
+    offload.close(m)
+    m, opt = build("b")
+    try:
+        offload.load_checkpoint(str(tmp_path / "ckpt"), m, opt)
+        got = m.state_dict()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        for i, rows in opt.state_dict()["state"].items():
+            for key, value in rows.items():
+                assert torch.equal(value, want_opt[i][key]), (i, key)
+    finally:
+        opt.close()
+        offload.close(m)
