@@ -78,11 +78,11 @@ class NextForward:
     def settle(self) -> None:
         self._advance(len(self.work) - 1, settling=True)
 
-    def _room_to_hold(self, store, nbytes: int) -> bool:
-        """Whether a group's new host copy may stay in host memory until the backward has
-        used it (``store.hold_back``: the backward reads it from there instead of the disk):
-        only while the pool keeps room beside it for the shards read next and for compute's
-        transfers, which the held copies must never wait on."""
+    def _room_to_hold(self, store) -> bool:
+        """Whether a group's new host copy (already in ``store``'s pool) may stay there
+        (``store.hold_back``: the backward and the next update read it from memory instead
+        of the disk): only while the pool keeps room beside it for the shards read next and
+        for compute's transfers, which the held copies must never wait on."""
         ahead = sum(s.bytes_in_flight for s in self.work[self.position + 1: self.position + 2 + READ_AHEAD]
                     if s.store is store)
         pool = store.staging
@@ -92,7 +92,7 @@ class NextForward:
     def start(self) -> None:
         """At ``step()``: read the first shards, so the forward's first groups find them. A
         read refused now (an I/O error) is made again at the use that needs it. From now on
-        the groups it writes may be held in host memory for the backward."""
+        the groups it writes may be held in host memory (``_room_to_hold``)."""
         self.writeback.hold = self._room_to_hold
         try:
             for shard in self.work[: 1 + READ_AHEAD]:

@@ -257,7 +257,7 @@ class ShardBook:
         keeps its bytes in host memory with the error: report it here (the next step would
         meet it when it reads them)."""
         for store in {id(s.store): s.store for s in self.shards}.values():
-            store.flush_all_behind()  # (parameter groups an update left in host memory for the backward)
+            store.flush_all_behind()  # (parameter groups an update held in host memory)
             store.drain()
         for shard in self.shards:
             if shard.home is Tier.NVME and shard.rows and \

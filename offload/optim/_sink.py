@@ -287,12 +287,12 @@ class GradientSink:
     def _room(self, store: Any, nbytes: int) -> None:
         """Before taking ``nbytes`` of ``store``'s pool: state rows read ahead for the update
         give way where the pool is short (``_ahead``: they are clean, a drop costs a read),
-        then parameter groups held in host memory for the backward (``store.shed_behind``)."""
+        then parameter groups an update held in host memory (``store.shed_behind``)."""
         pool = store.staging
         if self.ahead is not None and pool.budget - pool.in_use_bytes < nbytes:
             self.ahead.shed(store, nbytes)
         short = nbytes - (pool.budget - pool.in_use_bytes)
-        if short > 0:  # (then parameter groups held for the backward go home: their room frees as they land)
+        if short > 0:  # (held parameter groups go home: their room frees as they land)
             store.shed_behind(short)
 
     def reset(self) -> None:

@@ -59,8 +59,8 @@ class WriteBack:
     def __init__(self, stats: dict):
         self.stats = stats
         # while an update runs in the next forward: whether a group's new host copy may stay
-        # in host memory for the backward (``store.hold_back``), given its store and bytes
-        self.hold: Callable[[Any, int], bool] | None = None
+        # in host memory (``store.hold_back``), given its store
+        self.hold: Callable[[Any], bool] | None = None
 
     def plan(self, work: list[Shard], pending: dict | None = None) -> dict[int, GroupWrite]:
         """For each wrapped parameter group touched by ``work`` and not in ``pending``: how
@@ -200,8 +200,8 @@ class WriteBack:
             if not entry.owed:  # (one held since the last update, its write still owed, is written once)
                 self.stats["write_bytes"] += group.nbytes
                 count(self.stats, "parameters", written=group.nbytes)
-            if self.hold is not None and self.hold(store, group.nbytes):
-                store.hold_back(group.key, Tier.HOST)  # written home once the backward has used it
+            if self.hold is not None and self.hold(store):
+                store.hold_back(group.key, Tier.HOST)  # written home when the room is needed, or at synchronize()
             else:
                 store.mark_dirty(group.key, Tier.HOST)
                 store.evict(group.key, Tier.HOST)  # written home; the host copy dropped

@@ -19,7 +19,7 @@ fetch while nothing in flight could ever free space raises too, instead of deadl
 The store is one object (one lock, one set of books) written in three files: this one
 (the records' lifecycle and the issue/wait/evict calls), ``_transfers.py`` (routes,
 reservations, transfers and their completions), ``_lending.py`` (reads and loans that
-make no copy in a tier) and ``_behind.py`` (dirty copies whose write home waits for a use).
+make no copy in a tier) and ``_behind.py`` (dirty copies whose write home waits until the room is needed).
 """
 
 from __future__ import annotations
