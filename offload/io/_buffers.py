@@ -215,15 +215,7 @@ class BufferPool:
         checkpoint, briefly) is not handed out: reused, it would give that holder another
         tensor's bytes. It stays cached for when its views are gone (``_drop`` says what
         happens to it when the room is needed first)."""
-        bufs = self._free.get(size, [])
-        for i in range(len(bufs) - 1, -1, -1):
-            if not bufs[i].shared():
-                buf = bufs.pop(i)
-                if not bufs:
-                    del self._free[size]
-                self._cached -= size
-                return buf
-        return None
+        return self._pop_cached(size, viewed=False)
 
     def _drop(self, buf: HostBuffer, *, closing: bool = False) -> None:
         """Unmap a cached buffer (popped) and stop counting it. One a tensor still views is
