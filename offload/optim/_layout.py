@@ -172,10 +172,14 @@ class Shard:
         """Host bytes of the group copies updating this shard reads (whole groups: fp32
         groups resting on NVMe, updated in place; a group spanning shards stays until its
         last one is done)."""
+        return sum(self.group_copy_sizes(param_home))
+
+    def group_copy_sizes(self, param_home: Tier | None) -> list[int]:
+        """The bytes of each group copy ``group_copy_bytes`` counts."""
         if not self.wrapped or self.master or param_home is not Tier.NVME:
-            return 0
-        return sum({id(s.owner.group): s.owner.group.nbytes for s in self.segments
-                    if not s.owner.group.resident}.values())
+            return []
+        return list({id(s.owner.group): s.owner.group.nbytes for s in self.segments
+                     if not s.owner.group.resident}.values())
 
     @property
     def host_reads(self) -> list[str]:

@@ -17,7 +17,8 @@ from ..store import Residency, Tier, TensorStore, create_store
 from ._formats import StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, ParamEntry, Placement, Segment, Shard, cut,
                       master_mode)
-from ._sizing import check_host_budget, check_machine, device_staging_bytes, grad_room, wrapped_mode, write_back_bytes
+from ._sizing import (check_host_budget, check_machine, cut_to_fit, device_staging_bytes, grad_room, wrapped_mode,
+                      write_back_bytes)
 
 __all__ = ["ShardBook", "NewLayout"]
 
@@ -140,13 +141,23 @@ class ShardBook:
                                     e.owner.group.slots.index(e.owner.slot)))
         placements: dict[int, Placement] = {}
         items = [self._item(e, placements) for e in wrapped + plain]
-        room = grad_room(items, self.grad_tier)
-        new = cut([it for it in items if it.owner is not None], first_index=len(self.shards),
-                  shard_size=self.shard_size, grad_room=room)
-        new += cut([it for it in items if it.owner is None], first_index=len(self.shards) + len(new),
-                   shard_size=self.shard_size, grad_room=room)
-        check_host_budget(new + self.shards, self.placements)
+
+        def cut_all(room: dict[int, int]) -> list[Shard]:
+            shards = cut([it for it in items if it.owner is not None], first_index=len(self.shards),
+                         shard_size=self.shard_size, grad_room=room)
+            return shards + cut([it for it in items if it.owner is None], first_index=len(self.shards) + len(shards),
+                                shard_size=self.shard_size, grad_room=room)
+
+        slack: dict[int, int] = {}
+        new = cut_to_fit(cut_all, grad_room(items, self.grad_tier), self.grad_tier,
+                         lambda shards: slack.update(check_host_budget(shards + self.shards, self.placements)))
         check_machine(new)
+        # a pool buffer reused larger than asked takes room the sizing gave to others: at
+        # most what the budget leaves beyond the step's needs, from the states' first put on
+        for key, room in slack.items():
+            store = self.placements[key].store
+            if store is not None:
+                store.tiers[Tier.HOST].limit_slack(room)
         return NewLayout(new, todo)
 
     def commit(self, new: NewLayout) -> None:

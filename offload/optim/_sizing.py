@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -23,8 +23,8 @@ from ._formats import BLOCK, StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
-__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "write_back_bytes",
-           "wrapped_mode", "plan_rows"]
+__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
+           "write_back_bytes", "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -103,43 +103,95 @@ def _padded(item: Item) -> int:
     return n
 
 
+def _pages(nbytes: int) -> int:
+    """Host bytes a pool buffer of ``nbytes`` takes: whole pages (a 256-byte norm's copy takes 4 KiB)."""
+    return round_up(nbytes, PAGE_SIZE) if nbytes else 0
+
+
+def in_flight_bytes(shard: Shard, param_home: Tier | None) -> int:
+    """Host pool bytes ``shard`` holds while it is read, updated and written: its rows and
+    gradient, the groups it updates in host copies, and (coded rows) the fp32 scratch its
+    update decodes into, each a buffer of whole pages."""
+    reads = 0
+    if shard.home is not Tier.HOST:
+        reads = _pages(shard.state_bytes) + (_pages(shard.grad_bytes) if shard.grad_home is not Tier.HOST else 0)
+    return reads + sum(_pages(n) for n in shard.group_copy_sizes(param_home)) + _pages(shard.scratch_bytes)
+
+
+def resting_bytes(shard: Shard) -> int:
+    """Host pool bytes ``shard`` keeps between steps (``Shard.host_resting_bytes`` in whole pages)."""
+    states = _pages(shard.state_bytes) if shard.home is Tier.HOST else 0
+    return states + (_pages(shard.grad_bytes) if shard.grad_home is Tier.HOST else 0)
+
+
 def largest_in_flight(shards: Iterable[Shard], param_home: Tier | None) -> int:
-    """Host bytes of the largest of ``shards`` in flight: its rows and gradient, the groups
-    it updates in host copies, and (coded rows) the fp32 scratch its update decodes into."""
-    return max((s.bytes_in_flight + s.group_copy_bytes(param_home) + s.scratch_bytes for s in shards), default=0)
+    """Host bytes of the largest of ``shards`` in flight (``in_flight_bytes``)."""
+    return max((in_flight_bytes(s, param_home) for s in shards), default=0)
 
 
-def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> None:
-    """Per store: the states resting in host memory, the largest shard in flight and the
-    write-back staging must fit its host budget."""
+def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[int, list[tuple[int, str]]]:
+    """Per store key: the host pool bytes the optimizer's step needs there, in parts: the
+    states and gradients resting in host memory, the largest shard in flight, the write-back
+    staging and compute's transfers on a device."""
     by_store: dict[int, list[Shard]] = defaultdict(list)
     for s in shards:
         by_store[id(s.store)].append(s)
+    needs = {}
     for key, group in by_store.items():
         p = placements[key]
-        resting = sum(s.host_resting_bytes for s in group)
-        largest = largest_in_flight(group, p.param_home)
         wrapped = any(s.wrapped for s in group)
-        staging = p.write_back if wrapped else 0
-        device = p.device_staging if wrapped else 0
-        need = resting + largest + staging + device
+        needs[key] = [(sum(resting_bytes(s) for s in group), "resting in host memory"),
+                      (largest_in_flight(group, p.param_home),
+                       "for one shard in flight (with the parameter groups it updates in place)"),
+                      (p.write_back if wrapped else 0, "to write back a parameter group"),
+                      (p.device_staging if wrapped else 0, "to copy gradients and a parameter group between host and device")]
+    return needs
+
+
+def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> dict[int, int]:
+    """Per store: the states resting in host memory, the largest shard in flight and the
+    write-back staging must fit its host budget. Returns, per store key, what the budget
+    leaves beyond them (``limit_host_slack``)."""
+    slack = {}
+    for key, parts in host_needs(shards, placements).items():
+        p = placements[key]
+        need = sum(n for n, _ in parts)
+        slack[key] = p.host_budget - need
         if need <= p.host_budget:
             continue
-        parts = [(resting, "resting in host memory"),
-                 (largest, "for one shard in flight (with the parameter groups it updates in place)"),
-                 (staging, "to write back a parameter group"),
-                 (device, "to copy gradients and a parameter group between host and device")]
+        group = [s for s in shards if id(s.store) == key]
         fixes = ["raise host_budget"]
         if any(s.home is Tier.HOST for s in group):
             fixes.append("set optimizer_tier='nvme'")
         fixes.append("pass a smaller shard_size")
         if any(s.grad_home is Tier.HOST and s.home is not Tier.HOST for s in group):
             fixes.append("set grad_tier='nvme'")
-        raise BudgetError(
+        error = BudgetError(
             f"the optimizer states need {format_size(need)} of host memory ("
             + ", ".join(f"{format_size(n)} {what}" for n, what in parts if n)
             + f") but host_budget is {format_size(p.host_budget)}: " + ", ".join(fixes[:-1])
             + f" or {fixes[-1]}")
+        error.short = {key: need - p.host_budget}
+        raise error
+    return slack
+
+
+def cut_to_fit(cut_all: Callable[[dict[int, int]], list[Shard]], room: dict[int, int], grad_tier: str,
+               check: Callable[[list[Shard]], Any]) -> list[Shard]:
+    """``cut_all(room)``'s shards, passed by ``check`` (``check_host_budget``). With grad_tier
+    "auto", where the gradients kept in host memory (``room``, per store key) leave too
+    little for a shard in flight, fewer are kept, down to none, before a refusal stands."""
+    while True:
+        shards = cut_all(room)
+        try:
+            check(shards)
+            return shards
+        except BudgetError as err:
+            short = getattr(err, "short", {})
+            if grad_tier != "auto" or not any(room.get(k) for k in short):
+                raise
+            # (a gradient sent to NVMe is read back in flight: a page more per try, at least)
+            room = {k: max(0, n - max(short.get(k, 0), PAGE_SIZE)) if k in short else n for k, n in room.items()}
 
 
 def check_machine(shards: list[Shard]) -> None:
@@ -207,8 +259,9 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
                 check_master_format(master_fmt, slot.dtype, tuple(slot.param.shape))
     if not items:
         return []
-    shards = cut(items, first_index=0, shard_size=None, grad_room=grad_room(items, "auto"))
-    check_host_budget(shards, {placement.key: placement})  # (the optimizer would refuse: so does the plan)
+    # (the optimizer would refuse: so does the plan)
+    shards = cut_to_fit(lambda room: cut(items, first_index=0, shard_size=None, grad_room=room),
+                        grad_room(items, "auto"), "auto", lambda s: check_host_budget(s, {placement.key: placement}))
     masters = sum(s.master_bytes for s in shards)
     params = sum(seg.length for s in shards for seg in s.segments)
     moment_bytes = sum(s.state_bytes for s in shards) - masters
@@ -237,7 +290,7 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
         out.append(PlanRow("optimizer: compiling the 8-bit coding", "host", compiling,
                            "torch.compile's modules and caches, once per process, beside host_budget; "
                            "OFFLOAD_COMPILE_CODES=0 codes eagerly without them", pooled=False))
-    flight = {id(s): s.bytes_in_flight + s.group_copy_bytes(param_home) for s in shards}
+    flight = {id(s): in_flight_bytes(s, param_home) - _pages(s.scratch_bytes) for s in shards}
     flying = sorted(shards, key=lambda s: flight[id(s)], reverse=True)[:SHARDS_IN_FLIGHT]
     if home is Tier.NVME or any(s.group_copy_bytes(param_home) for s in shards):
         out.append(PlanRow("optimizer: shards in flight", "host",

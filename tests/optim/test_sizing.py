@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 import offload
-from offload.io import BudgetError
+from offload.io import PAGE_SIZE, BudgetError, round_up
+from offload.optim._sizing import in_flight_bytes
 
 
 def _built(opt) -> dict[str, int]:
@@ -19,7 +21,7 @@ def _built(opt) -> dict[str, int]:
         out[f"grads {tier}"] = sum(s.grad_bytes for s in shards if s.grad_home is not None
                                    and s.grad_home.value == tier)
     placement = opt._book.placements[id(shards[0].store)]
-    held = [s.bytes_in_flight + s.group_copy_bytes(placement.param_home) for s in shards]
+    held = [in_flight_bytes(s, placement.param_home) - round_up(s.scratch_bytes, PAGE_SIZE) for s in shards]
     if {s.home.value for s in shards} == {"nvme"} or any(s.group_copy_bytes(placement.param_home) for s in shards):
         out["in flight"] = min(placement.host_budget, sum(sorted(held, reverse=True)[:4]))
     return out
@@ -105,3 +107,41 @@ def test_where_the_plan_fits_the_steps_run_within_the_host_budget(tmp_path, tiny
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
         ran += 1
     assert ran >= 3, ran
+
+
+def test_at_the_least_host_budget_the_plan_accepts_clipped_steps_run(tmp_path, tiny_llama, offload_config, make_opt,
+                                                                    lm_batches, train):
+    """The tight end, found to a page: at the least host budget the plan accepts, clipped
+    steps with the update in the next forward run and equal torch's; a page less, the plan and
+    the optimizer both refuse. (Each pool buffer is whole pages, a norm's 256 bytes taking 4
+    KiB, and none is reused larger than the budget leaves room for: before, a budget the
+    plan accepted stopped mid-step waiting for host room.)"""
+    settings = dict(device_budget="256KiB", resident_bytes=0)
+    ref = tiny_llama(vocab_size=1000, num_hidden_layers=3)  # (a 256 KB head beside 256-byte norms)
+    batches = lm_batches(1000, steps=3, micro=1)
+    expected = train(ref, make_opt("adamw", ref.parameters(), offloaded=False), batches, clip=0.5)
+
+    def fits(budget: int) -> bool:
+        cfg = offload_config(tmp_path / "plan", host_budget=budget, **settings)
+        return offload.plan(tiny_llama(vocab_size=1000, num_hidden_layers=3), cfg, optimizer="adamw").fits
+
+    lo, hi = 64 << 10, 4 << 20  # (refused, accepted)
+    assert not fits(lo) and fits(hi)
+    while hi - lo > PAGE_SIZE:
+        mid = round_up((lo + hi) // 2, PAGE_SIZE)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    for budget, runs in ((lo, False), (hi, True)):
+        model = tiny_llama(vocab_size=1000, num_hidden_layers=3)
+        offload.wrap(model, offload_config(tmp_path / str(budget), host_budget=budget, **settings))
+        try:
+            if not runs:
+                with pytest.raises(BudgetError, match="host_budget"):
+                    make_opt("adamw", model.parameters(), offloaded=True)
+                continue
+            opt = make_opt("adamw", model.parameters(), offloaded=True)
+            losses = train(model, opt, batches, clip=0.5)
+            assert offload.stats(model)["host_peak_bytes"] <= budget
+            opt.close()
+        finally:
+            offload.close(model)
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
