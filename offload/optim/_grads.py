@@ -86,7 +86,7 @@ class OffloadedGrad(torch.Tensor):
         if func is _UNSCALE:
             return _unscale(*args, **kwargs)
         if func is torch.Tensor.zero_ and args[0] is first:  # zeros, still a gradient (a step takes it)
-            first._book.write(first._param, torch.zeros(first.shape))
+            first._book.zero(first._param)
             return first
         if func in _SCALE and len(args) == 2 and args[0] is first and not kwargs:
             factor = _number(args[1])
@@ -238,6 +238,7 @@ class GradientBook:
                 shard.store.put(shard.grad_key, torch.zeros(shard.numel), shard.grad_home)
             for seg in shard.segments:
                 seg.scale, seg.sumsq, seg.maxabs, seg.whole = 1.0, 0.0, 0.0, None
+                seg.zeroed = seg.has_grad
             renote(shard)
 
     def loss_scale_changed(self, old: float, new: float) -> None:
@@ -343,16 +344,26 @@ class GradientBook:
             part = flat[seg.start: seg.start + seg.length] * self._loss_scale()  # held as backward leaves it
             if seg.shard.acc is not None:
                 seg.shard.acc[seg.offset: seg.offset + seg.length] = part
-                seg.has_grad, seg.scale, seg.whole = True, 1.0, None
+                seg.has_grad, seg.zeroed, seg.scale, seg.whole = True, False, 1.0, None
             else:
                 self._rewrite(seg, part)
+
+    def zero(self, param: torch.Tensor) -> None:
+        """``p.grad.zero_()``: zeros, still held; nothing is written where they are zeros
+        already (torch's ``zero_grad(set_to_none=False)`` after the optimizer's own)."""
+        segs = self._segments(param)
+        if segs and all(seg.has_grad and seg.zeroed and seg.scale == 1.0 for seg in segs):
+            return
+        self.write(param, torch.zeros(param.shape))
+        for seg in segs:  # (the next gradient added is the sum to the bit: _sink._note_whole)
+            seg.zeroed = True
 
     def drop(self, param: torch.Tensor) -> None:
         """``p.grad = None``: its slices are zeroed when their accumulator is next opened."""
         for seg in self._segments(param):
             if seg.shard.acc is not None:
                 seg.shard.acc[seg.offset: seg.offset + seg.length].zero_()
-            seg.has_grad, seg.scale, seg.sumsq, seg.maxabs, seg.whole = False, 1.0, 0.0, 0.0, None
+            seg.has_grad, seg.zeroed, seg.scale, seg.sumsq, seg.maxabs, seg.whole = False, False, 1.0, 0.0, 0.0, None
             if seg.shard.acc is None and not any(s.has_grad for s in seg.shard.segments):
                 seg.shard.grad_valid = False
             renote(seg.shard)
@@ -364,13 +375,13 @@ class GradientBook:
         if not shard.grad_valid:  # its stale sums are zeroed by the next backward; so here
             acc.zero_()
             for other in shard.segments:
-                other.has_grad, other.scale, other.sumsq, other.maxabs, other.whole = False, 1.0, 0.0, 0.0, None
+                other.has_grad, other.zeroed, other.scale, other.sumsq, other.maxabs, other.whole = False, False, 1.0, 0.0, 0.0, None
         else:
             for other in shard.segments:  # (dropped ones: zero, as the next backward would make them)
                 if not other.has_grad:
                     acc[other.offset: other.offset + other.length].zero_()
         acc[seg.offset: seg.offset + seg.length] = part
-        seg.has_grad, seg.scale, seg.whole = True, 1.0, None
+        seg.has_grad, seg.zeroed, seg.scale, seg.whole = True, False, 1.0, None
         seg.sumsq, seg.maxabs = noted_norms(part)
         if shard.grad_home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)

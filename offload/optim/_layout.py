@@ -72,6 +72,7 @@ class Segment:
     step: torch.Tensor  # this segment's step count (a split parameter's segments stay equal)
     owner: Owner | None = None  # a wrapped parameter's
     has_grad: bool = False  # a gradient arrived since zero_grad()
+    zeroed: bool = False  # held, and all zeros (zero_grad(set_to_none=False)) until the next add
     shard: "Shard | None" = None
     # noted when the accumulator was written (wrapped only): what p.grad's norms answer
     sumsq: float = 0.0

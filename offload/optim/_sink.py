@@ -144,7 +144,7 @@ class GradientSink:
             at = base + seg.start
             acc[seg.offset: seg.offset + seg.length].add_(flat[at: at + seg.length])
             acc = None  # (_flush may release its buffer: see there)
-            seg.has_grad = True
+            seg.has_grad, seg.zeroed = True, False
             shard.drained.add(id(p))
             if len(shard.drained) >= shard.expected:
                 self._flush(shard)
@@ -302,7 +302,7 @@ class GradientSink:
         for shard in self.book.shards:
             shard.grad_valid, shard.sumsq, shard.maxabs, shard.finite = False, 0.0, 0.0, True
             for seg in shard.segments:
-                seg.has_grad, seg.whole = False, None
+                seg.has_grad, seg.zeroed, seg.whole = False, False, None
 
     def close(self) -> None:
         """Stop taking gradients. Adds still queued are waited for; accumulators a stopped
@@ -337,11 +337,12 @@ def _note_whole(segs: list, flat: torch.Tensor, *, whole: bool) -> None:
     """A split parameter's gradient arrives: where it is its first since the gradient was
     dropped and ``flat`` is all of it, its squared norm as torch's ``vector_norm`` takes it
     over the whole (what ``clip_grad_norm_`` takes per parameter; the pieces' noted sums
-    differ from it in the last bits). A gradient added to a held one has no whole norm, nor
-    one of another dtype (torch's bits are promised for fp32; a copy in fp32 would cost
+    differ from it in the last bits). A gradient added to a held one has no whole norm (one
+    held as zeros by ``zero_grad(set_to_none=False)`` does: the sum is ``flat`` to the bit),
+    nor one of another dtype (torch's bits are promised for fp32; a copy in fp32 would cost
     memory the budgets do not count)."""
     value = None
-    if whole and flat.dtype == torch.float32 and not any(seg.has_grad for seg in segs):
+    if whole and flat.dtype == torch.float32 and not any(seg.has_grad and not seg.zeroed for seg in segs):
         value = float(torch.linalg.vector_norm(flat)) ** 2
         if not math.isfinite(value):  # (the pieces' sums fall back to fp64, or carry the NaN)
             value = None

@@ -282,13 +282,16 @@ def test_clipping_equals_torchs_bit_for_bit(tmp_path, tier, api, tiny_llama, mak
     close(model, opt)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("micro", [1, 2])
-def test_split_parameters_clip_as_torch(tmp_path, micro, tiny_llama, make_opt, offload_config, lm_batches,
+def test_split_parameters_clip_as_torch(tmp_path, micro, set_to_none, tiny_llama, make_opt, offload_config, lm_batches,
                                         assert_same_weights, no_leaks):
     """Shards small enough that most parameters straddle two or more: with one backward per
     step each split parameter's norm is taken over its whole gradient, so the clip is
-    torch's to the bit (under a GradScaler too); with two (the sum exists only in pieces) it
-    is summed from the pieces, a few units in the last place off."""
+    torch's to the bit (under a GradScaler too), also where zero_grad(set_to_none=False)
+    left zeros for the gradient to add to (it was not: summed from the pieces); with two
+    backwards (the sum exists only in pieces) it is summed from the pieces, a few units in
+    the last place off."""
     ref, model = tiny_llama(), tiny_llama()
     ref_opt = make_opt("adamw", ref.parameters(), False)
     offload.wrap(model, offload_config(tmp_path, param_tier="nvme", optimizer_tier="nvme"))
@@ -304,7 +307,7 @@ def test_split_parameters_clip_as_torch(tmp_path, micro, tiny_llama, make_opt, o
             norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5 if step % 2 == 0 else 1e9))
             scaler.step(o)
             scaler.update()
-            o.zero_grad()
+            o.zero_grad(set_to_none=set_to_none)
         exact = dict(rtol=0, atol=0) if micro == 1 else {}
         torch.testing.assert_close(norms[0], norms[1], **exact)
     assert_same_weights(model, ref, **exact)
