@@ -3,11 +3,14 @@ write home left for later, because the bytes will be read from it again.
 
 The optimizer's update in the next forward writes a parameter group's new bytes into its
 host copy; the forward reads them from there, then the backward, then the next step's
-update, which changes them again. Written home at once and dropped, the group would be read
+update, which changes them again (a shard's state rows likewise, read by the next update). Written home at once and dropped, the group would be read
 back from the disk for each of those. Held back, it is written home only when the room is
 needed (``shed_behind``, the oldest first; the update holds no copy where the pool would be
 short), at ``synchronize`` (``flush_all_behind``), or by any ``evict``: once per hold,
 however many updates it took meanwhile, and every reader gets the newest bytes from it.
+
+A wait for a home copy that such a change made stale brings it up to date first
+(``_bring_home``), keeping the changed copy where it is.
 
 Part of :class:`~offload.store.TensorStore` (a mixin: the store keeps the records and the
 lock).
@@ -15,8 +18,9 @@ lock).
 
 from __future__ import annotations
 
-from .._signals import DEFER
-from ._state import Residency, Tier
+from .._signals import DEFER, wait as _wait
+from ._records import StoredTensor
+from ._state import Residency, StoreError, Tier
 
 __all__ = ["WriteBehind"]
 
@@ -82,3 +86,26 @@ class WriteBehind:
         """Bytes of the copies held back now."""
         with self._cond:
             return sum(self._tensors[k].nbytes for k in list(self._behind) if self.held_back(k))
+
+    def _bring_home(self, record: StoredTensor) -> None:
+        """The home copy is stale: another copy was changed in place (``mark_dirty``; a
+        parameter written on the device between steps) and not written home yet. Write it
+        home now, keeping it where it is (as a fetch keeps a copy being written), and wait
+        for the write: a reader of the home copy gets the newest bytes."""
+        home = record.copies[record.home]
+        while not home.valid:
+            newest = next((c for c in record.copies.values() if c.valid and c.dirty), None)
+            if newest is None:
+                raise StoreError(f"tensor {record.key!r}: no copy holds its newest bytes")
+            self._raise_error(record, newest)  # (a write home that failed: raised, not retried)
+            if not record.writing and newest.state is Residency.RESIDENT:
+                newest.readers += 1  # (a write that lands at once must not drop it: held through the start)
+                try:
+                    self._start_write(record, newest, blocking=True)
+                finally:
+                    newest.readers -= 1
+                    newest.drop_when_idle = False
+                if newest.state is Residency.STORING:
+                    self._move(record, newest, Residency.RESIDENT)
+                continue
+            _wait(self._cond)

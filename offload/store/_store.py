@@ -189,29 +189,6 @@ class TensorStore(Lending, InPlaceHomes, WriteBehind, Transfers):
                 raise StoreError(f"tensor {key!r} was evicted from {tier.value} while being waited for")
             return self._view(record, copy)
 
-    def _bring_home(self, record: StoredTensor) -> None:
-        """The home copy is stale: another copy was changed in place (``mark_dirty``; a
-        parameter written on the device between steps) and not written home yet. Write it
-        home now, keeping it where it is (as a fetch keeps a copy being written), and wait
-        for the write: a reader of the home copy gets the newest bytes."""
-        home = record.copies[record.home]
-        while not home.valid:
-            newest = next((c for c in record.copies.values() if c.valid and c.dirty), None)
-            if newest is None:
-                raise StoreError(f"tensor {record.key!r}: no copy holds its newest bytes")
-            self._raise_error(record, newest)  # (a write home that failed: raised, not retried)
-            if not record.writing and newest.state is Residency.RESIDENT:
-                newest.readers += 1  # (a write that lands at once must not drop it: held through the start)
-                try:
-                    self._start_write(record, newest, blocking=True)
-                finally:
-                    newest.readers -= 1
-                    newest.drop_when_idle = False
-                if newest.state is Residency.STORING:
-                    self._move(record, newest, Residency.RESIDENT)
-                continue
-            _wait(self._cond)
-
     def evict(self, key: str, tier: Tier | str) -> None:
         """Drop ``key``'s copy in ``tier``; returns at once.
 
