@@ -120,7 +120,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         self._writeback = WriteBack(self.stats)
         rows_used = lambda gi, groups: len(self._rows_for((groups or self.param_groups)[gi]))  # noqa: E731
         self._pipeline = Pipeline(self._update_rows, rows_used, self._writeback, self._phase, self.stats, self._log,
-                                  reserve=self._book.device_staging,
+                                  reserve=self._book.reserved,
                                   scratch=self._book.scratch)
         self._grads = GradientBook(self._book, self._sink, loss_factor=lambda: self._scaler.factor,
                                    in_backward_update=lambda: self._early is not None, closed=lambda: self._closed,

@@ -43,7 +43,7 @@ class Pipeline:
                  reserve: Callable[[Any], int] = lambda store: 0, scratch: Callable[[Any], Any] = lambda store: None):
         self.update, self.row_count, self.writeback = update, row_count, writeback
         self.scratch = scratch  # a store's buffer that coded shards are decoded into (ShardBook.scratch)
-        self.reserve = reserve  # host bytes of a store's pool that compute on a device needs (device_staging)
+        self.reserve = reserve  # host bytes of a store's pool reads ahead leave free (ShardBook.reserved)
         self.phase, self.stats, self.log = phase, stats, log
         self.writing: deque = deque()  # (store, key) of state rows being written home, oldest first
 
@@ -57,7 +57,7 @@ class Pipeline:
                 for nxt in work[i: i + 1 + READ_AHEAD]:
                     if id(nxt) in issued:
                         continue
-                    if nxt is not shard and self.writes_backlogged():
+                    if nxt is not shard and (self.writes_backlogged() or not self.room_beside_compute(nxt)):
                         self.log("read_later", nxt)
                         break  # read it later, once a write has landed: the update goes on meanwhile
                     self.bound_writes()  # (the shard to update now, not read yet: wait for the room)
@@ -89,10 +89,11 @@ class Pipeline:
             count(self.stats, "gradients", read=shard.grad_bytes)
 
     def room_beside_compute(self, shard: Shard) -> bool:
-        """Whether reading ``shard`` while compute runs on a device leaves the host room that
-        compute's transfers need (a parameter group's staging, gradient copies). A read
-        ahead of its need waits for that room: holding it, a forward or backward waiting for
-        a staging buffer would find nothing in flight that frees one."""
+        """Whether reading ``shard`` leaves the host room that compute's transfers on a
+        device need (a parameter group's staging, gradient copies) and the step's own
+        write-back of a parameter group assembled from master rows (its staging for NVMe). A
+        read ahead of its need waits for that room: holding it, a forward, a backward or the
+        write-back waiting for a staging buffer would find nothing in flight that frees one."""
         reserve = self.reserve(shard.store)
         if not reserve or shard.home is Tier.HOST:
             return True

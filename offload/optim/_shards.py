@@ -142,15 +142,17 @@ class ShardBook:
         placements: dict[int, Placement] = {}
         items = [self._item(e, placements) for e in wrapped + plain]
 
-        def cut_all(room: dict[int, int]) -> list[Shard]:
+        def cut_all(room: dict[int, int], cap: int | None) -> list[Shard]:
+            size = self.shard_size if self.shard_size is not None else cap
             shards = cut([it for it in items if it.owner is not None], first_index=len(self.shards),
-                         shard_size=self.shard_size, grad_room=room)
+                         shard_size=size, grad_room=room)
             return shards + cut([it for it in items if it.owner is None], first_index=len(self.shards) + len(shards),
-                                shard_size=self.shard_size, grad_room=room)
+                                shard_size=size, grad_room=room)
 
         slack: dict[int, int] = {}
         new = cut_to_fit(cut_all, grad_room(items, self.grad_tier), self.grad_tier,
-                         lambda shards: slack.update(check_host_budget(shards + self.shards, self.placements)))
+                         lambda shards: slack.update(check_host_budget(shards + self.shards, self.placements)),
+                         sized=self.shard_size is not None)
         check_machine(new)
         # a pool buffer reused larger than asked takes room the sizing gave to others: at
         # most what the budget leaves beyond the step's needs, from the states' first put on
@@ -199,10 +201,11 @@ class ShardBook:
             # (the host budget was checked with it: a timeout means other users hold the pool)
             self._scratch[key] = store.staging.acquire(nbytes, timeout=60)
 
-    def device_staging(self, store: Any) -> int:
-        """Host bytes of ``store``'s pool that compute on a device needs (``Placement``)."""
+    def reserved(self, store: Any) -> int:
+        """Host bytes of ``store``'s pool that shards read ahead must leave free: what compute
+        on a device needs, and the staging that writes a parameter group back (``Placement``)."""
         placement = self.placements.get(id(store))
-        return placement.device_staging if placement is not None else 0
+        return placement.device_staging + placement.write_back if placement is not None else 0
 
     def _item(self, entry: ParamEntry, placements: dict[int, Placement]) -> Item:
         p, names = entry.param, tuple(self.rows_for(entry.group_index))

@@ -20,7 +20,7 @@ from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
 from ._coding import compile_bytes
 from ._formats import BLOCK, StateFormat
-from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
+from ._layout import (MIN_SHARD, SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
 __all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
@@ -42,7 +42,7 @@ def write_back_bytes(groups: Iterable[Any], param_home: Tier) -> int:
     (``Shard.group_copy_bytes``) and need none."""
     if param_home is not Tier.NVME:
         return 0
-    sizes = sorted((g.nbytes for g in groups if not g.resident
+    sizes = sorted((_pages(g.nbytes) for g in groups if not g.resident
                     and not all(s.dtype == torch.float32 for s in g.slots)), reverse=True)
     return sum(sizes[:2])
 
@@ -176,22 +176,31 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
     return slack
 
 
-def cut_to_fit(cut_all: Callable[[dict[int, int]], list[Shard]], room: dict[int, int], grad_tier: str,
-               check: Callable[[list[Shard]], Any]) -> list[Shard]:
-    """``cut_all(room)``'s shards, passed by ``check`` (``check_host_budget``). With grad_tier
-    "auto", where the gradients kept in host memory (``room``, per store key) leave too
-    little for a shard in flight, fewer are kept, down to none, before a refusal stands."""
+def cut_to_fit(cut_all: Callable[[dict[int, int], int | None], list[Shard]], room: dict[int, int], grad_tier: str,
+               check: Callable[[list[Shard]], Any], *, sized: bool) -> list[Shard]:
+    """``cut_all(room, cap)``'s shards, passed by ``check`` (``check_host_budget``). Where
+    they do not fit: with grad_tier "auto", fewer gradients are kept in host memory
+    (``room``, per store key), down to none; then, unless the caller gave the shard size
+    (``sized``), shards are cut smaller (``cap`` elements, halved each try down to
+    ``MIN_SHARD``): a smaller shard touches fewer parameter groups updated in host copies,
+    so a budget that fits at some size fits at every larger budget too. Only then does the
+    refusal stand."""
+    cap = None
     while True:
-        shards = cut_all(room)
+        shards = cut_all(room, cap)
         try:
             check(shards)
             return shards
         except BudgetError as err:
             short = getattr(err, "short", {})
-            if grad_tier != "auto" or not any(room.get(k) for k in short):
+            if grad_tier == "auto" and any(room.get(k) for k in short):
+                # (a gradient sent to NVMe is read back in flight: a page more per try, at least)
+                room = {k: max(0, n - max(short.get(k, 0), PAGE_SIZE)) if k in short else n for k, n in room.items()}
+                continue
+            largest = max((s.numel for s in shards if id(s.store) in short), default=0)
+            if sized or largest <= MIN_SHARD:
                 raise
-            # (a gradient sent to NVMe is read back in flight: a page more per try, at least)
-            room = {k: max(0, n - max(short.get(k, 0), PAGE_SIZE)) if k in short else n for k, n in room.items()}
+            cap = max(MIN_SHARD, largest // 2)
 
 
 def check_machine(shards: list[Shard]) -> None:
@@ -260,8 +269,10 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
     if not items:
         return []
     # (the optimizer would refuse: so does the plan)
-    shards = cut_to_fit(lambda room: cut(items, first_index=0, shard_size=None, grad_room=room),
-                        grad_room(items, "auto"), "auto", lambda s: check_host_budget(s, {placement.key: placement}))
+    slack: dict[int, int] = {}
+    shards = cut_to_fit(lambda room, cap: cut(items, first_index=0, shard_size=cap, grad_room=room),
+                        grad_room(items, "auto"), "auto",
+                        lambda s: slack.update(check_host_budget(s, {placement.key: placement})), sized=False)
     masters = sum(s.master_bytes for s in shards)
     params = sum(seg.length for s in shards for seg in s.segments)
     moment_bytes = sum(s.state_bytes for s in shards) - masters
@@ -304,7 +315,9 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
             out.append(PlanRow(item, "host", nbytes, note))
     # the backward reads the next update's rows into the pool's room (_ahead); one process only
     if home is Tier.NVME and not partitioned:
-        ahead = sum(s.state_bytes for s in shards) - sum(s.state_bytes for s in flying)
+        # (within the room the budget leaves beyond the step's needs: no more is read)
+        ahead = min(sum(s.state_bytes for s in shards) - sum(s.state_bytes for s in flying),
+                    max(0, slack.get(placement.key, 0)))
         if ahead > 0:
             out.append(PlanRow("optimizer: states read in the backward", "host", ahead,
                                "the next update's rows, read while the backward leaves the disk idle, "
