@@ -96,7 +96,7 @@ class NextForward:
         self.writeback.hold = self._room_to_hold
         try:
             for shard in self.work[: 1 + READ_AHEAD]:
-                if self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(shard):
+                if self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(shard, self.pending):
                     break
                 self.pipeline.issue(shard, self.issued, self.pending)
         except Exception:  # noqa: BLE001 - (an interrupt goes through: nothing was updated)
@@ -118,7 +118,7 @@ class NextForward:
                     if id(nxt) not in self.issued:
                         if block and nxt is work[self.position]:
                             self.pipeline.bound_writes()
-                        elif self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(nxt):
+                        elif self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(nxt, self.pending):
                             break  # (read later, once a write has landed or at its use)
                     self.pipeline.issue(nxt, self.issued, self.pending)
                 head = work[self.position]

@@ -246,7 +246,7 @@ class GradientBook:
         so p.grad stays the same gradient and the next backward adds in the new units."""
         for shard in self.book.shards:
             for seg in shard.segments:
-                if seg.has_grad:
+                if seg.has_grad and not seg.zeroed:  # (zeros stay zeros: the next sum is still whole)
                     seg.scale *= new / old
 
     def view(self, param: torch.Tensor) -> OffloadedGrad | None:

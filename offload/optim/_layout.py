@@ -228,6 +228,7 @@ class Placement:
     param_home: Tier | None = None  # where the wrapped model's parameter groups rest
     resting: int = 0  # host bytes earlier layouts of this store keep resting there
     device_staging: int = 0  # host bytes of gradient copies and parameter staging on a device
+    params: int = 0  # host pool bytes of the wrapped model's parameter groups at home there
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,7 @@ def shard_elements(p: Placement, rows: int, wrapped: bool, master: bool, copies:
     # its rows and gradient read from NVMe, and the host copies of groups updated in place;
     # coded rows are decoded, one shard at a time, into fp32 scratch
     per_element = (stored + (4 if wrapped else 0) if p.home is Tier.NVME else 0) + (4 if copies else 0)
-    budget = p.host_budget - (p.write_back if wrapped else 0) - grad_room
+    budget = p.host_budget - p.params - (p.write_back if wrapped else 0) - grad_room
     return max(MIN_SHARD, min(DEFAULT_SHARD, int(budget // (SHARDS_IN_FLIGHT * per_element + scratch))))
 
 

@@ -57,7 +57,7 @@ class Pipeline:
                 for nxt in work[i: i + 1 + READ_AHEAD]:
                     if id(nxt) in issued:
                         continue
-                    if nxt is not shard and (self.writes_backlogged() or not self.room_beside_compute(nxt)):
+                    if nxt is not shard and (self.writes_backlogged() or not self.room_beside_compute(nxt, pending)):
                         self.log("read_later", nxt)
                         break  # read it later, once a write has landed: the update goes on meanwhile
                     self.bound_writes()  # (the shard to update now, not read yet: wait for the room)
@@ -88,7 +88,7 @@ class Pipeline:
         if shard.reads_grad:
             count(self.stats, "gradients", read=shard.grad_bytes)
 
-    def room_beside_compute(self, shard: Shard) -> bool:
+    def room_beside_compute(self, shard: Shard, pending: dict) -> bool:
         """Whether reading ``shard`` leaves the host room that compute's transfers on a
         device need (a parameter group's staging, gradient copies) and the step's own
         write-back of a parameter group assembled from master rows (its staging for NVMe). A
@@ -97,8 +97,10 @@ class Pipeline:
         reserve = self.reserve(shard.store)
         if not reserve or shard.home is Tier.HOST:
             return True
-        pool = shard.store.staging
-        return pool.budget - pool.in_use_bytes >= shard.bytes_in_flight + reserve
+        pool, host = shard.store.staging, shard.store.tiers[Tier.HOST]
+        reads = (host.slot_size(shard.state_bytes) if shard.rows else 0) + \
+            (host.slot_size(shard.grad_bytes) if shard.reads_grad else 0)  # (whole pages, as the pool's)
+        return pool.budget - pool.in_use_bytes >= reads + self.writeback.copy_bytes(shard, pending) + reserve
 
     def in_memory(self, shard: Shard, pending: dict) -> bool:
         """Whether everything updating ``shard`` reads is in host memory now."""

@@ -17,8 +17,8 @@ from ..store import Residency, Tier, TensorStore, create_store
 from ._formats import StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, ParamEntry, Placement, Segment, Shard, cut,
                       master_mode)
-from ._sizing import (check_host_budget, check_machine, cut_to_fit, device_staging_bytes, grad_room, wrapped_mode,
-                      write_back_bytes)
+from ._sizing import (check_host_budget, check_machine, cut_to_fit, device_staging_bytes, grad_room, params_at_home,
+                      wrapped_mode, write_back_bytes)
 
 __all__ = ["ShardBook", "NewLayout"]
 
@@ -233,7 +233,8 @@ class ShardBook:
                               manager.host_staging_bytes(), resting=resting, param_home=manager.home,
                               device_staging=device_staging_bytes(manager.groups, manager.config.torch_device,
                                                                   manager.home,
-                                                                  partitioned=manager.partition is not None))
+                                                                  partitioned=manager.partition is not None),
+                              params=params_at_home(manager.groups, manager.home))
         self.placements[id(store)] = placement
         return placement
 

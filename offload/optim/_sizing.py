@@ -23,7 +23,7 @@ from ._formats import BLOCK, StateFormat
 from ._layout import (MIN_SHARD, SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
-__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
+__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit", "params_at_home",
            "write_back_bytes", "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,14 @@ def wrapped_mode(owner: Owner, param_home: Tier, cpu: bool) -> MasterMode:
     group, slot = owner.group, owner.slot
     return master_mode(slot.dtype, resident=group.resident, param_home=param_home, cpu=cpu,
                        group_fp32=all(s.dtype == torch.float32 for s in group.slots))
+
+
+def params_at_home(groups: Iterable[Any], param_home: Tier) -> int:
+    """Host pool bytes of parameter groups whose home is host memory (the optimizer's shards
+    share that pool with them)."""
+    if param_home is not Tier.HOST:
+        return 0
+    return sum(_pages(g.nbytes) for g in groups if not g.resident)
 
 
 def write_back_bytes(groups: Iterable[Any], param_home: Tier) -> int:
@@ -81,7 +89,7 @@ def grad_room(items: list[Item], grad_tier: str) -> dict[int, int]:
         if p.home is Tier.HOST or grad_tier == "nvme":
             continue
         need = 4 * sum(_padded(it) for it in wrapped if it.placement.key == p.key)
-        free = p.host_budget - p.resting - p.write_back - p.param_staging - p.device_staging
+        free = p.host_budget - p.params - p.resting - p.write_back - p.param_staging - p.device_staging
         if grad_tier == "host":
             if need > free // 2:
                 raise BudgetError(
@@ -129,9 +137,18 @@ def largest_in_flight(shards: Iterable[Shard], param_home: Tier | None) -> int:
     return max((in_flight_bytes(s, param_home) for s in shards), default=0)
 
 
+def backward_accumulators(shards: Iterable[Shard]) -> int:
+    """Host pool bytes a backward takes for gradients summed on their way to NVMe: the
+    accumulators open at once (a shard stays open until all of its parameters have
+    reported; ``SHARDS_IN_FLIGHT`` of the largest, as many as were seen open together where
+    autograd's order departs from the layout's) and the staging of one for its put."""
+    largest = max((_pages(s.grad_bytes) for s in shards if s.wrapped and s.grad_home is not Tier.HOST), default=0)
+    return (SHARDS_IN_FLIGHT + 1) * largest
+
+
 def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[int, list[tuple[int, str]]]:
     """Per store key: the host pool bytes the optimizer's step needs there, in parts: the
-    states and gradients resting in host memory, the largest shard in flight, the write-back
+    wrapped model's parameters at home there, the states and gradients resting in host memory, the largest shard in flight, the write-back
     staging and compute's transfers on a device."""
     by_store: dict[int, list[Shard]] = defaultdict(list)
     for s in shards:
@@ -140,9 +157,11 @@ def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[in
     for key, group in by_store.items():
         p = placements[key]
         wrapped = any(s.wrapped for s in group)
-        needs[key] = [(sum(resting_bytes(s) for s in group), "resting in host memory"),
-                      (largest_in_flight(group, p.param_home),
-                       "for one shard in flight (with the parameter groups it updates in place)"),
+        needs[key] = [(p.params if wrapped else 0, "of parameters at home in host memory"),
+                      (sum(resting_bytes(s) for s in group), "resting in host memory"),
+                      (max(largest_in_flight(group, p.param_home), backward_accumulators(group)),
+                       "for one shard in flight (with the parameter groups it updates in place), or the "
+                       "backward's gradient accumulators"),
                       (p.write_back if wrapped else 0, "to write back a parameter group"),
                       (p.device_staging if wrapped else 0, "to copy gradients and a parameter group between host and device")]
     return needs
@@ -150,8 +169,8 @@ def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[in
 
 def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> dict[int, int]:
     """Per store: the states resting in host memory, the largest shard in flight and the
-    write-back staging must fit its host budget. Returns, per store key, what the budget
-    leaves beyond them (``limit_host_slack``)."""
+    write-back staging (``host_needs``) must fit its host budget. Returns, per store key,
+    what the budget leaves beyond them (the pool's ``limit_slack``)."""
     slack = {}
     for key, parts in host_needs(shards, placements).items():
         p = placements[key]
@@ -185,7 +204,7 @@ def cut_to_fit(cut_all: Callable[[dict[int, int], int | None], list[Shard]], roo
     ``MIN_SHARD``): a smaller shard touches fewer parameter groups updated in host copies,
     so a budget that fits at some size fits at every larger budget too. Only then does the
     refusal stand."""
-    cap = None
+    cap, kept = None, dict(room)
     while True:
         shards = cut_all(room, cap)
         try:
@@ -200,7 +219,7 @@ def cut_to_fit(cut_all: Callable[[dict[int, int], int | None], list[Shard]], roo
             largest = max((s.numel for s in shards if id(s.store) in short), default=0)
             if sized or largest <= MIN_SHARD:
                 raise
-            cap = max(MIN_SHARD, largest // 2)
+            cap, room = max(MIN_SHARD, largest // 2), dict(kept)  # (smaller shards may leave room for them again)
 
 
 def check_machine(shards: list[Shard]) -> None:
@@ -255,7 +274,8 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
     placement = Placement(None, id(None), home, config.host_budget, write_back_bytes(groups, param_home),
                           param_staging if param_home is Tier.NVME else 0, param_home=param_home,
                           device_staging=device_staging_bytes(groups, config.torch_device, param_home,
-                                                              partitioned=partitioned))
+                                                              partitioned=partitioned),
+                          params=params_at_home(groups, param_home))
     cpu = host_compute(config.torch_device)
     items = []
     for group in groups:

@@ -103,6 +103,16 @@ class WriteBack:
                     self.stats["read_bytes"] += entry.group.nbytes
                     count(self.stats, "parameters", read=entry.group.nbytes)
 
+    def copy_bytes(self, shard: Shard, pending: dict) -> int:
+        """Host pool bytes ``fetch(shard)`` would read into: the group copies not in memory yet."""
+        total = 0
+        for entry in self._in_place(shard, pending):
+            store = entry.manager.store
+            if not entry.fetched and entry.manager.home is not Tier.HOST \
+                    and store.state(entry.group.key, Tier.HOST) not in _KEPT:
+                total += store.tiers[Tier.HOST].slot_size(entry.group.nbytes)
+        return total
+
     def views(self, shard: Shard, pending: dict) -> dict | None:
         """For a wrapped shard without master rows: the fp32 tensor each segment is updated
         in (a slice of its group's host copy, or of a resident parameter)."""

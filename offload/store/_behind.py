@@ -18,6 +18,8 @@ lock).
 
 from __future__ import annotations
 
+import time
+
 from .._signals import DEFER, wait as _wait
 from ._records import StoredTensor
 from ._state import Residency, StoreError, Tier
@@ -87,11 +89,12 @@ class WriteBehind:
         with self._cond:
             return sum(self._tensors[k].nbytes for k in list(self._behind) if self.held_back(k))
 
-    def _bring_home(self, record: StoredTensor) -> None:
+    def _bring_home(self, record: StoredTensor, deadline: float | None = None) -> None:
         """The home copy is stale: another copy was changed in place (``mark_dirty``; a
         parameter written on the device between steps) and not written home yet. Write it
         home now, keeping it where it is (as a fetch keeps a copy being written), and wait
-        for the write: a reader of the home copy gets the newest bytes."""
+        for the write (until ``deadline``, ``time.monotonic()``): a reader of the home copy
+        gets the newest bytes."""
         home = record.copies[record.home]
         while not home.valid:
             newest = next((c for c in record.copies.values() if c.valid and c.dirty), None)
@@ -99,13 +102,18 @@ class WriteBehind:
                 raise StoreError(f"tensor {record.key!r}: no copy holds its newest bytes")
             self._raise_error(record, newest)  # (a write home that failed: raised, not retried)
             if not record.writing and newest.state is Residency.RESIDENT:
+                self._backend(newest.tier).fence(newest.slot)  # (as evict: the copy waits for the caller's writes)
+                asked, newest.drop_when_idle = newest.drop_when_idle, False
                 newest.readers += 1  # (a write that lands at once must not drop it: held through the start)
                 try:
                     self._start_write(record, newest, blocking=True)
                 finally:
-                    newest.readers -= 1
-                    newest.drop_when_idle = False
+                    newest.drop_when_idle = asked  # (an eviction asked before this goes on as asked)
+                    self._reader_done(record, newest)
                 if newest.state is Residency.STORING:
                     self._move(record, newest, Residency.RESIDENT)
                 continue
-            _wait(self._cond)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"tensor {record.key!r}: its home copy not brought up to date in time")
+            _wait(self._cond, remaining)

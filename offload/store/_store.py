@@ -182,7 +182,7 @@ class TensorStore(Lending, InPlaceHomes, WriteBehind, Transfers):
                     raise TimeoutError(f"tensor {key!r} not resident in {tier.value} after {timeout}s")
                 _wait(self._cond, remaining)
             if tier is record.home and copy.state is Residency.RESIDENT and not copy.valid:
-                self._bring_home(record)
+                self._bring_home(record, deadline)
             self.wait_seconds += time.perf_counter() - started
             self._raise_error(record, copy)
             if copy.state is Residency.ABSENT:

@@ -109,14 +109,16 @@ def test_where_the_plan_fits_the_steps_run_within_the_host_budget(tmp_path, tiny
     assert ran >= 3, ran
 
 
-def test_at_the_least_host_budget_the_plan_accepts_clipped_steps_run(tmp_path, tiny_llama, offload_config, make_opt,
-                                                                    lm_batches, train):
+@pytest.mark.parametrize("param_tier", ["nvme", "host"])
+def test_at_the_least_host_budget_the_plan_accepts_clipped_steps_run(tmp_path, param_tier, tiny_llama, offload_config,
+                                                                    make_opt, lm_batches, train):
     """The tight end, found to a page: at the least host budget the plan accepts, clipped
     steps with the update in the next forward run and equal torch's; a page less, the plan and
     the optimizer both refuse. (Each pool buffer is whole pages, a norm's 256 bytes taking 4
-    KiB, and none is reused larger than the budget leaves room for: before, a budget the
+    KiB, none is reused larger than the budget leaves room for, and parameters at home in
+    host memory and the backward's gradient accumulators are counted: before, a budget the
     plan accepted stopped mid-step waiting for host room.)"""
-    settings = dict(device_budget="256KiB", resident_bytes=0)
+    settings = dict(device_budget="256KiB", resident_bytes=0, param_tier=param_tier)
     ref = tiny_llama(vocab_size=1000, num_hidden_layers=3)  # (a 256 KB head beside 256-byte norms)
     batches = lm_batches(1000, steps=3, micro=1)
     expected = train(ref, make_opt("adamw", ref.parameters(), offloaded=False), batches, clip=0.5)
