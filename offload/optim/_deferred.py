@@ -118,7 +118,8 @@ class NextForward:
                     if id(nxt) not in self.issued:
                         if block and nxt is work[self.position]:
                             self.pipeline.bound_writes()
-                        elif self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(nxt, self.pending):
+                        elif self.pipeline.writes_backlogged() or \
+                                not self.pipeline.room_beside_compute(nxt, self.pending):
                             break  # (read later, once a write has landed or at its use)
                     self.pipeline.issue(nxt, self.issued, self.pending)
                 head = work[self.position]

@@ -80,7 +80,8 @@ class EarlyUpdate:
                 if id(shard) not in self.issued:  # reading another shard: within the shards in flight
                     if block:
                         self.pipeline.bound_writes()
-                    elif self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(shard, self.pending):
+                    elif self.pipeline.writes_backlogged() or \
+                            not self.pipeline.room_beside_compute(shard, self.pending):
                         break  # (the backward goes on; a later call reads it, or step() does)
                 self.pipeline.issue(shard, self.issued, self.pending)
             head = queue[0]

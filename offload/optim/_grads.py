@@ -375,7 +375,8 @@ class GradientBook:
         if not shard.grad_valid:  # its stale sums are zeroed by the next backward; so here
             acc.zero_()
             for other in shard.segments:
-                other.has_grad, other.zeroed, other.scale, other.sumsq, other.maxabs, other.whole = False, False, 1.0, 0.0, 0.0, None
+                other.has_grad, other.zeroed, other.scale = False, False, 1.0
+                other.sumsq, other.maxabs, other.whole = 0.0, 0.0, None
         else:
             for other in shard.segments:  # (dropped ones: zero, as the next backward would make them)
                 if not other.has_grad:

@@ -23,8 +23,8 @@ from ._formats import BLOCK, StateFormat
 from ._layout import (MIN_SHARD, SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
-__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit", "params_at_home",
-           "write_back_bytes", "wrapped_mode", "plan_rows"]
+__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
+           "params_at_home", "write_back_bytes", "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ def backward_accumulators(shards: Iterable[Shard]) -> int:
 
 def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[int, list[tuple[int, str]]]:
     """Per store key: the host pool bytes the optimizer's step needs there, in parts: the
-    wrapped model's parameters at home there, the states and gradients resting in host memory, the largest shard in flight, the write-back
-    staging and compute's transfers on a device."""
+    wrapped model's parameters at home there, the states and gradients resting in host
+    memory, the largest shard in flight (or the backward's gradient accumulators), the
+    write-back staging and compute's transfers on a device."""
     by_store: dict[int, list[Shard]] = defaultdict(list)
     for s in shards:
         by_store[id(s.store)].append(s)
@@ -163,13 +164,13 @@ def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[in
                        "for one shard in flight (with the parameter groups it updates in place), or the "
                        "backward's gradient accumulators"),
                       (p.write_back if wrapped else 0, "to write back a parameter group"),
-                      (p.device_staging if wrapped else 0, "to copy gradients and a parameter group between host and device")]
+                      (p.device_staging if wrapped else 0,
+                       "to copy gradients and a parameter group between host and device")]
     return needs
 
 
 def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> dict[int, int]:
-    """Per store: the states resting in host memory, the largest shard in flight and the
-    write-back staging (``host_needs``) must fit its host budget. Returns, per store key,
+    """Per store: what the step needs in host memory (``host_needs``) must fit its host budget. Returns, per store key,
     what the budget leaves beyond them (the pool's ``limit_slack``)."""
     slack = {}
     for key, parts in host_needs(shards, placements).items():
