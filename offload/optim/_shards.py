@@ -156,10 +156,12 @@ class ShardBook:
         check_machine(new)
         # a pool buffer reused larger than asked takes room the sizing gave to others: at
         # most what the budget leaves beyond the step's needs, from the states' first put on
+        # (the least of the optimizers' over one model: each counts only its own shards)
         for key, room in slack.items():
             store = self.placements[key].store
             if store is not None:
-                store.tiers[Tier.HOST].limit_slack(room)
+                capped = store.staging.max_inflation
+                store.tiers[Tier.HOST].limit_slack(room if capped is None else min(capped, room))
         return NewLayout(new, todo)
 
     def commit(self, new: NewLayout) -> None:
