@@ -201,7 +201,8 @@ def _acquire(pool: BufferPool, size: int, held: collections.deque, finish_oldest
         if not held:
             raise BudgetError(f"{what} needs a host buffer of {format_size(size)} but the host budget "
                               f"({format_size(pool.budget)}) has {format_size(pool.in_use_bytes)} in use: "
-                              "raise host_budget or use a smaller group_bytes / shard_size")
+                              "raise host_budget (OffloadConfig), or cut the blobs smaller: an optimizer's "
+                              "shard_size (offload.AdamW(..., shard_size=N)) or the model's group_bytes")
         finish_oldest()
 
 
