@@ -152,7 +152,17 @@ class ParamManager:
                 slot.param.data.copy_(view)
             return
         self.coordinator.forget(group.whole or group, replaced="refuse" if update else "discard")
-        self.store.put(group.key, data, self.home)
+        # at home in host memory: written where it rests. A put would free the slot and take
+        # another, and a read queued meanwhile (a shard read ahead) could take the room between
+        lent = self.store.overwrite_in_place(group.key) if self.home is Tier.HOST else None
+        if lent is None:
+            self.store.put(group.key, data, self.home)
+            return
+        view, done = lent
+        try:
+            view.copy_(data[: group.nbytes])
+        finally:
+            done()
 
     def repoint_resident(self, group: ParamGroup) -> None:
         """Point the resident ``group``'s parameters at its device copy again, where one was

@@ -149,20 +149,23 @@ def test_at_the_least_host_budget_the_plan_accepts_clipped_steps_run(tmp_path, p
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
 
 
-def test_bf16_groups_train_at_the_least_host_budget_the_plan_accepts(tmp_path, tiny_llama, offload_config,
+@pytest.mark.parametrize("param_tier", ["nvme", "host"])
+def test_bf16_groups_train_at_the_least_host_budget_the_plan_accepts(tmp_path, param_tier, tiny_llama, offload_config,
                                                                     lm_batches):
     """bf16 parameters are updated from fp32 master rows and each group is written home
     through a staging buffer: shards read ahead leave room for it. At the plan's least host
     budget and above, steps (update in the next forward, and in step()) run and give the
     roomy budget's weights bit for bit (before, the write-back found the pool full of shards
-    read ahead and stopped the step at twice the plan's least budget). Unclipped: a bf16
+    read ahead and stopped the step at twice the plan's least budget; at home in host memory,
+    a group is written where it rests, where a put freed its slot for a queued read to take).
+    Unclipped: a bf16
     gradient split across shards has its norm summed from the pieces (README)."""
-    batches = lm_batches(197, steps=3, micro=1)
+    batches = lm_batches(300, steps=3, micro=1)
 
     def run(budget, in_next_forward=True):
-        model = tiny_llama().to(torch.bfloat16)
+        model = tiny_llama(vocab_size=300).to(torch.bfloat16)
         offload.wrap(model, offload_config(tmp_path / f"{budget}-{in_next_forward}", host_budget=budget,
-                                           device_budget="256KiB", resident_bytes=0))
+                                           device_budget="256KiB", resident_bytes=0, param_tier=param_tier))
         try:
             opt = offload.AdamW(model.parameters(), lr=1e-2, update_in_next_forward=in_next_forward)
             for (ids,) in batches:
@@ -176,8 +179,9 @@ def test_bf16_groups_train_at_the_least_host_budget_the_plan_accepts(tmp_path, t
             offload.close(model)
 
     def fits(budget: int) -> bool:
-        cfg = offload_config(tmp_path / "plan", host_budget=budget, device_budget="256KiB", resident_bytes=0)
-        return offload.plan(tiny_llama().to(torch.bfloat16), cfg, optimizer="adamw").fits
+        cfg = offload_config(tmp_path / "plan", host_budget=budget, device_budget="256KiB", resident_bytes=0,
+                             param_tier=param_tier)
+        return offload.plan(tiny_llama(vocab_size=300).to(torch.bfloat16), cfg, optimizer="adamw").fits
 
     lo, hi = 16 << 10, 4 << 20
     while hi - lo > PAGE_SIZE:
