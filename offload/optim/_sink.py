@@ -243,14 +243,13 @@ class GradientSink:
             else:
                 _settle(shard, acc)
         else:
-            # (with the sum of an earlier backward read back beside it)
-            self._room(store, round_up(shard.numel * 4, PAGE_SIZE) * (2 if shard.grad_valid else 1))
+            self._room(store, round_up(shard.numel * 4, PAGE_SIZE))
             shard.acc_buffer = store.staging.acquire(shard.numel * 4)
             acc = shard.acc_buffer.view(torch.float32, (shard.numel,))
             if shard.grad_valid:  # an earlier backward of this cycle: add to it
-                store.fetch(shard.grad_key, Tier.HOST, priority=0)
-                acc.copy_(store.wait(shard.grad_key, Tier.HOST))
-                store.evict(shard.grad_key, Tier.HOST)
+                # (read straight into the accumulator: a host copy beside it would need room
+                # that reads ahead may have taken since)
+                store.read_into(shard.grad_key, shard.acc_buffer.bytes, priority=0).wait()
                 self.stats["read_bytes"] += shard.numel * 4
                 count(self.stats, "gradients", read=shard.numel * 4)
                 _settle(shard, acc)

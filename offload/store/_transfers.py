@@ -361,8 +361,10 @@ class Transfers:
         holders = sorted(((c.state.value, r.key) for r in self._tensors.values()
                           for c in r.copies.values() if c.tier is tier and c.slot is not None))[:8]
         backend = self.tiers.get(tier)
-        used = f"{backend.used_bytes} of {backend.budget} bytes held" if backend else ""
-        need = backend.used_bytes + backend.slot_size(record.nbytes) if backend else record.nbytes
+        # (host memory: the pool's count, which also holds buffers lent outside the store's copies)
+        held = self.staging.in_use_bytes if tier is Tier.HOST else backend.used_bytes if backend else 0
+        used = f"{held} of {backend.budget} bytes held" if backend else ""
+        need = held + backend.slot_size(record.nbytes) if backend else record.nbytes
         error = BudgetError(
             f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in the {tier.value} tier ({used}, by "
             f"{holders}) and nothing in flight will free any: raise {_SETTING.get(tier, f'the {tier.value} budget')} "
