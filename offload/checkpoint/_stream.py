@@ -114,7 +114,8 @@ class BlobWriter:
                 else:
                     while held and in_window + self.buffer_size > self.window:
                         in_window -= self._retire_head(held, bar)
-                    buf = _acquire(self.pool, self.buffer_size, held, lambda: self._retire_head(held, bar), "saving")
+                    buf = _acquire(self.pool, self.buffer_size, held, lambda: self._retire_head(held, bar), "saving",
+                                   round_up(blob.nbytes, ALIGN))
                     in_window += buf.nbytes
                     held.append([blob, buf, blob.fill(buf.bytes), None])
                 self._issue_ready(held)
@@ -192,14 +193,20 @@ class BlobWriter:
 
 
 def _acquire(pool: BufferPool, size: int, held: collections.deque, finish_oldest: Callable[[], Any],
-             what: str) -> HostBuffer:
-    """A pool buffer of ``size``, finishing our own oldest transfers while the budget is full."""
+             what: str, least: int) -> HostBuffer:
+    """A pool buffer of ``size`` (the stream's one size, so the pool hands the same buffers
+    back), or of ``least`` (what this blob needs) where the pool has room for that only,
+    finishing our own oldest transfers while the budget is full. (States resting in host
+    memory are written from where they rest, yet their size set the stream's: at a tight
+    budget only the blob's own size fits.)"""
     while True:
         buf = pool.try_acquire(size)
+        if buf is None and least < size:
+            buf = pool.try_acquire(least)
         if buf is not None:
             return buf
         if not held:
-            raise BudgetError(f"{what} needs a host buffer of {format_size(size)} but the host budget "
+            raise BudgetError(f"{what} needs a host buffer of {format_size(least)} but the host budget "
                               f"({format_size(pool.budget)}) has {format_size(pool.in_use_bytes)} in use: "
                               "raise host_budget (OffloadConfig), or cut the blobs smaller: an optimizer's "
                               "shard_size (offload.AdamW(..., shard_size=N)) or the model's group_bytes")
@@ -303,7 +310,8 @@ class BlobReader:
                 else:
                     while held and in_window + size > max(self.window, size):
                         in_window -= self._finish(held.popleft(), bar)
-                    buf = _acquire(self.pool, size, held, lambda: self._finish(held.popleft(), bar), "loading")
+                    buf = _acquire(self.pool, size, held, lambda: self._finish(held.popleft(), bar), "loading",
+                                   round_up(item.phase + item.nbytes, ALIGN))
                     in_window += buf.nbytes
                     dest = buf.bytes[item.phase:]
                 handles = []

@@ -259,14 +259,23 @@ def test_atomic_directory_exchange_is_used_here(tmp_path):
     assert (a / "x").read_text() == "b" and (b / "x").read_text() == "a"
 
 
-def test_a_checkpoint_loads_at_the_host_budget_it_was_saved_at(tmp_path, tiny_gpt2, lm_batches, offload_config, train):
+@pytest.mark.parametrize("tiers", [("nvme", "nvme", "768KiB"), ("nvme", "host", "2MiB")],
+                         ids=["states_on_nvme", "states_in_host_memory"])
+def test_a_checkpoint_loads_at_the_host_budget_it_was_saved_at(tmp_path, tiers, tiny_gpt2, lm_batches, offload_config,
+                                                               train):
     """A new user's trial: trained and saved at a tight host budget, the load into a fresh
     model at the same budget found no room to stage a group for NVMe beside the buffers it
     had read ahead (a window of half the budget, though the gradients resting in host memory
-    held much of the rest). The window is half the pool's free room now; the states load."""
+    held much of the rest). The window is half the pool's free room now; the states load.
+    With the states resting in host memory (written from where they rest), their size still
+    set the stream's one buffer size, which the budget had no room for: a blob now takes a
+    buffer of its own size where that is all that fits (save and load refused at 2 MiB)."""
+    param_tier, optimizer_tier, budget = tiers
+
     def build(where):
-        m = offload.wrap(tiny_gpt2(), offload_config(tmp_path / where, host_budget="768KiB", device_budget="128KiB",
-                                                     resident_bytes=0))
+        m = offload.wrap(tiny_gpt2(), offload_config(tmp_path / where, host_budget=budget, device_budget="128KiB",
+                                                     resident_bytes=0, param_tier=param_tier,
+                                                     optimizer_tier=optimizer_tier))
         return m, offload.AdamW(m.parameters(), lr=1e-2)
 
     m, opt = build("a")
