@@ -97,10 +97,17 @@ class Pipeline:
         reserve = self.reserve(shard.store)
         if not reserve or shard.home is Tier.HOST:
             return True
-        pool, host = shard.store.staging, shard.store.tiers[Tier.HOST]
-        reads = (host.slot_size(shard.state_bytes) if shard.rows else 0) + \
-            (host.slot_size(shard.grad_bytes) if shard.reads_grad else 0)  # (whole pages, as the pool's)
-        return pool.budget - pool.in_use_bytes >= reads + self.writeback.copy_bytes(shard, pending) + reserve
+        pool = shard.store.staging
+        return pool.budget - pool.in_use_bytes >= self.read_room(shard, pending) + reserve
+
+    def read_room(self, shard: Shard, pending: dict) -> int:
+        """Host pool bytes reading ``shard`` takes: its rows and gradient in whole pages, as the
+        pool hands them out, and the group copies it reads (``WriteBack.copy_bytes``)."""
+        if shard.home is Tier.HOST:
+            return self.writeback.copy_bytes(shard, pending)
+        host = shard.store.tiers[Tier.HOST]
+        return (host.slot_size(shard.state_bytes) if shard.rows else 0) + \
+            (host.slot_size(shard.grad_bytes) if shard.reads_grad else 0) + self.writeback.copy_bytes(shard, pending)
 
     def in_memory(self, shard: Shard, pending: dict) -> bool:
         """Whether everything updating ``shard`` reads is in host memory now."""

@@ -18,7 +18,7 @@ from ._formats import StateFormat
 from ._layout import (SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, Owner, ParamEntry, Placement, Segment, Shard, cut,
                       master_mode)
 from ._sizing import (check_host_budget, check_machine, cut_to_fit, device_staging_bytes, grad_room, params_at_home,
-                      wrapped_mode, write_back_bytes)
+                      resting_bytes, wrapped_mode, write_back_bytes)
 
 __all__ = ["ShardBook", "NewLayout"]
 
@@ -229,7 +229,7 @@ class ShardBook:
 
     def _placement(self, manager: Any) -> Placement:
         store = manager.store
-        resting = sum(s.host_resting_bytes for s in self.shards if s.store is store)
+        resting = sum(resting_bytes(s) for s in self.shards if s.store is store)
         placement = Placement(store, id(store), Tier.parse(manager.config.optimizer_tier),
                               store.tiers[Tier.HOST].budget, write_back_bytes(manager.groups, manager.home),
                               manager.host_staging_bytes(), resting=resting, param_home=manager.home,

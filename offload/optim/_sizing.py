@@ -24,7 +24,7 @@ from ._layout import (MIN_SHARD, SHARDS_IN_FLIGHT, Item, MasterMode, check_maste
 from ._staging import GRAD_COPIES
 
 __all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
-           "params_at_home", "write_back_bytes", "wrapped_mode", "plan_rows"]
+           "params_at_home", "resting_bytes", "write_back_bytes", "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
 

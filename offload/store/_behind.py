@@ -3,7 +3,7 @@ write home left for later, because the bytes will be read from it again.
 
 The optimizer's update in the next forward writes a parameter group's new bytes into its
 host copy; the forward reads them from there, then the backward, then the next step's
-update, which changes them again (a shard's state rows likewise, read by the next update). Written home at once and dropped, the group would be read
+update, which changes them again. Written home at once and dropped, the group would be read
 back from the disk for each of those. Held back, it is written home only when the room is
 needed (``shed_behind``, the oldest first; the update holds no copy where the pool would be
 short), at ``synchronize`` (``flush_all_behind``), or by any ``evict``: once per hold,
