@@ -292,17 +292,46 @@ def _read_header(file: str) -> dict[str, _Entry]:
             header = json.loads(fh.read(length))
         except json.JSONDecodeError as err:
             raise ValueError(f"{file!r} has a corrupt safetensors header: {err}") from None
-    base = 8 + length
+    if not isinstance(header, dict):
+        raise ValueError(f"{file!r} has a corrupt safetensors header: not a JSON object")
+    return _entries(file, header, 8 + length, size)
+
+
+def _entries(file: str, header: dict, base: int, size: int) -> dict[str, _Entry]:
+    """The header's tensors, checked as safetensors checks them before reading: each one's
+    bytes match its dtype and shape, and together they tile the data section exactly, in
+    order, with no overlap or gap (a shifted offset would otherwise read a neighbour's
+    bytes as this tensor's)."""
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{file!r}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
+        try:
+            dtype, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
+            start, end = int(start), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{file!r} has a corrupt safetensors header: tensor {name!r} lacks a dtype, "
+                             "shape or data_offsets pair") from None
+        if dtype not in _DTYPES:
+            raise ValueError(f"{file!r}: tensor {name!r} has unsupported dtype {dtype}")
+        need = _DTYPES[dtype].itemsize
+        for dim in shape:
+            need *= dim
+        if min(shape, default=0) < 0 or not 0 <= start <= end or end - start != need:
+            raise ValueError(f"{file!r} has a corrupt safetensors header: tensor {name!r} ({dtype} of shape "
+                             f"{shape}, {need} bytes) has data_offsets [{start}, {end}]")
         if base + end > size:
             raise ValueError(f"{file!r} is truncated: tensor {name!r} ends at byte {base + end} of {size}")
-        entries[name] = _Entry(file, _DTYPES[info["dtype"]], list(info["shape"]), base + start, base + end)
+        entries[name] = _Entry(file, _DTYPES[dtype], shape, base + start, base + end)
+    at = base
+    for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if entry.start != at:
+            raise ValueError(f"{file!r} has a corrupt safetensors header: tensor {name!r} starts at data byte "
+                             f"{entry.start - base}, where the tensors before it end at {at - base} (overlapping "
+                             "or gapped data_offsets)")
+        at = entry.end
+    if at != size:
+        raise ValueError(f"{file!r} has a corrupt safetensors header: its tensors end at byte {at}, the file at {size}")
     return entries
 
 

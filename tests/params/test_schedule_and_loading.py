@@ -207,6 +207,34 @@ def test_checkpoint_that_does_not_match_lists_the_differences(tmp_path, no_leaks
     assert not list((tmp_path / "nvme").glob("offload-swap*")) if (tmp_path / "nvme").exists() else True
 
 
+@pytest.mark.parametrize("fault", ["shifted", "dtype"])
+def test_a_header_whose_offsets_do_not_tile_the_data_is_refused_by_name(tmp_path, fault, no_leaks):
+    """A header safetensors itself refuses (a tensor's offsets moved onto its neighbour's
+    bytes, or a dtype whose size does not match the byte range) is refused at wrap, naming
+    the file and the tensor: read as given, the weights would be wrong with no error."""
+    import struct
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    file = tmp_path / "gpt2" / "model.safetensors"
+    raw = file.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    name = "transformer.h.0.mlp.c_fc.weight"
+    if fault == "shifted":
+        header[name]["data_offsets"] = [o + 8 for o in header[name]["data_offsets"]]
+    else:
+        header[name]["dtype"] = "F16"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    file.write_bytes(raw[:8] + text.ljust(length) + raw[8 + length:])
+    with offload.init_empty_weights():
+        model = transformers.GPT2LMHeadModel(config)
+    for in_place in (True, False):
+        with pytest.raises(ValueError, match=r"model\.safetensors.* corrupt safetensors header: tensor"):
+            offload.wrap(model, cfg(tmp_path, read_in_place=in_place), checkpoint=str(tmp_path / "gpt2"))
+
+
 def test_groups_kept_resident_across_passes_are_read_once(tmp_path, no_leaks):
     ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=32)).eval()
