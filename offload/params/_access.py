@@ -24,6 +24,7 @@ from torch import nn
 from .._units import format_size
 from ..io import BudgetError
 from .._autograd import in_backward
+from ._addresses import ReservedAddresses
 from ._coordinator import Coordinator
 from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, refuse_copy, register, unregister
 from ._groups import ParamGroup
@@ -52,6 +53,8 @@ class DemandAccess:
         # so that what is kept of that parameter alone is updated (_originals)
         self.writing: tuple[Any, torch.Tensor | None] | None = None
         self._params: list[nn.Parameter] = []
+        self._slots: list[Any] = []
+        self._addresses = ReservedAddresses()
         self._handles: list[Any] = []
         coordinator.on_change = self._drop_snapshots  # the optimizer or a load replaces a group
         coordinator.on_written = self.notify  # its module wrote it in place
@@ -62,6 +65,7 @@ class DemandAccess:
             for slot in group.slots:
                 register(slot.param, Owner(self, group, slot))
                 self._params.append(slot.param)
+                self._slots.append(slot)
         # (partials: torch marks some hooks with an attribute, which a bound method cannot
         # take; and a copy or pickle of the model meets this object, which refuses it)
         self._handles += [
@@ -80,6 +84,8 @@ class DemandAccess:
         for param in self._params:
             unregister(param)
         self._params.clear()
+        self._slots.clear()
+        self._addresses.close()
 
     def __deepcopy__(self, memo):
         refuse_copy()
@@ -125,6 +131,10 @@ class DemandAccess:
 
     def release(self, group: ParamGroup) -> None:
         self.coordinator.release(group, "demand")
+
+    def address_of(self, owner: Owner) -> int:
+        """``data_ptr()`` of a parameter whose bytes are not in memory (``_addresses``)."""
+        return self._addresses.address(owner.slot, self._slots)
 
     def buffer_address(self, group: ParamGroup) -> int:
         with torch._C.DisableTorchFunctionSubclass():

@@ -152,8 +152,6 @@ def test_writes_that_cannot_reach_the_parameter_are_refused(tmp_path, no_leaks):
         np.testing.assert_allclose(array, ref[0].weight.detach().numpy())
         with pytest.raises(ValueError, match="read-only"):
             array[0, 0] = 1.0  # a copy's array: a write could not reach the parameter
-        with pytest.raises(RuntimeError, match="data_ptr.*outside its module's forward"):
-            model[0].weight.data_ptr()
         # layout questions are answered for the real (contiguous) layout, without a fetch
         fetched = offload.stats(model)["demand_fetches"]
         w = model[0].weight

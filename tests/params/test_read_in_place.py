@@ -156,6 +156,34 @@ def test_lora_on_a_base_read_in_place_never_copies_the_base(tmp_path, no_leaks):
     offload.close(model.get_base_model())
 
 
+def test_merge_and_unload_of_lora_on_a_tied_base(tmp_path, no_leaks):
+    """PEFT's merge tells tied embeddings from untied ones by data_ptr(), asked outside any
+    forward: each parameter answers with an address of its own (tied ones share it), so the
+    merge runs and keeps the tie, and its weights equal the merge in memory."""
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      tie_word_embeddings=True)
+    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+
+    def merged(model):
+        torch.manual_seed(1)
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=False))
+        return lora.merge_and_unload()
+
+    ref = merged(base)
+    model = merged(_wrapped(transformers.LlamaForCausalLM, config, path, tmp_path, "swap"))
+    try:
+        assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+        got, want = offload.state_dict(model), ref.state_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+    finally:
+        offload.close(model)
+
+
 def test_a_checkpoint_changed_under_the_model_is_refused_by_name(tmp_path, no_leaks):
     _, path = _saved(tmp_path)
     model = _wrapped(transformers.GPT2LMHeadModel, _gpt2_config(), path, tmp_path, "swap")
