@@ -387,6 +387,6 @@ def refuse_copy() -> None:
     raise TypeError("copy.deepcopy or pickling of a model wrapped by offload: its parameters rest in offload's tiers "
                     "and its hooks hold files and threads. For a copy in memory, build the model again and "
                     "load_state_dict(offload.state_dict(model)), or offload.unwrap(model) first; to save it, "
-                    "offload.save_checkpoint(path, model) or offload.export(model, directory). PEFT's "
-                    "modules_to_save copies the modules it names: call get_peft_model before offload.wrap, and "
-                    "train with offload.AdamW")
+                    "offload.save_checkpoint(path, model) or offload.export(model, directory). A copy of "
+                    "one of its modules (copy.deepcopy(model.lm_head), as PEFT's modules_to_save makes) is "
+                    "an ordinary module in memory")

@@ -57,12 +57,14 @@ class EagerForwards:
     def hook(fn: Callable) -> Callable:
         return _Eager(fn)
 
-    def make_eager(self, module: nn.Module) -> None:
+    def make_eager(self, module: nn.Module, *, root: bool = False) -> None:
         had = "forward" in module.__dict__
         before = module.__dict__.get("forward")
         ours = _Eager(module.forward)
         module.forward = ours
         self._made.append((module, had, before, ours))
+        if not root:  # (the root's copy is refused: its hooks hold files and threads)
+            module.__dict__["__deepcopy__"] = functools.partial(_plain_copy, module)
 
     def restore(self) -> None:
         """Each forward as it was, unless something replaced ours since (Accelerate's
@@ -70,6 +72,7 @@ class EagerForwards:
         and pickles as the forward it wraps."""
         for module, had, before, ours in reversed(self._made):
             ours.active = False
+            module.__dict__.pop("__deepcopy__", None)
             if module.__dict__.get("forward") is not ours:
                 continue
             if had:
@@ -77,3 +80,28 @@ class EagerForwards:
             else:
                 del module.__dict__["forward"]
         self._made.clear()
+
+
+def _plain_copy(module: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a module of a wrapped model below its root (PEFT's
+    ``modules_to_save`` copies the modules it names): an ordinary module in memory, its
+    parameters plain copies of their values (``OffloadedParameter.__deepcopy__``), without
+    offload's hooks or forward; the original stays wrapped. Copying the whole model is
+    refused (``refuse_copy``)."""
+    cls = type(module)
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    state = {}
+    for key, value in module.__dict__.items():
+        if key == "__deepcopy__":
+            continue
+        if isinstance(value, _Eager):  # our forward: the module's own one, or what it wrapped
+            wrapped = value.__wrapped__
+            if getattr(wrapped, "__self__", None) is not module:
+                state[key] = wrapped
+            continue
+        if key.endswith("_hooks") and isinstance(value, dict):
+            value = value.__class__((k, v) for k, v in value.items() if not isinstance(v, _Eager))
+        state[key] = value
+    new.__dict__.update(copy.deepcopy(state, memo))
+    return new

@@ -85,7 +85,7 @@ class ModuleHooks:
         root, eager = self.model, self._eager
         self._handles.append(root.register_forward_pre_hook(eager.hook(self._root_pre), prepend=True))
         self._handles.append(root.register_forward_hook(eager.hook(self._root_post), always_call=True))
-        eager.make_eager(root)
+        eager.make_eager(root, root=True)
         for module, groups in self.needs.items():
             if all(g.resident for g in groups):
                 continue

@@ -184,8 +184,8 @@ def test_copying_or_pickling_the_wrapped_model_is_refused_with_the_ways_to_do_it
     model, ref = pair(lambda: nn.Sequential(nn.Linear(16, 16)), tmp_path)
     try:
         with pytest.raises(TypeError, match=r"offload.state_dict\(model\).*offload.save_checkpoint.*"
-                                            r"modules_to_save.*get_peft_model before offload.wrap"):
-            copy.deepcopy(model)  # (PEFT's modules_to_save deep-copies a module of a wrapped base)
+                                            r"copy of one of its modules .* is an ordinary module"):
+            copy.deepcopy(model)
         with pytest.raises(TypeError, match="offload.unwrap"):
             torch.save(model, str(tmp_path / "model.pt"))
         plain = copy.deepcopy(ref)
@@ -193,6 +193,26 @@ def test_copying_or_pickling_the_wrapped_model_is_refused_with_the_ways_to_do_it
         torch.testing.assert_close(plain[0].weight, ref[0].weight)
     finally:
         offload.close(model)
+
+
+def test_a_copy_of_one_module_is_an_ordinary_module_in_memory(tmp_path, no_leaks):
+    """copy.deepcopy of a module below the root (PEFT's modules_to_save copies the ones it
+    names) gives plain parameters with the values and no offload hooks; the original stays
+    wrapped, and the copy trains on its own."""
+    model, ref = pair(lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 16))), tmp_path)
+    try:
+        head = copy.deepcopy(model[2])
+        assert all(type(p) is nn.Parameter for p in head.parameters()) and not head[0]._forward_pre_hooks
+        assert "forward" not in vars(head[0]) and "__deepcopy__" not in vars(head[0])
+        torch.testing.assert_close(head[0].weight, ref[2][0].weight, rtol=0, atol=0)
+        with torch.no_grad():
+            head[0].weight.add_(1)  # (the copy's own: the wrapped module keeps its values)
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        torch.testing.assert_close(head(x), ref[2](x) + x.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
+    finally:
+        offload.close(model)
+    assert "__deepcopy__" not in vars(model[2][0])  # (unwrapped: copies as torch copies)
 
 
 def test_a_torch_optimizer_over_frozen_wrapped_parameters_runs(tmp_path, no_leaks):

@@ -184,6 +184,46 @@ def test_merge_and_unload_of_lora_on_a_tied_base(tmp_path, no_leaks):
         offload.close(model)
 
 
+def test_lora_with_modules_to_save_on_a_base_read_in_place(tmp_path, no_leaks):
+    """PEFT's modules_to_save deep-copies lm_head of the wrapped base: the copy is an ordinary
+    module in memory and trains beside the adapters; losses, weights and the saved adapter
+    file equal the same run in memory."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+
+    def lora(model):
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          modules_to_save=["lm_head"], lora_dropout=0.0))
+
+    ref, model = lora(base), lora(_wrapped(transformers.LlamaForCausalLM, config, path, tmp_path, "swap"))
+    opts = [offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+            torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)]
+    losses = ([], [])
+    for i in range(3):
+        ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(i))
+        for m, o, seen in zip((model, ref), opts, losses):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            seen.append(loss.item())
+    opts[0].synchronize()
+    assert losses[0] == losses[1]
+    for name, m in (("got", model), ("want", ref)):
+        m.save_pretrained(tmp_path / name)
+    got, want = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("got", "want"))
+    assert any("lm_head" in k for k in want) and got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    opts[0].close()
+    offload.close(model.get_base_model())
+
+
 def test_a_checkpoint_changed_under_the_model_is_refused_by_name(tmp_path, no_leaks):
     _, path = _saved(tmp_path)
     model = _wrapped(transformers.GPT2LMHeadModel, _gpt2_config(), path, tmp_path, "swap")
