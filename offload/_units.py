@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_size", "PARAM_ALIGN"]
+__all__ = ["parse_size", "format_size", "format_apart", "PARAM_ALIGN"]
 
 # Every parameter starts at a multiple of this in its group's flat buffer, so any dtype can
 # view it and vector loads stay aligned; a rank's slice of a group is a multiple of it too,
@@ -66,3 +66,10 @@ def format_size(nbytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
+
+
+def format_apart(have: int, need: int) -> tuple[str, str]:
+    """Two sizes a refusal compares (a budget and what it must be), in bytes where rounding
+    would print them alike: "needs 160.00 KiB but host_budget is 160.00 KiB" says nothing."""
+    a, b = format_size(have), format_size(need)
+    return (f"{int(have)} bytes", f"{int(need)} bytes") if a == b and int(have) != int(need) else (a, b)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .._plan import PlanRow, check_disk, check_ram
-from .._units import format_size
+from .._units import format_apart, format_size
 from ..accel import host_compute
 from ..io import PAGE_SIZE, BudgetError, round_up
 from ..store import Tier
@@ -186,10 +186,11 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
         fixes.append("pass a smaller shard_size")
         if any(s.grad_home is Tier.HOST and s.home is not Tier.HOST for s in group):
             fixes.append("set grad_tier='nvme'")
+        budget, needed = format_apart(p.host_budget, need)
         error = BudgetError(
-            f"the optimizer states need {format_size(need)} of host memory ("
+            f"the optimizer states need {needed} of host memory ("
             + ", ".join(f"{format_size(n)} {what}" for n, what in parts if n)
-            + f") but host_budget is {format_size(p.host_budget)}: " + ", ".join(fixes[:-1])
+            + f") but host_budget is {budget}: " + ", ".join(fixes[:-1])
             + f" or {fixes[-1]}")
         error.short = {key: need - p.host_budget}
         raise error

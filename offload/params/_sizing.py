@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .._units import format_size
+from .._units import format_apart, format_size
 from ..config import OffloadConfig
 from ..io import BudgetError
 from ..store import Tier, device_slot_size, host_slot_size
@@ -187,19 +187,22 @@ def _refusal(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, expl
             least = _measure(model, config, 0, place).need
             if place is not None:  # (_measure placed its own groups: back to these, which offload.plan goes on with)
                 place(layout.groups)
+            have, need = format_apart(budget, layout.need)
             return BudgetError(
-                f"device_budget {format_size(budget)} cannot hold the {format_size(layout.resident)} of parameters "
+                f"device_budget {have} cannot hold the {format_size(layout.resident)} of parameters "
                 f"that stay on the device (resident_bytes={format_size(layout.resident_bytes)})"
-                + (f" and {held}" if layout.held else "") + f": set device_budget >= {format_size(layout.need)}, "
+                + (f" and {held}" if layout.held else "") + f": set device_budget >= {need}, "
                 f"or lower resident_bytes (with resident_bytes=0 or 'auto', device_budget >= {format_size(least)})")
-        return BudgetError(f"device_budget {format_size(budget)} cannot hold {held}"
+        have, need = format_apart(budget, layout.need)
+        return BudgetError(f"device_budget {have} cannot hold {held}"
                            + (f" next to {format_size(layout.resident)} of resident parameters" if layout.resident
-                              else "") + f": set device_budget >= {format_size(layout.need)}")
+                              else "") + f": set device_budget >= {need}")
     if config.param_tier == "host":
         total = sum(host_slot_size(g.nbytes) for g in layout.groups if not g.resident)  # (whole pages each)
         if total > config.host_budget:
-            return BudgetError(f"param_tier='host' needs {format_size(total)} of host memory but host_budget is "
-                               f"{format_size(config.host_budget)}: raise host_budget or set param_tier='nvme'")
+            have, need = format_apart(config.host_budget, total)
+            return BudgetError(f"param_tier='host' needs {need} of host memory but host_budget is "
+                               f"{have}: raise host_budget or set param_tier='nvme'")
     room = layout.room(budget)
     if config.cache_bytes != "auto" and config.cache_bytes > room:
         return BudgetError(f"cache_bytes={format_size(config.cache_bytes)} does not fit: device_budget "
@@ -237,11 +240,12 @@ def check_partitioned(groups: list[ParamGroup], config: OffloadConfig, mine: lis
         max((g.nbytes for g in mine), default=0)
     need += slices
     if need > config.device_budget:
+        have, least = format_apart(config.device_budget, need)
         raise BudgetError(
-            f"device_budget {format_size(config.device_budget)} cannot hold parameter group "
+            f"device_budget {have} cannot hold parameter group "
             f"{largest.key!r} gathered ({format_size(largest.nbytes)}) next to "
             + ("this rank's slices of every group" if config.param_tier == "device" else "its slice")
-            + f" ({format_size(slices)}): set device_budget >= {format_size(need)}")
+            + f" ({format_size(slices)}): set device_budget >= {least}")
     if config.param_tier == "host" and sum(host_slot_size(g.nbytes) for g in mine) > config.host_budget:
         raise BudgetError(f"param_tier='host' needs {format_size(sum(host_slot_size(g.nbytes) for g in mine))} of "
                           "host memory on "
