@@ -12,12 +12,49 @@ import math
 
 import torch
 
+from ..params import hold_gradients, watch_trainable
+from ._layout import ParamEntry, expected_gradients
 from ._norms import scale_all, total_norm
 
 __all__ = ["GradientCalls"]
 
 
 class GradientCalls:
+    def _take_gradients(self, entry: ParamEntry) -> None:
+        """Take a wrapped parameter's gradients from its next backward on; a frozen one's
+        once it requires grad (``watch_trainable``)."""
+        if entry.hooked:
+            return
+        p = entry.param
+        if not p.requires_grad:
+            watch_trainable(p, self)
+            return
+        hold_gradients(p, self, entry.owner.slot.names[0])
+        self._sink.hook(entry)
+        for shard in {id(s.shard): s.shard for s in entry.segments if s.shard is not None}.values():
+            shard.expected = expected_gradients(shard)  # (its accumulator waits for this one too)
+
+    def became_trainable(self, param: torch.Tensor) -> None:
+        entry = self._book.entries.get(id(param))
+        if entry is not None and entry.owner is not None and not self._closed:
+            self._take_gradients(entry)
+
+    def _refuse_untaken_gradients(self) -> None:
+        """A gradient on a wrapped parameter that bypassed the sink (set by hand on a frozen
+        one, or its requires_grad turned on where offload does not see it) would be left out
+        of the update, where torch's optimizer takes it: refused by name."""
+        for entry in self._book.entries.values():
+            if entry.owner is not None and not entry.hooked:
+                with torch._C.DisableTorchFunctionSubclass():
+                    stray = torch._C.TensorBase.grad.__get__(entry.param) is not None
+                if stray:
+                    raise RuntimeError(
+                        f"parameter {entry.owner.slot.names[0]!r} of a wrapped model has a gradient that "
+                        f"{type(self).__name__} did not take: it was frozen when given to the optimizer and got "
+                        "its gradient another way than through requires_grad_() (p.grad set by hand, or "
+                        "requires_grad changed outside Python). torch's optimizer would update it with that "
+                        "gradient. Call p.requires_grad_(True) before the backward, or drop it (p.grad = None)")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's: with ``set_to_none=False`` the gradients held are zeros (a step
         still takes them) rather than none."""

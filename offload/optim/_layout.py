@@ -20,7 +20,7 @@ from ..store import Tier
 from ._formats import BLOCK, Packing, StateFormat, packing_for
 
 __all__ = ["check_dtype", "Owner", "MasterMode", "master_mode", "Segment", "Shard", "ParamEntry", "Placement", "Item",
-           "cut", "staggered", "check_master_format", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
+           "cut", "staggered", "check_master_format", "expected_gradients", "DEFAULT_SHARD", "HOST_PLAIN_SHARD", "MIN_SHARD", "SHARDS_IN_FLIGHT"]
 
 DEFAULT_SHARD = 16 << 20  # elements: 64 MiB per fp32 row
 # fp32 CPU parameters of no wrapped model, states in host memory: nothing is read or written,
@@ -303,7 +303,7 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
         if shard.packed:
             shard.numel = round_up(shard.numel, BLOCK)  # (staggered keeps whole blocks)
         shard.numel = staggered(shard.numel)  # unused elements at the end of each row
-        shard.expected = len({id(s.param) for s in shard.segments if s.param.requires_grad})
+        shard.expected = expected_gradients(shard)
         if shard.wrapped:
             key = keys[id(shard)]
             shard.grad_home = shard.home
@@ -311,6 +311,12 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
                 shard.grad_home = Tier.HOST
                 room[key] -= shard.grad_bytes
     return shards
+
+
+def expected_gradients(shard: Shard) -> int:
+    """How many parameters' gradients a backward brings to ``shard`` (its accumulator is
+    written out once they are in): those that require grad now."""
+    return len({id(s.param) for s in shard.segments if s.param.requires_grad})
 
 
 def copies_group(item: Item) -> bool:

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 
 from .._tensors import made_lasting
 from ..config import OffloadConfig
-from ..params import hold_gradients, release_gradients
+from ..params import release_gradients
 from ._ahead import BackwardReads
 from ._deferred import Deferral
 from ._early import EarlyUpdate, refuse_to_start
@@ -157,9 +157,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             entry = self._book.register(p, index)
             if entry.owner is not None:
                 self._states.listen(entry.owner.manager)
-                if p.requires_grad and not entry.hooked:
-                    hold_gradients(p, self, entry.owner.slot.names[0])
-                    self._sink.hook(entry)
+                self._take_gradients(entry)  # (now, or once the parameter requires grad)
         self._book.check_managers()
 
     @torch.no_grad()
@@ -174,6 +172,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             manager.pending.settle()
         self._sink.sync()
         self._phase.refuse_if_poisoned()
+        self._refuse_untaken_gradients()
         self._ensure_layout()
         shards = self._book.shards
         self._book.check_rows(type(self).__name__, self.param_groups)

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._calls import DATA, DETACH, LAYOUT, NO_DATA, REPR, Kind, kind_of, returns_itself, write_targets
 from .._autograd import in_backward
 from ._copies import DetachedCopy, read_only
-from ._gradients import DEFERRED, get_grad, set_grad
+from ._gradients import DEFERRED, TRAINABLE, get_grad, set_grad, set_trainable
 from ._groups import ParamGroup, ParamSlot
 from ._replaced import replaced_slots
 
@@ -97,6 +97,8 @@ class OffloadedParameter(nn.Parameter):
             return set_grad(args[0], args[1])
         if func in _AUTOGRAD:
             return _autograd_call(func, args, kwargs)
+        if func in TRAINABLE:  # (an optimizer built over it frozen takes its gradients once it trains)
+            return set_trainable(func, args, kwargs)
         if func is DETACH and sys._getframe(1).f_code is _PARAMETER_NEW:
             raise RuntimeError(
                 "nn.Parameter(p) of a parameter offload manages (as parametrize does when it registers on a "

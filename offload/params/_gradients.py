@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 __all__ = ["GradientHolder", "hold_gradients", "release_gradients", "holder_of", "get_grad", "set_grad",
-           "defer_to", "DEFERRED"]
+           "defer_to", "DEFERRED", "watch_trainable", "set_trainable", "TRAINABLE"]
 
 # Tensor classes that stand for values held elsewhere (the optimizer's p.grad): a call that
 # has one among its arguments is left to that class's __torch_function__ first (it swaps in
@@ -50,6 +50,10 @@ class GradientHolder(Protocol):
 
 # id(parameter) -> weak references to (parameter, holder): neither is kept alive by this
 _holders: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# id(parameter) -> (parameter, optimizer) pairs, as weak references, to tell when a frozen
+# parameter they hold starts to require grad (``watch_trainable``)
+_watchers: dict[int, list[tuple[weakref.ref, weakref.ref]]] = {}
+TRAINABLE = {_T.requires_grad.__set__, torch.Tensor.requires_grad_}
 
 
 def _entry(param: torch.Tensor) -> Any:
@@ -107,3 +111,25 @@ def set_grad(param: torch.Tensor, value: Any) -> None:
         return
     with _plain():
         _T.grad.__set__(param, value)
+
+
+def watch_trainable(param: torch.Tensor, holder: Any) -> None:
+    """Call ``holder.became_trainable(param)`` when the frozen ``param`` starts to require
+    grad (``p.requires_grad_()``, ``module.requires_grad_()``, ``p.requires_grad = True``):
+    an optimizer built over a frozen parameter takes its gradients from then on, as torch's
+    updates any parameter that has one."""
+    _watchers.setdefault(id(param), []).append((weakref.ref(param), weakref.ref(holder)))
+
+
+def set_trainable(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A call of ``TRAINABLE`` on a wrapped parameter: made, then told to its watchers."""
+    with _plain():
+        out = func(*args, **kwargs)
+        param = args[0]
+        trainable = param.requires_grad
+    if trainable:
+        for ref, holder_ref in _watchers.pop(id(param), []):
+            holder = holder_ref()
+            if ref() is param and holder is not None and not holder.closed:
+                holder.became_trainable(param)
+    return out

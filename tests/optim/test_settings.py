@@ -195,3 +195,36 @@ def test_a_parameter_split_across_shards_updates_as_torchs_whole(no_leaks):
         torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=0)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_parameter_frozen_when_the_optimizer_was_built_trains_once_unfrozen(tmp_path, tier, tiny_gpt2,
+                                                                               offload_config, lm_batches, no_leaks):
+    """As torch's optimizer updates any parameter that has a gradient, one frozen when the
+    optimizer was built trains from the backward after requires_grad_(True), bit for bit;
+    a gradient set by hand on one still frozen is refused by name at step()."""
+    runs = []
+    for offloaded in (False, True):
+        model = tiny_gpt2()
+        model.transformer.wpe.weight.requires_grad_(False)
+        model.transformer.ln_f.requires_grad_(False)  # (frozen throughout)
+        if offloaded:
+            model = offload.wrap(model, offload_config(tmp_path, param_tier=tier, optimizer_tier=tier))
+        opt = (offload.AdamW if offloaded else torch.optim.AdamW)(model.parameters(), lr=1e-2, fused=True)
+        for step, (ids,) in enumerate(lm_batches(211, steps=4, micro=1)):
+            if step == 2:
+                model.transformer.wpe.requires_grad_(True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        runs.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        if offloaded:
+            frozen = model.transformer.ln_f.weight
+            frozen.grad = torch.ones_like(frozen)
+            with pytest.raises(RuntimeError, match=r"'transformer.ln_f.weight' .* did not take"):
+                opt.step()
+            opt.close()
+            offload.close(model)
+    for key in runs[0]:
+        assert torch.equal(runs[1][key], runs[0][key]), key
