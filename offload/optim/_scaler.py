@@ -53,7 +53,7 @@ class LossScaler:
     def skipped(self) -> None:
         """An overflow skipped the step: a dynamic scale halves."""
         if self.dynamic:
-            self._set(max(self.scale / 2, 1.0))
+            self._set(self.scale / 2)  # (no floor: torch.amp.GradScaler halves on, below 1 too)
             self.good_steps = 0
         log.info("gradients overflowed: step skipped, loss scale now %g", self.scale)
 

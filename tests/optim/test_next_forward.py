@@ -226,6 +226,30 @@ def test_fp16_overflow_and_scale_follow_grad_scaler(tmp_path, branchy, offload_c
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_a_dynamic_scale_halves_below_one_as_grad_scaler_does(tmp_path, branchy, offload_config, no_leaks):
+    """Three overflows from a scale of 2 leave 0.25, as torch.amp.GradScaler's backoff does
+    (no floor at 1)."""
+    x = torch.randn(4, 32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    ref = branchy()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = offload.wrap(branchy(), offload_config(tmp_path, compute_dtype="fp16", resident_bytes=0))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    opt.loss_scale = 2.0
+    try:
+        for _ in range(3):
+            scaler.scale(ref(x).pow(2).mean() * math.inf).backward()
+            scaler.step(ref_opt)
+            scaler.update()
+            opt.scale_loss(model(x.half()).float().pow(2).mean() * math.inf).backward()
+            opt.step()
+            assert opt.loss_scale == scaler.get_scale()
+        assert opt.loss_scale == 0.25 and opt.stats["skipped_steps"] == 3
+    finally:
+        opt.close()
+        offload.close(model)
+
+
 @pytest.mark.parametrize("failing", [1, 3])
 def test_a_failed_update_in_the_forward_poisons(tmp_path, failing, tiny_gpt2, lm_batches, offload_config, no_leaks):
     """An error inside a shard's update (the first one, or a later one) fails the forward
