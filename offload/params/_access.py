@@ -252,6 +252,8 @@ class DemandAccess:
                 f"{format_size(need)} of offloaded parameters, {format_size(available)} of RAM available. "
                 "Save it with offload.save_checkpoint(path, model) or offload.export(model, directory) "
                 "(safetensors that from_pretrained loads), which stream a group at a time")
+        if self.coordinator.pending:  # (finish a step's update owed to the next forward first: done group by
+            self.coordinator.pending.settle()  # group as each is read, its reads ahead and the copies compete)
         self.snapshots, self._snapshot_group = {}, None
 
     def _state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:

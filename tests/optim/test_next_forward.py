@@ -6,6 +6,7 @@ the next forward uses it. Compared bit for bit with the same optimizer updating 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -415,3 +416,36 @@ def test_a_held_group_updated_during_the_next_backward(tmp_path, tiny_gpt2, lm_b
         offload.close(model)
     for key, want in runs["in step"].items():
         assert torch.equal(runs["next forward"][key], want), key
+
+
+def test_model_state_dict_right_after_a_step_at_a_tight_host_budget(tmp_path, offload_config, no_leaks):
+    """model.state_dict() between step() and the next forward finishes the update owed to
+    that forward before it reads the groups: done group by group as each was read, the
+    update's reads ahead and the snapshots' copies took the same host room, and a budget
+    the plan accepts stopped with a BudgetError in 5 runs of 6. Weights equal torch's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    settings = dict(host_budget=131072, device_budget="64MiB", resident_bytes=0)
+    assert offload.plan(model, offload_config(tmp_path, **settings), optimizer="adamw").fits
+    model = offload.wrap(model, offload_config(tmp_path, **settings))
+    opt = offload.AdamW(model.parameters(), lr=3e-3)
+    try:
+        g = torch.Generator().manual_seed(123)
+        for _ in range(3):
+            ids = torch.randint(0, 128, (2, 16), generator=g)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(input_ids=ids, labels=ids).loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                o.step()
+                o.zero_grad()
+        got, want = model.state_dict(), ref.state_dict()
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+    finally:
+        opt.close()
+        offload.close(model)
