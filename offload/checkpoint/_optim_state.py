@@ -261,15 +261,11 @@ def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dic
     same bytes (``offload.optim._formats``): a same-layout resume is bit for bit."""
     row_bytes = shard.numel * 4
     runs, checks, copies, zeros, masters, decodes = [], [], [], [], [], []
-    extra = -(-shard.decoded_nbytes // ALIGN) * ALIGN
+    scratched: dict[int, dict] = {}  # pieces read into scratch, placed after the decoded rows (_placed)
 
     def scratch(e: dict) -> int:
-        nonlocal extra
-        at = extra + e["offset"] % ALIGN
-        runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
-        checks.append((e, at))
-        extra = -(-(at + e["length"]) // ALIGN) * ALIGN
-        return at
+        scratched[id(e)] = e
+        return id(e)
 
     for seg in shard.segments:
         name = names[id(seg.param)]
@@ -302,8 +298,12 @@ def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dic
                     runs.append(ReadRun(e["file"], e["offset"], e["length"], at))
                     checks.append((e, at))
                 else:  # it spans a segment boundary (shards cut differently): scratch, then copy
-                    at = scratch(e)
-                    copies.append((at + (a - s) * 4, dest + (a - lo) * 4, (b - a) * 4))
+                    copies.append((scratch(e), (a - s) * 4, dest + (a - lo) * 4, (b - a) * 4))
+
+    extra, at_of = _placed(list(scratched.values()), shard.decoded_nbytes, runs, checks)
+    copies = [(at_of[key] + skip, dst, n) for key, skip, dst, n in copies]
+    decodes = [(e, at_of[key], None if scale is None else at_of[scale], skip, dst, n)
+               for e, key, scale, skip, dst, n in decodes]
 
     def consume(data: torch.Tensor) -> None:
         for src, dst, n in copies:
@@ -320,6 +320,26 @@ def _shard_item(view: CheckpointView, shard: ShardRows, names: dict, pieces: dic
 
     simple = not (copies or zeros or masters or decodes) and shard.packing.plain
     return ReadItem(extra, merge_runs(runs), checks, consume, in_place=shard.overwrite_in_place if simple else None)
+
+
+def _placed(pieces: list[dict], start: int, runs: list, checks: list) -> tuple[int, dict[int, int]]:
+    """Place ``pieces`` in a read buffer from ``start`` on, in the file's order, pieces
+    that follow each other in a file (less than a page apart) as the file holds them, so
+    they are read as one range (a shard's coded rows rest as one: listed per parameter, each
+    would take an aligned place of its own, two pages apiece); returns the buffer's end and
+    each piece's place by id."""
+    extra, at_of, last = -(-start // ALIGN) * ALIGN, {}, (None, 0)
+    for e in sorted(pieces, key=lambda e: (e["file"], e["offset"])):
+        gap = e["offset"] - last[1]
+        if e["file"] == last[0] and 0 <= gap < ALIGN:
+            extra += gap
+        else:
+            extra = -(-extra // ALIGN) * ALIGN + e["offset"] % ALIGN
+        at_of[id(e)] = extra
+        runs.append(ReadRun(e["file"], e["offset"], e["length"], extra))
+        checks.append((e, extra))
+        extra, last = extra + e["length"], (e["file"], e["offset"] + e["length"])
+    return -(-extra // ALIGN) * ALIGN, at_of
 
 
 def load_torch_optimizer(opt: torch.optim.Optimizer, manifest: dict, plan: dict, reader: BlobReader) -> None:

@@ -70,8 +70,10 @@ class ShardRows:
 class CheckpointView:
     def __init__(self, *, prepare: Callable[[], list[Shard]], states: StateRows, scaler: LossScaler,
                  loading: Callable[[str], Any], reset_gradients: Callable[[], None],
-                 holds_gradients: Callable[[], bool], staging: Any, moments: str = "fp32", master: str = "fp32"):
+                 holds_gradients: Callable[[], bool], staging: Any, moments: str = "fp32", master: str = "fp32",
+                 scratch_released: Callable[[], Any] = contextlib.nullcontext):
         self._prepare, self._states, self._scaler = prepare, states, scaler
+        self._scratch_released = scratch_released
         self._loading, self._reset_gradients = loading, reset_gradients
         self._holds_gradients = holds_gradients
         self._moments, self._master = moments, master
@@ -118,7 +120,7 @@ class CheckpointView:
         """Bracket a load into this optimizer: a load that raises leaves it poisoned (it
         refuses to step until a load succeeds); one that completes takes the saved loss
         scale, drops held gradients and any writes to the parameters made before it."""
-        with self._loading("checkpoint load"):
+        with self._loading("checkpoint load"), self._scratch_released():  # (its coded rows decode in their own)
             yield
             self._states.forget_writes()  # its master rows came with the weights
             self._states.masters_taken()

@@ -119,5 +119,5 @@ class StateDicts:
                               holds_gradients=lambda: not self._stepped_on and any(
                                   s.grad_valid for s in self._book.shards),
                               staging=own.staging if own is not None else None, moments=self.moments,
-                              master=self.master)
+                              master=self.master, scratch_released=self._book.scratch_released)
 

@@ -4,6 +4,7 @@ its host budget) and the optimizer's own store for parameters of no wrapped mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -173,7 +174,7 @@ class ShardBook:
         for e in new.entries:
             e.laid_out = True
         self.shards.extend(new.shards)
-        self._take_scratch()
+        self.take_scratch()
         _warm_pools(new.shards)
 
     def discard(self, new: NewLayout) -> None:
@@ -189,7 +190,24 @@ class ShardBook:
         pool room that the shards read ahead of it hold."""
         return self._scratch.get(id(store))
 
-    def _take_scratch(self) -> None:
+    @contextlib.contextmanager
+    def scratch_released(self) -> Iterator[None]:
+        """Give the decode buffers back to the pools while no update runs (a checkpoint
+        load decodes its coded rows into a buffer of its own), and take them again after."""
+        self._release_scratch()
+        try:
+            yield
+        finally:
+            self.take_scratch()
+
+    def _release_scratch(self) -> None:
+        for key, buf in list(self._scratch.items()):
+            store = next(s.store for s in self.shards if id(s.store) == key)
+            if not store.closed:
+                store.staging.release(buf)
+        self._scratch.clear()
+
+    def take_scratch(self) -> None:
         need: dict[int, tuple[Any, int]] = {}
         for s in self.shards:
             if s.scratch_bytes and s.scratch_bytes > need.get(id(s.store), (None, 0))[1]:
@@ -286,11 +304,7 @@ class ShardBook:
                     manager.store.wait(group.key, Tier.HOST)
 
     def close(self) -> None:
-        for key, buf in list(self._scratch.items()):
-            store = next(s.store for s in self.shards if id(s.store) == key)
-            if not store.closed:
-                store.staging.release(buf)
-        self._scratch.clear()
+        self._release_scratch()
         for shard in self.shards:
             for key in (shard.state_key, shard.grad_key):
                 if key in shard.store:

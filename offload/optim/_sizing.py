@@ -23,7 +23,7 @@ from ._formats import BLOCK, StateFormat
 from ._layout import (MIN_SHARD, SHARDS_IN_FLIGHT, Item, MasterMode, check_master_format, coded, Owner, Placement, Shard, cut, master_mode)
 from ._staging import GRAD_COPIES
 
-__all__ = ["grad_room", "check_host_budget", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
+__all__ = ["grad_room", "check_host_budget", "checkpoint_load_bytes", "check_machine", "largest_in_flight", "in_flight_bytes", "cut_to_fit",
            "params_at_home", "resting_bytes", "write_back_bytes", "wrapped_mode", "plan_rows"]
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,17 @@ def largest_in_flight(shards: Iterable[Shard], param_home: Tier | None) -> int:
     return max((in_flight_bytes(s, param_home) for s in shards), default=0)
 
 
+def checkpoint_load_bytes(shard: Shard) -> int:
+    """Host pool bytes a checkpoint load takes for ``shard`` where its rows are coded (the
+    update's decode buffer is given back meanwhile): one buffer for the fp32 rows and the
+    saved pieces read beside them, a page of alignment at each end, and for rows at home on
+    NVMe the staging of their put (``checkpoint._optim_state``'s shard item)."""
+    if not shard.packed:
+        return 0
+    read = _pages(round_up(shard.scratch_bytes, PAGE_SIZE) + shard.state_bytes + 2 * PAGE_SIZE)
+    return read + (_pages(shard.state_bytes) if shard.home is not Tier.HOST else 0)
+
+
 def backward_accumulators(shards: Iterable[Shard]) -> int:
     """Host pool bytes a backward takes for gradients summed on their way to NVMe: the
     accumulators open at once (a shard stays open until all of its parameters have
@@ -160,9 +171,10 @@ def host_needs(shards: list[Shard], placements: dict[int, Placement]) -> dict[in
         wrapped = any(s.wrapped for s in group)
         needs[key] = [(p.params if wrapped else 0, "of parameters at home in host memory"),
                       (sum(resting_bytes(s) for s in group), "resting in host memory"),
-                      (max(largest_in_flight(group, p.param_home), backward_accumulators(group)),
-                       "for one shard in flight (with the parameter groups it updates in place), or the "
-                       "backward's gradient accumulators"),
+                      (max(largest_in_flight(group, p.param_home), backward_accumulators(group),
+                           max(map(checkpoint_load_bytes, group))),
+                       "for one shard in flight (with the parameter groups it updates in place), the "
+                       "backward's gradient accumulators, or a checkpoint load of coded rows"),
                       (p.write_back if wrapped else 0, "to write back a parameter group"),
                       (p.device_staging if wrapped else 0,
                        "to copy gradients and a parameter group between host and device")]

@@ -29,6 +29,14 @@ class StateRows:
             return
         if shard.packed:
             packing = shard.packing
+            resting = shard.store.overwrite_in_place(shard.state_key) if shard.state_key in shard.store else None
+            if resting is not None:  # (coded straight into the rows where they rest: no second copy)
+                view, done = resting
+                try:
+                    packing.encode(rows, view[: packing.nbytes])
+                finally:
+                    done()
+                return
             packed = torch.empty(packing.nbytes, dtype=torch.uint8)
             packing.encode(rows, packed)
             rows = packed

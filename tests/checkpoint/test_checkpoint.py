@@ -297,3 +297,50 @@ def test_a_checkpoint_loads_at_the_host_budget_it_was_saved_at(tmp_path, tiers, 
     finally:
         opt.close()
         offload.close(m)
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_coded_moments_load_at_the_least_host_budget_the_plan_accepts(tmp_path, moments, tiny_llama, lm_batches,
+                                                                    offload_config, train):
+    """States in host memory with coded moments, at the least host budget the plan accepts
+    (found to a page): save, then load into a fresh model and optimizer at that budget; the
+    weights and the states are the saved ones. (The load decodes a shard's rows into a
+    buffer beside them: it was refused at the budget that saved, 2 MiB of a plan minimum of
+    1.41 MiB, while the update's own decode buffer stayed held. The load now has that buffer
+    back, codes into the resting rows in place, packs the saved pieces as the file holds
+    them, and the plan counts what is left.)"""
+    settings = dict(device_budget="256KiB", resident_bytes=0, param_tier="host", optimizer_tier="host")
+
+    def fits(budget: int) -> bool:
+        cfg = offload_config(tmp_path / "plan", host_budget=budget, **settings)
+        return offload.plan(tiny_llama(), cfg, optimizer="adamw", moments=moments).fits
+
+    lo, hi = 16 << 10, 8 << 20
+    assert not fits(lo) and fits(hi)
+    while hi - lo > 4096:
+        mid = -(-(lo + hi) // 8192) * 4096
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+
+    def build(where):
+        m = offload.wrap(tiny_llama(), offload_config(tmp_path / where, host_budget=hi, **settings))
+        return m, offload.AdamW(m.parameters(), lr=1e-2, moments=moments)
+
+    m, opt = build("a")
+    train(m, opt, lm_batches(197, steps=2), clip=1.0)
+    offload.save_checkpoint(str(tmp_path / "ckpt"), m, opt)
+    want, want_opt = {k: v.clone() for k, v in m.state_dict().items()}, opt.state_dict()["state"]
+    opt.close()
+    offload.close(m)
+    m, opt = build("b")
+    try:
+        offload.load_checkpoint(str(tmp_path / "ckpt"), m, opt)
+        got = m.state_dict()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        for i, rows in opt.state_dict()["state"].items():
+            for key, value in rows.items():
+                assert torch.equal(value, want_opt[i][key]), (i, key)
+        assert offload.stats(m)["host_peak_bytes"] <= hi
+    finally:
+        opt.close()
+        offload.close(m)
