@@ -108,6 +108,9 @@ class CheckpointReader:
         bytes); refuse the keys it converts (fused, split, transposed, permuted: not the
         tensor of the file), even under the model's own names."""
         keys = hf_keys(model, list(self.entries), set(model.state_dict().keys()))
+        prefix = (getattr(model, "base_model_prefix", "") or "") + "."
+        self._stripped = set() if keys is None else {
+            name for key, name in keys.renamed.items() if prefix != "." and key == prefix + name}
         if keys is None:
             return
         if keys.converted:
@@ -183,13 +186,25 @@ class CheckpointReader:
         for buffer, pattern in _OLD_BUFFERS:
             if any(n.endswith(buffer) for n in unsaved):  # (older files kept them per layer, or saved them)
                 patterns.append(re.compile(pattern))
-        ignored = [k for k in self.entries if k not in saved and (k in unsaved or any(p.search(k) for p in patterns))]
+        head = self._head_keys(model, saved)
+        ignored = [k for k in self.entries if k not in saved and (k in unsaved or k in head
+                                                                   or any(p.search(k) for p in patterns))]
         for k in ignored:
             del self.entries[k]
         if ignored:
             log.info("checkpoint %r: %d tensors not read, as from_pretrained does not read them (buffers the "
                      "model does not save, or keys %s ignores; e.g. %s)", self.path, len(ignored),
                      type(model).__name__, ignored[0])
+
+    def _head_keys(self, model: nn.Module, saved: set[str]) -> set[str]:
+        """A base model (``LlamaModel``) given its task model's checkpoint
+        (``LlamaForCausalLM``'s, whose base weights are under ``base_model_prefix``): the
+        file's tensors outside the prefix are the head's, which from_pretrained leaves
+        unread, as here."""
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        if not prefix or any(k.startswith(prefix + ".") for k in saved) or not self._stripped:
+            return set()
+        return {k for k in self.entries if k not in saved and k not in self._stripped}
 
     def _check_tied(self, names: list[str]) -> None:
         """A parameter the model ties under several names, of which the file holds more than

@@ -235,6 +235,25 @@ def test_a_header_whose_offsets_do_not_tile_the_data_is_refused_by_name(tmp_path
             offload.wrap(model, cfg(tmp_path, read_in_place=in_place), checkpoint=str(tmp_path / "gpt2"))
 
 
+def test_a_base_model_reads_its_task_models_checkpoint(tmp_path, no_leaks):
+    """LlamaModel given LlamaForCausalLM's checkpoint: its weights under the base prefix are
+    read, the head left unread, as from_pretrained does; outputs equal from_pretrained's."""
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "causal")
+    ref = transformers.LlamaModel.from_pretrained(tmp_path / "causal")
+    with offload.init_empty_weights():
+        model = transformers.LlamaModel(config)
+    offload.wrap(model, cfg(tmp_path, device_budget="1MiB"), checkpoint=str(tmp_path / "causal"))
+    try:
+        ids = torch.tensor([[3, 1, 4, 1, 5]])
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
+    finally:
+        offload.unwrap(model)
+
+
 def test_groups_kept_resident_across_passes_are_read_once(tmp_path, no_leaks):
     ref = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=32)).eval()
