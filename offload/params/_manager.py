@@ -362,8 +362,15 @@ def _close(model: nn.Module, manager: ParamManager) -> None:
             for slot in group.slots:
                 slot.param.grad = None
                 point(slot.param, torch.empty(0, dtype=slot.dtype, device=slot.param.device))
+        model.register_forward_pre_hook(_closed_forward)  # (its empty weights would fail in some layer)
     finally:
         _release(model, manager)
+
+
+def _closed_forward(module: nn.Module, args: Any) -> None:
+    raise RuntimeError(f"{type(module).__name__} was closed by offload.close(): its parameters were released (empty "
+                       "tensors). Build and wrap the model again (with checkpoint=, or load a checkpoint saved "
+                       "before close), or use offload.unwrap(model) instead of close to keep the values in memory")
 
 
 def _abandon_owed(manager: ParamManager) -> None:

@@ -318,6 +318,10 @@ def test_wrapping_twice_and_stats_of_unwrapped_are_clear(tmp_path, no_leaks):
     offload.unwrap(model)
     with pytest.raises(ValueError, match="not wrapped"):
         offload.stats(model)
+    offload.wrap(model, cfg(tmp_path))
+    offload.close(model)  # (its parameters released: a forward says so, not some layer's shape error)
+    with pytest.raises(RuntimeError, match=r"closed by offload.close\(\).*offload.unwrap"):
+        model(torch.randn(2, 64))
 
 
 # -- config ----------------------------------------------------------------------------------
