@@ -118,7 +118,8 @@ def watch_trainable(param: torch.Tensor, holder: Any) -> None:
     grad (``p.requires_grad_()``, ``module.requires_grad_()``, ``p.requires_grad = True``):
     an optimizer built over a frozen parameter takes its gradients from then on, as torch's
     updates any parameter that has one."""
-    _watchers.setdefault(id(param), []).append((weakref.ref(param), weakref.ref(holder)))
+    live = [(p, h) for p, h in _watchers.get(id(param), []) if p() is param and h() is not None]
+    _watchers[id(param)] = live + [(weakref.ref(param), weakref.ref(holder))]
 
 
 def set_trainable(func: Any, args: tuple, kwargs: dict) -> Any:
