@@ -124,6 +124,8 @@ class ReadBack:
     def _read(self, record: SavedRecord, *, keep: bool) -> torch.Tensor:
         whole = torch.empty(record.nbytes, dtype=torch.uint8, device=self.device)
         for i, (at, size) in enumerate(record.chunks):
+            if i not in record.fetched:
+                self._room_for(record, _slot(size))
             started = time.perf_counter()
             piece = self.store.wait(record.key(i), Tier.DEVICE)
             note_stall(self.counts, self.store, "read back", started)
@@ -134,6 +136,22 @@ class ReadBack:
                 self.store.evict(record.key(i), Tier.DEVICE)  # (read for this copy only)
         self.counts.read_bytes += record.nbytes
         return whole
+
+    def _room_for(self, record: SavedRecord, need: int) -> None:
+        """A piece read on demand takes the room beside the window (the tier holds the window
+        and one piece). Where backward asks for records out of the order they were saved
+        (Mamba's scan), pieces read ahead for later can fill that room too: those of the
+        oldest records (wanted last) give it back, and are read again when their turn comes."""
+        device = self.store.tiers[Tier.DEVICE]
+        for other in self._records:
+            if device.used_bytes + need <= device.budget:
+                return
+            if other is record or not other.fetched:
+                continue
+            for j in sorted(other.fetched):
+                self.store.evict(other.key(j), Tier.DEVICE)  # (one still loading goes when it lands)
+                self.counts.window_bytes -= _slot(other.chunks[j][1])
+            other.fetched.clear()
 
     def _delete(self, record: SavedRecord, i: int) -> None:
         self.store.delete(record.key(i))
