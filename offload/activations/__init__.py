@@ -71,6 +71,8 @@ def offloader_for(config: OffloadConfig) -> ActivationOffloader:
                          block_size=min(engine.block_size, chunk), threads=engine.threads,
                          queue_depth=engine.queue_depth, io_backend=backend)
     home = Tier.NVME if nvme is not None else Tier.HOST
+    store.budget_names.update({Tier.HOST: "activation_host_budget (OffloadConfig)",
+                               Tier.DEVICE: "activation_prefetch (OffloadConfig; the read-ahead window and a piece)"})
     try:
         writer = None if accelerator is None else DeviceWriter(accelerator, store, home, chunk)
     except BaseException:

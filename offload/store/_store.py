@@ -42,7 +42,7 @@ from ._lending import Lending
 from ._records import FASTEST_FIRST, StoredTensor, TierCopy, as_bytes
 from ._state import Residency, StoreError, Tier, TransferInterrupted, check_transition
 from ._tiers import Done, TierBackend
-from ._transfers import Transfers, start_transfer
+from ._transfers import BUDGET_NAMES, Transfers, start_transfer
 
 __all__ = ["TensorStore", "StoredTensor"]
 
@@ -73,6 +73,9 @@ class TensorStore(Lending, InPlaceHomes, WriteBehind, Transfers):
         self._in_flight = 0
         self._writes_waiting: set[StoredTensor] = set()  # a next write home short of a staging buffer
         self._behind: dict[str, Tier] = {}  # copies held back, oldest first (_behind)
+        # the settings a refusal names for each tier's budget (a store of saved activations
+        # has budgets of its own: activation_host_budget, activation_prefetch)
+        self.budget_names: dict[Tier, str] = dict(BUDGET_NAMES)
         self.wait_seconds = 0.0
         self.fetches = 0
         self.fetch_hits = 0  # fetches that found the copy already there or on its way

@@ -354,7 +354,7 @@ class Transfers:
                 f"tensor {record.key!r} ({record.nbytes} bytes) waits for a host staging buffer (a transfer "
                 f"between tiers outside host memory passes through one; {self.staging.in_use_bytes} of "
                 f"{self.staging.budget} bytes of the host pool in use) and nothing in flight will free any: "
-                f"raise host_budget (OffloadConfig) above {self.staging.in_use_bytes + record.nbytes} bytes, "
+                f"raise {self.budget_names[Tier.HOST]} above {self.staging.in_use_bytes + record.nbytes} bytes, "
                 "with room to spare: what else the run holds grows with it")
             error.short_of = Tier.HOST
             return error
@@ -367,14 +367,15 @@ class Transfers:
         need = held + backend.slot_size(record.nbytes) if backend else record.nbytes
         error = BudgetError(
             f"tensor {record.key!r} ({record.nbytes} bytes) waits for room in the {tier.value} tier ({used}, by "
-            f"{holders}) and nothing in flight will free any: raise {_SETTING.get(tier, f'the {tier.value} budget')} "
+            f"{holders}) and nothing in flight will free any: raise "
+            f"{self.budget_names.get(tier, f'the {tier.value} budget')} "
             f"above {need} bytes, with room to spare (what else the run holds grows with it); using the store "
             "directly, evict() tensors first")
         error.short_of = tier
         return error
 
 
-_SETTING = {Tier.HOST: "host_budget (OffloadConfig)", Tier.DEVICE: "device_budget (OffloadConfig)"}
+BUDGET_NAMES = {Tier.HOST: "host_budget (OffloadConfig)", Tier.DEVICE: "device_budget (OffloadConfig)"}
 
 
 class _Chained(Pending):

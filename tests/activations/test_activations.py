@@ -28,8 +28,15 @@ def _t5():
         dropout_rate=0.0))
 
 
+def _mamba():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=197,
+                                                                  state_size=8, expand=2, conv_kernel=4))
+
+
 def _build(arch, tiny_gpt2, tiny_llama, ckpt):
-    model = {"gpt2": tiny_gpt2, "llama": tiny_llama, "t5": _t5}[arch]()
+    model = {"gpt2": tiny_gpt2, "llama": tiny_llama, "t5": _t5, "mamba": _mamba}[arch]()
     if ckpt:
         model.gradient_checkpointing_enable()
     return model
@@ -59,7 +66,7 @@ def _run(model, cfg, batches, *, overlapped=False):
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["saved", "checkpointed"])
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "mamba"])
 def test_nvme_equals_the_run_that_keeps_activations(tmp_path, arch, ckpt, tiny_gpt2, tiny_llama, offload_config,
                                                     lm_batches):
     batches = lm_batches(197, steps=3)  # (the tiny Llama's vocabulary, the smallest)
@@ -229,6 +236,16 @@ def test_plan_counts_offloaded_activations_and_refuses_a_small_host_tier(tmp_pat
                                               activation_host_budget=(saved - budget) // 2), batch=batch)
     assert not host.fits
     assert any("activation_host_budget" in p and "activation_tier='nvme'" in p for p in host.problems)
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "run", activation_tier="host", activation_budget=0,
+                                                     activation_min_bytes=0, activation_host_budget="64KiB"))
+    ids = torch.zeros(8, 64, dtype=torch.long)
+    try:  # run anyway: the store's refusal names the activations' budget, not the model's host_budget
+        refused = offload.activations.ActivationOffloadError
+        with pytest.raises(refused, match=r"raise activation_host_budget \(") as info:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert "raise host_budget" not in str(info.value)
+    finally:
+        offload.close(model)
 
 
 def _nodes(out, name):
