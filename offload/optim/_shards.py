@@ -131,12 +131,15 @@ class ShardBook:
             return None
         wrapped = [e for e in todo if e.owner is not None]
         plain = [e for e in todo if e.owner is None]
-        if self.partition() is not None and (plain or any(not s.wrapped for s in self.shards)):
+        partitioned = self.partition() is not None or any(
+            m.partition is not None for m in holders_of(e.param for e in plain))  # (adapters on a partitioned base)
+        if partitioned and (plain or any(not s.wrapped for s in self.shards)):
             raise ValueError(
                 "with several ranks, an offload optimizer takes only parameters of the wrapped model "
                 f"({len(plain) or 'some'} given are not): their gradients would not be averaged over the "
-                "ranks. Wrap the module that holds them too, or give them to an optimizer of their own "
-                "after averaging their gradients yourself (torch.distributed.all_reduce)")
+                "ranks. Wrap the module that holds them too (PEFT: get_peft_model before offload.wrap, on a "
+                "model built with its weights), or give them to an optimizer of their own after averaging "
+                "their gradients yourself (torch.distributed.all_reduce)")
         # a wrapped model's parameters in the order of its groups and slots
         wrapped.sort(key=lambda e: (id(e.owner.manager), e.owner.manager.groups.index(e.owner.group),
                                     e.owner.group.slots.index(e.owner.slot)))

@@ -88,6 +88,9 @@ def main() -> None:
         model = offload.wrap(model, cfg)
         if spec.get("fault") == "plain":  # a parameter outside the wrapped model
             offload.AdamW(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))])
+        if spec.get("fault") == "adapter":  # one added to it after wrap (a LoRA adapter), alone
+            model.lm_head.register_parameter("adapter", torch.nn.Parameter(torch.zeros(3)))
+            offload.AdamW([model.lm_head.adapter])
     except (ValueError, offload.io.BudgetError) as err:
         result["error"] = f"{type(err).__name__}: {err}"
         json.dump(result, open(f"{spec['out']}.rank{rank}", "w"))
