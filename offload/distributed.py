@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import socket
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,7 +160,21 @@ def fingerprint(config: Any, model: nn.Module) -> dict[str, str]:
     return {"config": json.dumps(fields, default=str, sort_keys=True),
             "model": hashlib.sha256(json.dumps([params, buffers]).encode()).hexdigest(),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "params": json.dumps(params)}
+            "params": json.dumps(params), "values": json.dumps(_value_digests(model))}
+
+
+def _value_digests(model: nn.Module) -> list[tuple[str, int]]:
+    """A CRC of each parameter's bytes (none for one on the meta device, to be loaded from a
+    checkpoint): each rank keeps its slice of its own copy, so copies that differ (a model
+    built with another seed on each rank, where DDP would broadcast rank 0's) would be mixed
+    slice by slice."""
+    out = []
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            continue
+        data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        out.append((name, zlib.crc32(data)))
+    return out
 
 
 def check_ranks(partition: Partition, config: Any, model: nn.Module, nvme_path: str | None) -> None:
@@ -187,6 +202,14 @@ def check_ranks(partition: Partition, config: Any, model: nn.Module, nvme_path: 
             raise ValueError(f"the ranks wrap different models ({first['model_class']} on rank 0, "
                              f"{other['model_class']} on rank {rank}; first difference: {diff}): build the "
                              "same model from the same config on every rank")
+        if other["values"] != first["values"]:
+            a, b = dict(json.loads(first["values"])), dict(json.loads(other["values"]))
+            name = next((n for n in a if a[n] != b.get(n)), next(iter(b), "?"))
+            raise ValueError(f"the ranks hold different values of the model's parameters (first: {name!r} on rank 0 "
+                             f"and rank {rank}): each rank keeps its slice of its own copy, so the model would be "
+                             "a mix of them (DDP broadcasts rank 0's; offload does not). Seed the build alike on "
+                             "every rank (torch.manual_seed before building), or load the weights from one "
+                             "checkpoint (offload.wrap(..., checkpoint=dir))")
     seen: dict[tuple[str, str], int] = {}
     for rank, info in enumerate(everyone):
         if info["nvme_path"] is None:

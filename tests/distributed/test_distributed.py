@@ -152,6 +152,7 @@ def test_update_during_backward_on_two_ranks(runs):
     ("shared_path", "share nvme_path"),
     ("plain", "only parameters of the wrapped model"),
     ("adapter", "only parameters of the wrapped model"),  # (they trained apart on each rank, silently)
+    ("seed", "different values of the model's parameters"),  # (mixed slice by slice, silently)
 ])
 def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path, fault, expected):
     result = run(tmp_path, fault, 2, fault=fault, steps=1)

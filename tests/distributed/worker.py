@@ -55,7 +55,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if launched else 0
     world = dist.get_world_size() if launched else 1
-    model = build(spec.get("model", "gpt2"), seed=1 if spec.get("fault") == "model" and rank == 1 else 0)
+    model = build(spec.get("model", "gpt2"), seed=1 if spec.get("fault") in ("model", "seed") and rank == 1 else 0)
     if spec.get("fault") == "model" and rank == 1:
         model.lm_head = torch.nn.Linear(model.config.hidden_size, 256, bias=True)  # a different model on rank 1
     if spec.get("checkpointing"):
