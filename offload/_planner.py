@@ -44,8 +44,10 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     which are copied.
 
     With several ranks (``config.world_size``, or an initialised torch.distributed) it is
-    the plan of one rank: its slices of every group (rank 0's; the others' differ by a few
-    bytes of padding) and the whole groups gathered on the device while in use."""
+    the plan of one rank: its slices of every group and the whole groups gathered on the
+    device while in use; of the ranks' plans (they differ by padding, which can cut another
+    rank's shards larger), the first that does not fit, else the one that needs the most
+    host memory."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     kind = None if optimizer is None else str(optimizer).lower()
@@ -56,23 +58,27 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
     reader = None if checkpoint is None else CheckpointReader(os.fspath(checkpoint), model)
     placing = InPlaceLayout(reader, config, partitioned=world > 1)
     layout = device_layout(model, config, partitioned=world > 1, check=False, place=placing)
-    groups, refusal = layout.groups, layout.refusal
-    if world > 1:
-        groups = slice_groups(groups, Partition(None, 0, world, 0, "gloo"))
-        try:  # (wrap's rule for a rank: a gathered group beside its slices)
-            check_partitioned(layout.groups, config, groups)
-        except BudgetError as err:
-            refusal = err
     if config.nvme_path is not None and "{" in config.nvme_path:  # rank 0's directory
         config = config.replace(nvme_path=config.nvme_path.format(rank=0, local_rank=0))
     rows = None if state is None else (lambda gs, cfg, staging: plan_rows(gs, cfg, state, param_staging=staging,
                                                                            partitioned=world > 1, moments=moments,
                                                                            master_format=master))
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
-    return plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
-                       room=layout.room(config.device_budget), optimizer=rows, activations=activations,
-                       grad_bytes=_largest_gradient(model, config), in_place=placing.choice,
-                       refusal=refusal)
+    plans = []
+    for rank in range(world):  # (each rank's slices: the last one's padding can cut larger shards)
+        groups, refusal = layout.groups, layout.refusal
+        if world > 1:
+            groups = slice_groups(groups, Partition(None, rank, world, 0, "gloo"))
+            try:  # (wrap's rule for a rank: a gathered group beside its slices)
+                check_partitioned(layout.groups, config, groups)
+            except BudgetError as err:
+                refusal = err
+        plans.append(plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
+                                 room=layout.room(config.device_budget), optimizer=rows, activations=activations,
+                                 grad_bytes=_largest_gradient(model, config), in_place=placing.choice,
+                                 refusal=refusal))
+    # the rank that does not fit, else the one that needs the most host memory
+    return min(plans, key=lambda p: (p.fits, -p.ram_need))
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:

@@ -242,3 +242,31 @@ def test_the_plan_of_one_rank(tmp_path):
     gathered = next(r for r in four.rows if r.item == "parameters gathered from all ranks")
     assert gathered.nbytes >= params
     assert four.disk_need < 0.3 * one.disk_need  # slices and their states, per rank
+
+
+def test_at_the_plans_least_host_budget_every_rank_trains(tmp_path):
+    """The plan for 3 ranks is the neediest rank's: at the least host budget it accepts
+    (found to a page, before any process group exists), every rank builds its optimizer and
+    trains. (It was rank 0's: the last rank's padded slices cut a larger shard, and that rank
+    alone refused the budget in AdamW while the others went on into the forward.)"""
+    import sys as _sys
+
+    _sys.path.insert(0, str(WORKER.parent))
+    from worker import build
+
+    def fits(budget: int) -> bool:
+        cfg = offload.OffloadConfig(device="cpu", param_tier="nvme", optimizer_tier="nvme", world_size=3,
+                                    nvme_path=str(tmp_path / "plan-{rank}"), device_budget="64MiB",
+                                    host_budget=budget, resident_bytes=0)
+        with offload.init_empty_weights():
+            model = build("llama_tied")
+        return offload.plan(model, cfg, optimizer="adamw").fits
+
+    lo, hi = 16 << 10, 4 << 20
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2 // 4096 * 4096
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    result = run(tmp_path, "least", 3, model="llama_tied", host_budget=hi, resident_bytes=0, steps=2)
+    for rank in result["ranks"]:
+        assert "error" not in rank, rank
+        assert len(rank["losses"]) == 2

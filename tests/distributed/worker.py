@@ -33,10 +33,11 @@ def build(kind: str, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160,
+    if kind in ("llama", "llama_tied"):
+        wide = 160 if kind == "llama" else 128
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=wide,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       max_position_embeddings=64, tie_word_embeddings=False)
+                                       max_position_embeddings=64, tie_word_embeddings=kind == "llama_tied")
         return transformers.LlamaForCausalLM(cfg)
     cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=128, n_layer=2, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -55,7 +56,8 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if launched else 0
     world = dist.get_world_size() if launched else 1
-    model = build(spec.get("model", "gpt2"), seed=1 if spec.get("fault") in ("model", "seed") and rank == 1 else 0)
+    other = spec.get("fault") in ("model", "seed") and rank == 1
+    model = build(spec.get("model", "gpt2"), seed=1 if other else 0)
     if spec.get("fault") == "model" and rank == 1:
         model.lm_head = torch.nn.Linear(model.config.hidden_size, 256, bias=True)  # a different model on rank 1
     if spec.get("checkpointing"):
@@ -81,7 +83,9 @@ def main() -> None:
     tier = spec.get("tier", "nvme")
     cfg = offload.OffloadConfig(device="cpu", param_tier=spec.get("param_tier", tier), optimizer_tier=tier,
                                 nvme_path=nvme,
-                                device_budget=spec.get("device_budget", "64MiB"), host_budget="256MiB", io="manual",
+                                device_budget=spec.get("device_budget", "64MiB"),
+                                resident_bytes=spec.get("resident_bytes", "auto"),
+                                host_budget=spec.get("host_budget", "256MiB"), io="manual",
                                 io_backend="direct", world_size=spec.get("world_size"),
                                 compute_dtype="bf16" if spec.get("fault") == "config" and rank == 1 else None)
     try:
