@@ -77,8 +77,8 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
                                  room=layout.room(config.device_budget), optimizer=rows, activations=activations,
                                  grad_bytes=_largest_gradient(model, config), in_place=placing.choice,
                                  refusal=refusal))
-    # the rank that does not fit, else the one that needs the most host memory
-    return min(plans, key=lambda p: (p.fits, -p.ram_need))
+    # the first rank that does not fit, else the one whose rows need the most host memory
+    return min(enumerate(plans), key=lambda ip: (ip[1].fits, ip[0] if not ip[1].fits else -ip[1].bytes_on("host")))[1]
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:

@@ -149,7 +149,7 @@ def local_nvme_path(config: Any, partition: Partition | None) -> str | None:
                          f"({err!r})") from None
 
 
-def fingerprint(config: Any, model: nn.Module) -> dict[str, str]:
+def fingerprint(config: Any, model: nn.Module, values: bool = True) -> dict[str, str]:
     """Digests of what must be equal on every rank: the config (less each rank's own
     paths) and the model's parameters and buffers (names, shapes, dtypes)."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
@@ -160,7 +160,7 @@ def fingerprint(config: Any, model: nn.Module) -> dict[str, str]:
     return {"config": json.dumps(fields, default=str, sort_keys=True),
             "model": hashlib.sha256(json.dumps([params, buffers]).encode()).hexdigest(),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-            "params": json.dumps(params), "values": json.dumps(_value_digests(model))}
+            "params": json.dumps(params), "values": json.dumps(_value_digests(model) if values else [])}
 
 
 def _value_digests(model: nn.Module) -> list[tuple[str, int]]:
@@ -177,10 +177,12 @@ def _value_digests(model: nn.Module) -> list[tuple[str, int]]:
     return out
 
 
-def check_ranks(partition: Partition, config: Any, model: nn.Module, nvme_path: str | None) -> None:
+def check_ranks(partition: Partition, config: Any, model: nn.Module, nvme_path: str | None, *,
+                values: bool = True) -> None:
     """Refuse, on every rank alike, ranks that differ in config or model, and two ranks of
-    one machine sharing a swap directory."""
-    mine = fingerprint(config, model)
+    one machine sharing a swap directory. ``values``: compare the parameters' bytes too
+    (False where a checkpoint gives every rank its values)."""
+    mine = fingerprint(config, model, values)
     mine["host"] = socket.gethostname()
     mine["nvme_path"] = nvme_path if "nvme" in (config.param_tier, config.optimizer_tier) else None
     mine["template"] = config.nvme_path

@@ -25,6 +25,7 @@ class LossScaler:
         self.enabled = loss_scale is not None
         self.scale = _INITIAL if self.dynamic else float(loss_scale or 1.0)
         self.good_steps = 0
+        self.skips_in_a_row = 0
         self.growth_interval = _GROWTH_INTERVAL
         self.scaled = False  # scale_loss() called since the last step
         self._on_change = on_change
@@ -53,12 +54,19 @@ class LossScaler:
     def skipped(self) -> None:
         """An overflow skipped the step: a dynamic scale halves."""
         if self.dynamic:
+            if self.scale / 2 == 0.0:  # (GradScaler's would reach 0 and skip every step after, silently)
+                raise FloatingPointError(
+                    f"the loss scale underflowed to 0 after {self.skips_in_a_row + 1} steps in a row whose gradients "
+                    "overflowed: the loss or the gradients are inf or NaN whatever the scale. Check the data and "
+                    "the model's outputs (a loss of inf, a division by zero)")
             self._set(self.scale / 2)  # (no floor: torch.amp.GradScaler halves on, below 1 too)
             self.good_steps = 0
+        self.skips_in_a_row += 1
         log.info("gradients overflowed: step skipped, loss scale now %g", self.scale)
 
     def stepped(self) -> None:
         """A step went through: a dynamic scale doubles after ``growth_interval`` of them."""
+        self.skips_in_a_row = 0
         if not self.dynamic:
             return
         self.good_steps += 1

@@ -200,8 +200,13 @@ class ShardBook:
         self._release_scratch()
         try:
             yield
-        finally:
-            self.take_scratch()
+        except BaseException:
+            try:  # (after a failed load, which poisons the optimizer: a later load takes it again)
+                self.take_scratch(wait=1)
+            except Exception:  # noqa: BLE001 - the load's own error is the one to raise
+                log.warning("offload: the decode buffer could not be taken back after a failed load", exc_info=True)
+            raise
+        self.take_scratch()
 
     def _release_scratch(self) -> None:
         for key, buf in list(self._scratch.items()):
@@ -210,7 +215,7 @@ class ShardBook:
                 store.staging.release(buf)
         self._scratch.clear()
 
-    def take_scratch(self) -> None:
+    def take_scratch(self, wait: float = 60) -> None:
         need: dict[int, tuple[Any, int]] = {}
         for s in self.shards:
             if s.scratch_bytes and s.scratch_bytes > need.get(id(s.store), (None, 0))[1]:
@@ -222,7 +227,7 @@ class ShardBook:
             if held is not None:
                 store.staging.release(self._scratch.pop(key))
             # (the host budget was checked with it: a timeout means other users hold the pool)
-            self._scratch[key] = store.staging.acquire(nbytes, timeout=60)
+            self._scratch[key] = store.staging.acquire(nbytes, timeout=wait)
 
     def reserved(self, store: Any) -> int:
         """Host bytes of ``store``'s pool that shards read ahead must leave free: what compute

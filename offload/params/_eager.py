@@ -96,9 +96,10 @@ def _plain_copy(module: nn.Module, memo: dict) -> nn.Module:
         if key == "__deepcopy__":
             continue
         if isinstance(value, _Eager):  # our forward: the module's own one, or what it wrapped
-            wrapped = value.__wrapped__
-            if getattr(wrapped, "__self__", None) is not module:
-                state[key] = wrapped
+            wrapped = value.__wrapped__  # (the class's forward bound at wrap: the copy has its own)
+            if getattr(wrapped, "__self__", None) is not module or \
+                    getattr(wrapped, "__func__", None) is not getattr(type(module), key, None):
+                state[key] = wrapped  # (a forward of its own: bound to the copy, as torch's deepcopy does)
             continue
         if key.endswith("_hooks") and isinstance(value, dict):
             value = value.__class__((k, v) for k, v in value.items() if not isinstance(v, _Eager))

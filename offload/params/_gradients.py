@@ -53,6 +53,7 @@ _holders: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 # id(parameter) -> (parameter, optimizer) pairs, as weak references, to tell when a frozen
 # parameter they hold starts to require grad (``watch_trainable``)
 _watchers: dict[int, list[tuple[weakref.ref, weakref.ref]]] = {}
+_watched = [1024]  # the size at which _watchers is next swept
 TRAINABLE = {_T.requires_grad.__set__, torch.Tensor.requires_grad_}
 
 
@@ -118,6 +119,10 @@ def watch_trainable(param: torch.Tensor, holder: Any) -> None:
     grad (``p.requires_grad_()``, ``module.requires_grad_()``, ``p.requires_grad = True``):
     an optimizer built over a frozen parameter takes its gradients from then on, as torch's
     updates any parameter that has one."""
+    if len(_watchers) > 2 * _watched[0]:  # (now and then: drop the entries of parameters that are gone)
+        for key in [k for k, pairs in _watchers.items() if not any(p() is not None for p, _ in pairs)]:
+            del _watchers[key]
+        _watched[0] = max(len(_watchers), 1024)
     live = [(p, h) for p, h in _watchers.get(id(param), []) if p() is param and h() is not None]
     _watchers[id(param)] = live + [(weakref.ref(param), weakref.ref(holder))]
 
@@ -129,8 +134,14 @@ def set_trainable(func: Any, args: tuple, kwargs: dict) -> Any:
         param = args[0]
         trainable = param.requires_grad
     if trainable:
+        failed = None
         for ref, holder_ref in _watchers.pop(id(param), []):
             holder = holder_ref()
             if ref() is param and holder is not None and not holder.closed:
-                holder.became_trainable(param)
+                try:  # (each is told, whatever another raises)
+                    holder.became_trainable(param)
+                except Exception as err:  # noqa: BLE001 - raised once every holder was told
+                    failed = failed or err
+        if failed is not None:
+            raise failed
     return out

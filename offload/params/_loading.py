@@ -204,7 +204,8 @@ class CheckpointReader:
         prefix = getattr(model, "base_model_prefix", "") or ""
         if not prefix or any(k.startswith(prefix + ".") for k in saved) or not self._stripped:
             return set()
-        return {k for k in self.entries if k not in saved and k not in self._stripped}
+        return {k for k in self.entries if k not in saved and not k.startswith(prefix + ".")
+                and k not in self._stripped}
 
     def _check_tied(self, names: list[str]) -> None:
         """A parameter the model ties under several names, of which the file holds more than

@@ -208,7 +208,7 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
     partition = distributed.resolve(config, process_group)
     nvme_path = distributed.local_nvme_path(config, partition)
     if partition is not None:  # first, so that every rank refuses alike
-        distributed.check_ranks(partition, config, model, nvme_path)
+        distributed.check_ranks(partition, config, model, nvme_path, values=checkpoint is None)
     if nvme_path != config.nvme_path:
         config = config.replace(nvme_path=nvme_path)
     device = config.torch_device
@@ -362,7 +362,8 @@ def _close(model: nn.Module, manager: ParamManager) -> None:
             for slot in group.slots:
                 slot.param.grad = None
                 point(slot.param, torch.empty(0, dtype=slot.dtype, device=slot.param.device))
-        model.register_forward_pre_hook(_closed_forward)  # (its empty weights would fail in some layer)
+        for module in {id(m): m for m in [model, *manager.hooks.needs]}.values():  # (its empty weights would
+            module.register_forward_pre_hook(_closed_forward)                     # fail in some layer)
     finally:
         _release(model, manager)
 

@@ -57,6 +57,14 @@ def main() -> None:
     rank = dist.get_rank() if launched else 0
     world = dist.get_world_size() if launched else 1
     other = spec.get("fault") in ("model", "seed") and rank == 1
+    checkpoint = None
+    if spec.get("from_checkpoint"):  # rank 0's seed-0 weights saved, then each rank builds with its own seed
+        checkpoint = spec["out"] + ".hf"
+        if rank == 0:
+            build(spec.get("model", "gpt2"), seed=0).save_pretrained(checkpoint)
+        if launched:
+            dist.barrier()
+        other = rank == 1
     model = build(spec.get("model", "gpt2"), seed=1 if other else 0)
     if spec.get("fault") == "model" and rank == 1:
         model.lm_head = torch.nn.Linear(model.config.hidden_size, 256, bias=True)  # a different model on rank 1
@@ -89,7 +97,7 @@ def main() -> None:
                                 io_backend="direct", world_size=spec.get("world_size"),
                                 compute_dtype="bf16" if spec.get("fault") == "config" and rank == 1 else None)
     try:
-        model = offload.wrap(model, cfg)
+        model = offload.wrap(model, cfg, checkpoint=checkpoint)
         if spec.get("fault") == "plain":  # a parameter outside the wrapped model
             offload.AdamW(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(3))])
         if spec.get("fault") == "adapter":  # one added to it after wrap (a LoRA adapter), alone

@@ -246,6 +246,11 @@ def test_a_dynamic_scale_halves_below_one_as_grad_scaler_does(tmp_path, branchy,
             opt.step()
             assert opt.loss_scale == scaler.get_scale()
         assert opt.loss_scale == 0.25 and opt.stats["skipped_steps"] == 3
+        opt.zero_grad()
+        opt.loss_scale = 5e-324  # (the least positive float: one more overflow would make it 0)
+        opt.scale_loss(model(x.half()).float().pow(2).mean() * math.inf).backward()
+        with pytest.raises(FloatingPointError, match="underflowed to 0 after 4 steps in a row"):
+            opt.step()
     finally:
         opt.close()
         offload.close(model)

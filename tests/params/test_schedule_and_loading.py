@@ -252,6 +252,10 @@ def test_a_base_model_reads_its_task_models_checkpoint(tmp_path, no_leaks):
             assert torch.equal(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state)
     finally:
         offload.unwrap(model)
+    with offload.init_empty_weights():  # (keys under the prefix that the model lacks are still refused)
+        shallow = transformers.LlamaModel(transformers.LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 0}))
+    with pytest.raises(ValueError, match=r"unexpected keys .*layers\.0"):
+        offload.wrap(shallow, cfg(tmp_path, device_budget="1MiB"), checkpoint=str(tmp_path / "causal"))
 
 
 def test_groups_kept_resident_across_passes_are_read_once(tmp_path, no_leaks):
@@ -322,6 +326,8 @@ def test_wrapping_twice_and_stats_of_unwrapped_are_clear(tmp_path, no_leaks):
     offload.close(model)  # (its parameters released: a forward says so, not some layer's shape error)
     with pytest.raises(RuntimeError, match=r"closed by offload.close\(\).*offload.unwrap"):
         model(torch.randn(2, 64))
+    with pytest.raises(RuntimeError, match=r"Linear was closed by offload.close\(\)"):
+        model[0](torch.randn(2, 64))  # (a layer of it called alone)
 
 
 # -- config ----------------------------------------------------------------------------------
