@@ -167,6 +167,9 @@ def worker(args) -> dict:
         written = disk_io_bytes()[1]
         evict_host_cache(args.path, args.evict)
         pause, evict_written = time.monotonic() - loaded_at, disk_io_bytes()[1] - written
+    if args.settle:  # (the copy mode's swap files grow as old as --settle before the prompt reads them)
+        time.sleep(args.settle)
+        pause = time.monotonic() - loaded_at
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
 
     class Clock(BaseStreamer):
@@ -242,7 +245,7 @@ def imports_seconds(name: str) -> float:
 def run_mode(args, name: str, path: str, mode: str) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--name", name, "--model-path", path,
            "--path", args.path, "--device-budget", args.device_budget, "--host-budget", args.host_budget,
-           "--evict", str(args.evict)] + (["--trace", args.trace] if args.trace else [])
+           "--evict", str(args.evict), "--settle", str(args.settle)] + (["--trace", args.trace] if args.trace else [])
     balloon = Balloon(args.reserve) if mode != "memory" else None
     try:
         if balloon is not None:
@@ -321,6 +324,11 @@ def main() -> None:
                         "reads back this much other data (O_DIRECT, a scratch file under --path; the pause is left "
                         "out of its times), so that no mode reads weights from the virtual disk's host cache, which "
                         "holds what the copy mode has just written; 0 turns it off (default 12GiB)")
+    parser.add_argument("--settle", type=float, default=0.0, help="after the eviction pause, each worker waits "
+                        "this many seconds more before the prompt (left out of its times like the pause): the copy "
+                        "mode's swap files, written at load, are then that much older when its tokens read them, "
+                        "as a checkpoint read in place is older (this disk reads recently written data faster; "
+                        "default 0)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--trace", default=None, help="a directory: each offload worker writes its Chrome trace "
                         "there (OffloadConfig(trace_path=...): reads, compute and stalls on one timeline), named "
