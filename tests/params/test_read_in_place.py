@@ -121,16 +121,26 @@ def test_training_moves_groups_on_first_write_and_never_writes_the_checkpoint(tm
     assert _digests(path) == before
 
 
+def _saved_llama(tmp_path, **config):
+    """A tiny Llama saved as safetensors: (its config, the model in memory, the directory)."""
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **config)
+    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+    return config, base, path
+
+
+def _lora(peft, model, **settings):
+    """LoRA on q_proj and v_proj, rank 4, its adapters drawn after seed 1."""
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **settings))
+
+
 def test_lora_on_a_base_read_in_place_never_copies_the_base(tmp_path, no_leaks):
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+    config, base, path = _saved_llama(tmp_path)
 
     def lora(model):
-        torch.manual_seed(1)
-        return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                          lora_dropout=0.0))
+        return _lora(peft, model, lora_alpha=8, lora_dropout=0.0)
 
     ref = lora(base.train())
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)
@@ -161,16 +171,10 @@ def test_merge_and_unload_of_lora_on_a_tied_base(tmp_path, no_leaks):
     forward: each parameter answers with an address of its own (tied ones share it), so the
     merge runs and keeps the tie, and its weights equal the merge in memory."""
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                      tie_word_embeddings=True)
-    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+    config, base, path = _saved_llama(tmp_path, tie_word_embeddings=True)
 
     def merged(model):
-        torch.manual_seed(1)
-        lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                          init_lora_weights=False))
-        return lora.merge_and_unload()
+        return _lora(peft, model, init_lora_weights=False).merge_and_unload()
 
     ref = merged(base)
     model = merged(_wrapped(transformers.LlamaForCausalLM, config, path, tmp_path, "swap"))
@@ -191,14 +195,10 @@ def test_lora_with_modules_to_save_on_a_base_read_in_place(tmp_path, no_leaks):
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-    base, path = _saved(tmp_path, build=lambda: transformers.LlamaForCausalLM(config))
+    config, base, path = _saved_llama(tmp_path)
 
     def lora(model):
-        torch.manual_seed(1)
-        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                          modules_to_save=["lm_head"], lora_dropout=0.0))
+        return _lora(peft, model, modules_to_save=["lm_head"], lora_dropout=0.0)
 
     ref, model = lora(base), lora(_wrapped(transformers.LlamaForCausalLM, config, path, tmp_path, "swap"))
     opts = [offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
