@@ -34,11 +34,10 @@ loading and the prompt each worker pauses to write and read back --evict bytes o
 data (O_DIRECT), left out of its times and of its bytes written: the virtual disk's host
 caches recently written data, and without the pause the copy mode reads the swap files it
 has just written from that cache (docs/benchmarks.md). Nothing is read in that pause:
-offload reads nothing between ``wrap`` and the first forward. The pause does not undo
-everything: this disk also reads data written minutes before faster than data written
-hours before, 40 GiB of eviction or not, so the copy mode's tokens after the first, read
-from swap files it has just written, come out 4-16% faster than reading in place from an
-older checkpoint (docs/benchmarks.md, "How old the data is").
+offload reads nothing between ``wrap`` and the first forward. ``--settle`` waits longer
+still, so that the copy mode's swap files are minutes old when its tokens read them (one
+session saw data written minutes before read faster than older data; a later one, with
+``--settle 300``, did not: docs/benchmarks.md, "Swap files five minutes old").
 
 The lower bound of a cold start (``bound_s``) has three parts, measured in the same round:
 the interpreter's start and the imports (a process that imports torch, transformers,
@@ -327,8 +326,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=0.0, help="after the eviction pause, each worker waits "
                         "this many seconds more before the prompt (left out of its times like the pause): the copy "
                         "mode's swap files, written at load, are then that much older when its tokens read them, "
-                        "as a checkpoint read in place is older (this disk reads recently written data faster; "
-                        "default 0)")
+                        "as a checkpoint read in place is older (default 0)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--trace", default=None, help="a directory: each offload worker writes its Chrome trace "
                         "there (OffloadConfig(trace_path=...): reads, compute and stalls on one timeline), named "
