@@ -64,6 +64,7 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
                                                                            partitioned=world > 1, moments=moments,
                                                                            master_format=master))
     activations = None if batch is None else estimate_activations(model, batch, config.dtype, config.torch_device.type)
+    credit, largest = host_param_bytes(model) // world, _largest_gradient(model, config)
     plans = []
     for rank in range(world):  # (each rank's slices: the last one's padding can cut larger shards)
         groups, refusal = layout.groups, layout.refusal
@@ -73,12 +74,11 @@ def plan(model: nn.Module, config: OffloadConfig, *, optimizer: str | None = "ad
                 check_partitioned(layout.groups, config, groups)
             except BudgetError as err:
                 refusal = err
-        plans.append(plan_groups(groups, config, ram_credit=host_param_bytes(model) // world, world=world,
+        plans.append(plan_groups(groups, config, ram_credit=credit, world=world,
                                  room=layout.room(config.device_budget), optimizer=rows, activations=activations,
-                                 grad_bytes=_largest_gradient(model, config), in_place=placing.choice,
-                                 refusal=refusal))
-    # the first rank that does not fit, else the one whose rows need the most host memory
-    return min(enumerate(plans), key=lambda ip: (ip[1].fits, ip[0] if not ip[1].fits else -ip[1].bytes_on("host")))[1]
+                                 grad_bytes=largest, in_place=placing.choice, refusal=refusal))
+    failing = [p for p in plans if not p.fits]
+    return failing[0] if failing else max(plans, key=lambda p: p.bytes_on("host"))  # (max: the first of equals)
 
 
 def _largest_gradient(model: nn.Module, config: OffloadConfig) -> int:
