@@ -17,7 +17,8 @@ import torch
 from ._checkpoint import CheckpointView
 from ._layout import Shard
 from ._phase import OptimizerPhase
-from ._statedict import check_groups, gather_state, masters_to_take, scatter_state
+from ._statedict import check_groups, gather_state, masters_to_take, reset_rows, scatter_state
+from ._statemap import StateMap, OptimizerStateError
 
 __all__ = ["StateDicts"]
 
@@ -25,6 +26,39 @@ log = logging.getLogger(__name__)
 
 
 class StateDicts:
+    @property
+    def state(self) -> StateMap:
+        """Not where the states are (``_statemap``): empty, and refuses use."""
+        return self.__dict__["_state_map"]
+
+    @state.setter
+    def state(self, value) -> None:
+        if "_state_map" in self.__dict__:  # (torch's __init__ sets it once; a user's assignment is a reset)
+            self.__dict__["_state_map"].refuse("optimizer.state = ...")
+        self.__dict__["_state_map"] = StateMap(type(self).__name__)
+
+    def reset_state(self, params=None) -> None:
+        """Start the state of ``params`` (every parameter of this optimizer when None) again
+        as if it had never stepped: step 0, moments zero, as torch's optimizer does for a
+        parameter whose ``optimizer.state`` entry was cleared (restarts when layers are
+        unfrozen or adapters merged). Master weights stay the parameters' values. With
+        several ranks, call it on every rank, as ``step()``."""
+        self._settle()
+        self._sink.sync()
+        self._phase.refuse_if_poisoned()
+        wanted = None
+        if params is not None:
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            mine = {id(p) for group in self.param_groups for p in group["params"]}
+            for i, p in enumerate(params):
+                if id(p) not in mine:
+                    raise ValueError(f"reset_state: parameter {i} of those given (shape {tuple(p.shape)}) is not one "
+                                     f"of this {type(self).__name__}'s")
+            wanted = {id(p) for p in params}
+        with self._loading("reset_state()"):
+            self._ensure_layout()
+            reset_rows(self._book.shards, self._states, wanted)
+
     def state_dict(self) -> dict:
         """torch's format: per parameter ``step``, the moment buffers (full tensors in the
         parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``; and

@@ -93,6 +93,28 @@ def scatter_state(shards: list[Shard], states: StateRows, loaded: dict[int, dict
         states.write(shard, rows)
 
 
+def reset_rows(shards: list[Shard], states: StateRows, wanted: set[int] | None) -> None:
+    """Step 0 and zero moments for the parameters whose ids are in ``wanted`` (all when
+    None); the master rows stay. Only the shards holding them are read and written, each
+    as ``scatter_state`` writes it (the bytes between segments zero: coded rows then come
+    out as a state dict without those parameters would load)."""
+    for shard in shards:
+        if not any(wanted is None or id(seg.param) in wanted for seg in shard.segments):
+            continue
+        names = states.names(shard)
+        old = states.read(shard)
+        rows = torch.zeros_like(old)
+        for seg in shard.segments:
+            part = slice(seg.offset, seg.offset + seg.length)
+            if wanted is None or id(seg.param) in wanted:
+                seg.step.fill_(0.0)
+                if shard.master:
+                    rows[names.index("master_param"), part] = old[names.index("master_param"), part]
+            else:
+                rows[:, part] = old[:, part]
+        states.write(shard, rows)
+
+
 def masters_to_take(shards: list[Shard]) -> list[torch.Tensor]:
     """The fp32 parameters this optimizer keeps no master row for (they are their own
     masters), whole on this process, once each: where a loaded state holds a

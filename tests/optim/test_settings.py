@@ -228,3 +228,71 @@ def test_a_parameter_frozen_when_the_optimizer_was_built_trains_once_unfrozen(tm
             offload.close(model)
     for key in runs[0]:
         assert torch.equal(runs[1][key], runs[0][key]), key
+
+
+@pytest.mark.parametrize("tier,moments", [("host", "fp32"), ("nvme", "int8")])
+def test_reset_state_is_torchs_cleared_state_and_optimizer_state_refuses_use(tmp_path, tier, moments, tiny_gpt2,
+                                                                             lm_batches, offload_config, no_leaks):
+    """Training loops reset Adam's moments by clearing ``optimizer.state`` (ReLoRA-style
+    restarts); an offload optimizer keeps them in its own tiers, where that changed nothing
+    and the run went on as if untouched. ``optimizer.state`` now refuses every read and
+    change with the fix, and ``reset_state(params)`` after the second step (the update
+    still owed to the next forward) gives torch's trajectory with ``del opt.state[p]``:
+    bit for bit in fp32; with 8-bit moments, equal to the same run reset through a state
+    dict without those entries."""
+    batches = [ids for (ids,) in lm_batches(211, steps=4, micro=1)]
+
+    def run(make, reset, path=None):
+        model = tiny_gpt2() if path is None else offload.wrap(tiny_gpt2(), offload_config(
+            path, param_tier=tier, optimizer_tier=tier))
+        opt = make(model)
+        chosen = [model.transformer.h[0].mlp.c_fc.weight, model.lm_head.weight]
+        for i, ids in enumerate(batches):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                reset(opt, chosen)
+        weights = [p.detach().clone() for p in model.parameters()]
+        if path is not None:
+            opt.close()
+            offload.close(model)
+        return weights
+
+    def torch_reset(opt, chosen):
+        for p in chosen:
+            del opt.state[p]
+
+    def by_state_dict(opt, chosen):  # (what reset_state saves a user from: the whole state in memory)
+        sd = opt.state_dict()
+        order = [p for g in opt.param_groups for p in g["params"]]
+        for p in chosen:
+            del sd["state"][next(i for i, q in enumerate(order) if q is p)]
+        opt.load_state_dict(sd)
+
+    ours = run(lambda m: offload.AdamW(m.parameters(), lr=1e-2, moments=moments),
+               lambda opt, chosen: opt.reset_state(chosen), tmp_path / "ours")
+    if moments == "fp32":
+        want = run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True), torch_reset)
+    else:
+        want = run(lambda m: offload.AdamW(m.parameters(), lr=1e-2, moments=moments), by_state_dict, tmp_path / "sd")
+    untouched = run(lambda m: offload.AdamW(m.parameters(), lr=1e-2, moments=moments), lambda o, c: None,
+                    tmp_path / "none")
+    for got, ref in zip(ours, want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert any(not torch.equal(got, other) for got, other in zip(ours, untouched))  # (the reset did something)
+
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path / "refusals", param_tier=tier, optimizer_tier=tier))
+    opt = offload.AdamW(model.parameters(), lr=1e-2, moments=moments)
+    try:
+        p = model.lm_head.weight
+        for use in (lambda: opt.state[p], lambda: opt.state.clear(), lambda: opt.state.__setitem__(p, {}),
+                    lambda: setattr(opt, "state", {}), lambda: opt.state.pop(p)):
+            with pytest.raises(offload.optim.OptimizerStateError, match=r"reset_state\(params\)"):
+                use()
+        assert len(opt.state) == 0 and p not in opt.state and not list(opt.state.items())
+        with pytest.raises(ValueError, match="not one of this AdamW's"):
+            opt.reset_state([torch.nn.Parameter(torch.zeros(3))])
+    finally:
+        opt.close()
+        offload.close(model)
