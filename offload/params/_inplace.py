@@ -6,18 +6,16 @@ are then laid out in its buffer as in the file (``align_to_files``). Tensors tha
 to each other in a file form one run (safetensors sorts a file's tensors by dtype, then
 by name, so a module's tensors of one dtype lie together), laid out byte for byte as the
 file holds them, the few bytes between them included, and read as one range: one request
-per run, not one per tensor, and the small tensors (biases, norms) ride along with
-O_DIRECT instead of each taking a read through the page cache. A run of ``DIRECT_MIN``
-bytes or more is read from a place that agrees with its file offset modulo 4 KiB, so the
-file engine reads its aligned body with O_DIRECT straight into place (no bounce copy);
-only its unaligned ends (under a block each) are read buffered. A run's tensors share
-their file offset modulo 16 (a tensor at another one starts a new run). When that is not
-0 (half of all safetensors files put every tensor 8 bytes off), the run is read that many
-bytes past its place, where the file's offset agrees, and moved down once it has landed
-(``CheckpointRange.shift``), so every tensor of a run is 16-byte aligned (not 256 as in
-swap-backed groups). A smaller run starts 256-byte aligned and is read buffered. A run
-costs under 4 KiB of padding and the bytes between its tensors (see ``_runs``); groups of
-the same tensors take the largest of their sizes, so that their buffers are reused across
+per run, not one per tensor, and the small tensors (biases, norms) ride along. A run is
+read as the 4 KiB blocks of its file that cover it, landing where a block starts in the
+group's buffer, so the file engine reads all of it with O_DIRECT straight into place:
+nothing goes through the page cache, at a cost of under 8 KiB of the file's neighbouring
+bytes per run. A run's tensors share their file offset
+modulo 16 (a tensor at another one starts a new run). When that is not 0 (half of all
+safetensors files put every tensor 8 bytes off), the run's bytes are moved down that much
+once landed (``CheckpointRange.shift``), so every tensor is 16-byte aligned (not 256 as in
+swap-backed groups). Runs also take the bytes between their tensors (see ``_runs``); groups
+of the same tensors take the largest of their sizes, so that their buffers are reused across
 passes. The rest are copied into swap files at ``wrap``, as without the setting: groups
 that stay on the device (resident), tensors the file holds in another dtype (a bf16 model
 from an fp32 file: each is converted once), a rank's slices of a partitioned model. A
@@ -28,12 +26,13 @@ group read in place moves to a swap file on its first write (the optimizer's upd
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .._units import PARAM_ALIGN, format_size
+from .._units import format_size
 from ..store import CheckpointRange, TensorStore
 from ._groups import ParamGroup
 
@@ -42,7 +41,6 @@ __all__ = ["InPlaceChoice", "InPlaceLayout", "choose_in_place", "align_to_files"
 log = logging.getLogger(__name__)
 
 BLOCK = 4096  # O_DIRECT's alignment on the disks offload runs on (a page; logical blocks are at most that)
-DIRECT_MIN = 64 << 10  # smaller runs are read buffered in full: not worth a block of padding
 GAP_MAX = 64 << 10  # tensors further apart in a file are two runs: the bytes between are not worth reading
 # A tensor placed as in its file keeps at least this alignment: vector loads and fp8 kernels
 # want it, and torch's fp32 matrix-vector product gives other bits for a weight 8 bytes off
@@ -60,8 +58,10 @@ class _Run:
     start: int  # the first tensor's file offset
     end: int  # the last tensor's end
     slots: list = field(default_factory=list)  # (slot, its file offset), in file order
-    dest: int = 0  # where the first tensor lands in the group's buffer
-    shift: int = 0  # read that many bytes past ``dest``, then moved down
+    read_start: int = 0  # the covering blocks' file offset
+    read_length: int = 0  # and length (to the file's end at most)
+    dest: int = 0  # where the covering blocks land in the group's buffer
+    shift: int = 0  # the tensors' bytes are moved that much down once landed
 
     @property
     def length(self) -> int:
@@ -171,18 +171,22 @@ def align_to_files(choice: InPlaceChoice, reader: Any) -> None:
     """Lay each adopted group's tensors out as their file does (see the module's docstring);
     before anything sizes buffers from the groups."""
     choice.runs = {}
+    sizes: dict[str, int] = {}
     for group in choice.adopted:
         end = 0
         runs = choice.runs[group.key] = _runs(group, reader)
         for run in runs:
-            if run.length >= DIRECT_MIN:  # (read to dest + shift, where the file's offset agrees; moved down)
-                run.shift = run.start % MIN_ALIGN
-                run.dest = end + (run.start - run.shift - end) % BLOCK
-            else:
-                run.dest = -(-end // PARAM_ALIGN) * PARAM_ALIGN
+            if run.path not in sizes:
+                sizes[run.path] = os.path.getsize(run.path)
+            head = run.start % BLOCK
+            run.read_start = run.start - head
+            run.read_length = min(-(-run.end // BLOCK) * BLOCK, sizes[run.path]) - run.read_start
+            run.dest = -(-end // BLOCK) * BLOCK  # (where the covering blocks land)
+            run.shift = run.start % MIN_ALIGN
+            place = run.dest + head - run.shift  # (where the first tensor rests once moved down)
             for slot, start in run.slots:
-                slot.offset = run.dest + start - run.start
-            end = run.dest + run.length + run.shift
+                slot.offset = place + start - run.start
+            end = run.dest + run.read_length
         group.nbytes = end
     _equal_sizes(choice.adopted)
 
@@ -203,6 +207,7 @@ def adopt_groups(choice: InPlaceChoice, store: TensorStore) -> None:
     """Give each adopted group its home in the checkpoint files: a range per run, as
     ``align_to_files`` laid them out (nothing read or written)."""
     for group in choice.adopted:
-        ranges = [CheckpointRange(store.open_checkpoint(run.path), run.start, run.length, run.dest, run.shift)
+        ranges = [CheckpointRange(store.open_checkpoint(run.path), run.read_start, run.read_length, run.dest,
+                                  run.shift, run.start - run.read_start, run.length)
                   for run in choice.runs[group.key]]
         store.adopt(group.key, torch.uint8, (group.nbytes,), ranges)  # (groups are kept as bytes)

@@ -14,10 +14,10 @@ and tail (under a block each) buffered. That holds
 when the range's destination agrees with its file offset modulo the block size, which
 is for the caller to arrange (``offload.params`` lays the groups it adopts out so); a
 range that does not agree is read buffered in full, through the page cache. A range
-with a ``shift`` lands that many bytes after its destination, where it agrees, and is
-moved down once read: the range's place, and so its tensors', keeps a stronger
-alignment than its file offset has (safetensors pads its header to 8 bytes, so about half
-of all files hold every tensor 8 bytes off a multiple of 16). A file system without O_DIRECT is read buffered
+with a ``shift`` has the bytes that matter in it (``skip`` and ``kept``) moved that much
+down once read: they keep a stronger alignment than their file offset gives them where
+they land (safetensors pads its header to 8 bytes, so about half of all files hold every
+tensor 8 bytes off a multiple of 16). A file system without O_DIRECT is read buffered
 throughout (the engine warns once).
 
 Note: a checkpoint that changes under a running model. Each file's size and
@@ -55,15 +55,29 @@ class CheckpointChangedError(StoreError):
 
 @dataclass(frozen=True)
 class CheckpointRange:
-    """``length`` bytes at ``offset`` of ``file``, landing at ``dest`` of the tensor's bytes;
-    read to ``dest + shift`` first and moved down when ``shift`` (the tensor's bytes leave
-    that much room after the range)."""
+    """``length`` bytes at ``offset`` of ``file``, landing at ``dest`` of the tensor's bytes.
+    With a ``shift``, the ``kept`` bytes from ``skip`` on in the range (to its end when
+    None) are then moved that much down, never below the tensor's first byte."""
 
     file: EngineFile
     offset: int
     length: int
     dest: int
     shift: int = 0
+    skip: int = 0
+    kept: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.shift and self.dest + self.skip < self.shift:
+            raise ValueError(f"a range moved {self.shift} bytes down would start before the tensor: "
+                             f"dest={self.dest}, skip={self.skip}")
+
+    def moved(self, length: int) -> int:
+        """How many bytes are moved down once the range's first ``length`` bytes landed."""
+        if not self.shift:
+            return 0
+        end = length if self.kept is None else min(length, self.skip + self.kept)
+        return max(0, end - self.skip)
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,7 +162,7 @@ class CheckpointFiles:
 
     def read(self, slot: CheckpointSlot, dest: torch.Tensor, nbytes: int, *, priority: int = 1) -> Pending:
         """Start reading ``slot``'s first ``nbytes`` into host memory ``dest`` (uint8): a
-        request per range, straight into place (or ``shift`` bytes past it, then moved down)."""
+        request per range, straight into place (its kept bytes then moved down by its shift)."""
         for file in {r.file for r in slot.ranges}:
             self.check(file)
         read = _Read()
@@ -159,26 +173,16 @@ class CheckpointFiles:
             return read
         address = dest.data_ptr()
         for r, length in pieces:
-            shift = r.shift if self._shifts(r, length, nbytes, address) else 0
             try:
-                at = r.dest + shift
-                handle = self._engine.read(r.file, r.offset, dest[at: at + length], length, priority=priority)
+                handle = self._engine.read(r.file, r.offset, dest[r.dest: r.dest + length], length, priority=priority)
             except Exception as err:  # (a request that cannot start fails the read like one that did)
                 self._landed(read, err, 0)
                 continue
             # (the callback holds the address, not ``dest``: it runs on after the read is done,
             # and a view alive then would keep the pool from dropping the buffer once released)
-            handle.add_done_callback(lambda h, n=length, to=address + r.dest, by=shift: self._landed(
-                read, h.exception(), n, to, by))
+            handle.add_done_callback(lambda h, n=length, to=address + r.dest + r.skip - r.shift, by=r.shift,
+                                     m=r.moved(length): self._landed(read, h.exception(), n, to, by, m))
         return read
-
-    @staticmethod
-    def _shifts(r: CheckpointRange, length: int, nbytes: int, address: int) -> bool:
-        """Whether ``r`` is read past its place (``address``: the destination's): only whole,
-        with the room within ``nbytes``, and where that agrees with the file for O_DIRECT
-        (else it lands in place, read buffered)."""
-        return bool(r.shift) and length == r.length and r.dest + r.shift + length <= nbytes \
-            and r.file.agrees(r.offset, address + r.dest + r.shift)
 
     @property
     def buffered_read_bytes(self) -> int:
@@ -192,12 +196,13 @@ class CheckpointFiles:
         self._files.clear()
         self._by_file.clear()
 
-    def _landed(self, read: _Read, error: BaseException | None, nbytes: int, to: int = 0, shift: int = 0) -> None:
-        """``to``: the address the range belongs at (``shift`` bytes below where it was read)."""
+    def _landed(self, read: _Read, error: BaseException | None, nbytes: int, to: int = 0, shift: int = 0,
+                moved: int = 0) -> None:
+        """``to``: the address ``moved`` bytes belong at (``shift`` bytes below where they were read)."""
         try:
             if error is None:
-                if shift:  # (overlapping: memmove, which releases the GIL; on the I/O thread that finished it)
-                    ctypes.memmove(to, to + shift, nbytes)
+                if moved:  # (overlapping: memmove, which releases the GIL; on the I/O thread that finished it)
+                    ctypes.memmove(to, to + shift, moved)
                 with self._lock:
                     self.read_bytes += nbytes
         finally:  # (the read must finish, whatever happened here)

@@ -322,10 +322,10 @@ def test_groups_of_the_same_tensors_get_one_buffer_size(tmp_path, no_leaks):
 
 def test_a_file_with_tensors_8_bytes_off_16_is_read_direct_into_aligned_places(disk_dir, no_leaks):
     """safetensors pads its header to 8 bytes, so about half of all files hold every tensor
-    at an offset 8 bytes off a multiple of 16. Such tensors are laid out to be read with
-    O_DIRECT 8 bytes past their place and moved down: every large tensor 16-byte aligned,
-    its read position agreeing with the file modulo 4 KiB, outputs bit for bit, and only
-    the small tensors and the large ones' unaligned ends read through the page cache."""
+    at an offset 8 bytes off a multiple of 16. Such tensors are read with O_DIRECT, as the
+    blocks that cover them, 8 bytes past their place and moved down: every tensor 16-byte
+    aligned, its read position agreeing with the file modulo 4 KiB, outputs bit for bit,
+    and nothing read through the page cache but the file's last partial block."""
     from safetensors.torch import load_file, save_file
 
     tmp_path = pathlib.Path(disk_dir)
@@ -344,17 +344,16 @@ def test_a_file_with_tensors_8_bytes_off_16_is_read_direct_into_aligned_places(d
     try:
         manager = offload.params.manager_of(model)
         reader = offload.params.CheckpointReader(path, model)
-        large = [(slot, reader.entries[reader.name_of(slot)].start) for group in manager.coordinator.groups
-                 for slot in group.slots if slot.nbytes >= 64 << 10]
-        assert large and all(start % 16 == 8 for _, start in large)
-        assert all(slot.offset % 16 == 0 and (slot.offset + 8 - start) % 4096 == 0 for slot, start in large)
+        placed = [(slot, reader.entries[reader.name_of(slot)].start) for group in manager.coordinator.groups
+                  if not group.resident for slot in group.slots]
+        assert placed and all(start % 16 == 8 for _, start in placed)
+        assert all(slot.offset % 16 == 0 and (slot.offset + 8 - start) % 4096 == 0 for slot, start in placed)
         ids = torch.randint(0, 211, (2, 9), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
         stats = manager.store.checkpoint_stats()
-        small = sum(s.nbytes for g in manager.coordinator.groups for s in g.slots if s.nbytes < 64 << 10)
         passes = stats["read_bytes"] / stats["in_place_bytes"]  # (each group read about once per forward)
-        assert 0 < stats["buffered_read_bytes"] <= passes * (small + len(large) * 2 * 4096)
+        assert stats["buffered_read_bytes"] < (passes + 1) * 4096
     finally:
         offload.close(model)
 
@@ -362,7 +361,7 @@ def test_a_file_with_tensors_8_bytes_off_16_is_read_direct_into_aligned_places(d
 def test_neighbouring_tensors_are_read_as_one_range(disk_dir, no_leaks):
     """A module's tensors lie next to each other in its file (safetensors sorts them by name):
     each group is read as one range, its small tensors (biases) with O_DIRECT beside the
-    large ones, so only each range's unaligned ends go through the page cache. Bytes between
+    large ones, and nothing through the page cache but the file's last partial block. Bytes between
     two tensors that the model does not use (an ignored key the file holds) are read along
     when few, and split the group into two ranges when many; outputs bit for bit either way."""
     from safetensors.torch import load_file, save_file
@@ -388,7 +387,7 @@ def test_neighbouring_tensors_are_read_as_one_range(disk_dir, no_leaks):
             torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
         stats = manager.store.checkpoint_stats()
         passes = stats["read_bytes"] / stats["in_place_bytes"]
-        assert 0 < stats["buffered_read_bytes"] <= passes * stats["ranges"] * 2 * 4096
+        assert stats["buffered_read_bytes"] < (passes + 1) * 4096
     finally:
         offload.close(model)
 

@@ -108,8 +108,9 @@ def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_p
     """With a backend that refuses unaligned O_DIRECT calls as a 4 KiB-sector disk does,
     every direct read of the checkpoint is aligned, and a range placed where its file
     offset agrees modulo 4 KiB has its body read direct; one that does not agree is read
-    buffered, unless its shift makes it agree (it is then read direct and moved down). A
-    file system that refuses O_DIRECT at open is read buffered, with a warning."""
+    buffered. A range with a shift lands where it agrees and is moved down; one that covers
+    whole blocks is read direct throughout and only its kept bytes move. A file system
+    that refuses O_DIRECT at open is read buffered, with a warning."""
     path, raw = _file(tmp_path / "model.safetensors", 70_000)
     backend = faulty(sector=4096)
     with _store(tmp_path, file_backend=backend) as store:
@@ -123,10 +124,17 @@ def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_p
         assert bytes(store.wait("u", Tier.DEVICE).numpy()) == raw[8:60_008]
         assert not any(is_direct for *_, is_direct in backend.calls)
         backend.calls.clear()
-        store.adopt("v", torch.uint8, (60_008,), [CheckpointRange(file, 8, 60_000, 0, shift=8)])
+        store.adopt("v", torch.uint8, (60_008,), [CheckpointRange(file, 8, 60_000, 8, shift=8)])
         assert bytes(store.wait("v", Tier.DEVICE).numpy()[:60_000]) == raw[8:60_008]
         direct = [length for op, _, length, is_direct in backend.calls if is_direct]
         assert sum(direct) == 60_008 // 4096 * 4096 - 4096
+        backend.calls.clear()
+        covering = CheckpointRange(file, 0, 15 * 4096, 0, shift=8, skip=8, kept=60_000)  # (a run 8 bytes off 16)
+        store.adopt("w", torch.uint8, (15 * 4096,), [covering])
+        assert bytes(store.wait("w", Tier.DEVICE).numpy()[:60_000]) == raw[8:60_008]
+        assert all(is_direct for *_, is_direct in backend.calls)
+        with pytest.raises(ValueError, match="before the tensor"):
+            CheckpointRange(file, 8, 60_000, 0, shift=8)
     refusing = faulty({"open_direct": [errno.EINVAL, errno.EINVAL]})
     with _store(tmp_path, file_backend=refusing) as store, caplog.at_level(logging.WARNING, logger="offload"):
         file = store.open_checkpoint(path)
