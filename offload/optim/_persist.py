@@ -18,7 +18,7 @@ from ._checkpoint import CheckpointView
 from ._layout import Shard
 from ._phase import OptimizerPhase
 from ._statedict import check_groups, gather_state, masters_to_take, reset_rows, scatter_state
-from ._statemap import StateMap, OptimizerStateError
+from ._statemap import StateMap
 
 __all__ = ["StateDicts"]
 
