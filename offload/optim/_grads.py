@@ -16,7 +16,11 @@ refuses fp16 gradients, accepts them).
 - Scaling it in place by a number (``g.mul_(c)``, ``g.div_(c)``, ``g.zero_()``: how torch
   clips; and ``torch.amp.GradScaler``'s unscale, whose overflow check reads the noted
   maxima) is noted per segment and applied inside the next ``step()`` (or before the next
-  backward adds to it); ``p.grad = None`` drops it; ``p.grad = t`` replaces it.
+  backward adds to it) where one multiplication there rounds as torch's calls in turn do:
+  a single factor noted, or powers of two beside it (``_exact_later``). A division by
+  another number, or a second such factor, is computed on the elements at once, as is a
+  noted factor before a 2-norm is taken (torch's norm is of the products: ``settle``);
+  ``p.grad = None`` drops it; ``p.grad = t`` replaces it.
 - Like torch's, it stays after ``step()`` until ``zero_grad()`` or ``p.grad = None``; a
   backward without either adds to it.
 - Any other call runs on a copy of its elements (read from the tier); a call that writes
@@ -91,7 +95,7 @@ class OffloadedGrad(torch.Tensor):
         if func in _SCALE and len(args) == 2 and args[0] is first and not kwargs:
             factor = _number(args[1])
             if factor is not None and not (factor == 0.0 and _SCALE[func]):  # (x / 0: as torch, on a copy)
-                first._book.scale(first._param, 1.0 / factor if _SCALE[func] else factor)
+                first._book.scale(first._param, factor, divide=_SCALE[func])
                 return first
         return _on_copies(func, args, kwargs, grads)
 
@@ -309,6 +313,7 @@ class GradientBook:
             values = self.values(param)
             return float(torch.linalg.vector_norm(values, order, dtype=torch.float64))
         if order == 2.0:
+            self.settle(param)
             return held_norm(segs) / self._loss_scale()
         return max((seg.maxabs * abs(seg.scale) for seg in segs), default=0.0) / self._loss_scale()
 
@@ -317,13 +322,34 @@ class GradientBook:
             return bool(torch.isfinite(self.values(param)).all())
         return all(math.isfinite(seg.maxabs) for seg in self._segments(param) if seg.has_grad)
 
-    def scale(self, param: torch.Tensor, factor: float) -> None:
-        for seg in self._segments(param):
+    def scale(self, param: torch.Tensor, value: float, *, divide: bool = False) -> None:
+        """``p.grad.mul_(value)`` (``div_`` when ``divide``), torch's elements to the bit:
+        noted where one multiplication inside the step gives them, else computed now."""
+        factor = 1.0 / value if divide else value
+        segs = self._segments(param)
+        if (divide and not _pow2(value)) or not all(_exact_later(seg.scale, factor) for seg in segs
+                                                    if seg.shard.acc is None and seg.has_grad):
+            values = self.values(param)
+            self.write(param, values.div_(value) if divide else values.mul_(value))
+            return
+        for seg in segs:
             if seg.shard.acc is not None:  # an open accumulator: in place (its flush notes it)
                 seg.shard.acc[seg.offset: seg.offset + seg.length].mul_(factor)
                 seg.whole = None
             else:
                 seg.scale *= factor
+
+    def settle(self, param: torch.Tensor | None = None) -> None:
+        """Compute ``param``'s elements (every wrapped parameter's when None) with the factor
+        noted on them where it is not a power of two: the 2-norm torch takes next is of those
+        products, which the noted norm times the factor only approximates."""
+        if self.book.partition() is not None:  # (a rank holds slices: p.grad is refused there)
+            return
+        params = [param] if param is not None else [e.param for e in self.book.entries.values() if e.owner is not None]
+        for p in params:
+            if any(seg.has_grad and seg.shard.acc is None and seg.scale != 1.0 and not _pow2(seg.scale)
+                   for seg in self._segments(p)):
+                self.write(p, self.values(p))
 
     def values(self, param: torch.Tensor) -> torch.Tensor:
         """A copy of the gradient's elements, in the parameter's shape, fp32 (on the CPU)."""
@@ -390,6 +416,17 @@ class GradientBook:
             shard.store.put(shard.grad_key, acc, shard.grad_home)
         shard.grad_valid = True
         renote(shard)
+
+
+def _pow2(x: float) -> bool:
+    return x != 0.0 and math.isfinite(x) and abs(math.frexp(x)[0]) == 0.5
+
+
+def _exact_later(noted: float, factor: float) -> bool:
+    """Whether multiplying by ``noted * factor`` inside the step gives what multiplying by
+    ``noted`` and then ``factor`` gives: one of them 1 or a power of two (exact: only the
+    other rounds)."""
+    return noted == 1.0 or _pow2(noted) or _pow2(factor)
 
 
 def _read(shard: Any) -> torch.Tensor:

@@ -282,6 +282,62 @@ def test_clipping_equals_torchs_bit_for_bit(tmp_path, tier, api, tiny_llama, mak
     close(model, opt)
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_divisions_and_several_scalings_of_p_grad_round_as_torchs(tmp_path, tier, tiny_llama, make_opt,
+                                                                 offload_config, lm_batches, assert_same_weights,
+                                                                 no_leaks):
+    """Hand-written loops scale ``p.grad`` themselves: ``p.grad /= micro`` to average an
+    accumulation, ``div_(3)``, a factor then torch's clip, the clip then a factor, two
+    factors. Dividing by 3 is not multiplying by 1/3 in the last bit, and two factors
+    applied in turn round twice: these used to be noted as one multiplication inside the
+    step and parted from torch's weights by up to 6e-5. Now losses, norms and weights are
+    torch's to the bit on every step."""
+    def div3(params, clip):
+        for p in params:
+            p.grad.div_(3)
+
+    def average_then_clip(params, clip):
+        for p in params:
+            p.grad /= 3
+        return clip(params, 0.5)
+
+    def factor_then_clip(params, clip):
+        for p in params:
+            p.grad.mul_(0.7)
+        return clip(params, 0.5)
+
+    def clip_then_factor(params, clip):
+        norm = clip(params, 0.5)
+        for p in params:
+            p.grad.mul_(0.3)
+        return norm
+
+    def two_factors_and_a_power_of_two(params, clip):
+        for p in params:
+            p.grad.mul_(0.7).mul_(0.25)
+            p.grad.mul_(0.3)
+
+    ref, model = tiny_llama(), tiny_llama()
+    ref_opt = make_opt("adamw", ref.parameters(), False)
+    offload.wrap(model, offload_config(tmp_path, param_tier=tier, optimizer_tier=tier))
+    opt = make_opt("adamw", model.parameters(), True, grad_tier=tier if tier == "nvme" else "auto")
+    edits = [div3, average_then_clip, factor_then_clip, clip_then_factor, two_factors_and_a_power_of_two]
+    for edit, micro in zip(edits, lm_batches(model.config.vocab_size, steps=len(edits))):
+        got = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            losses = [m(input_ids=ids, labels=ids).loss for ids in micro]
+            for loss in losses:
+                loss.backward()
+            params = [p for g in o.param_groups for p in g["params"]]
+            norm = edit(params, torch.nn.utils.clip_grad_norm_)
+            o.step()
+            o.zero_grad()
+            got.append([float(loss) for loss in losses] + ([float(norm)] if norm is not None else []))
+        assert got[0] == got[1], edit.__name__
+    assert_same_weights(model, ref, rtol=0, atol=0)
+    close(model, opt)
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("micro", [1, 2])
 def test_split_parameters_clip_as_torch(tmp_path, micro, set_to_none, tiny_llama, make_opt, offload_config, lm_batches,
