@@ -68,12 +68,10 @@ class StateDicts:
         self._sink.sync()
         self._phase.refuse_if_poisoned()  # (half a step's states would be saved as a whole one)
         self._ensure_layout()
-        packed = super().state_dict()  # (torch.optim.Optimizer's: param_groups with indices; our self.state is empty)
-        index: dict[int, int] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                index.setdefault(id(p), len(index))
-        packed["state"] = gather_state(self._book.shards, self._states, index)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # (torch's hooks, around the whole dict)
+            pre_hook(self)
+        index, groups = _packed_groups(self.param_groups)
+        packed = {"state": gather_state(self._book.shards, self._states, index), "param_groups": groups}
         packed["moments"] = self.moments  # (decoded to fp32 here: torch's optimizers load it)
         packed["master"] = self.master
         for group in packed["param_groups"]:  # (how torch computes what this computed: its fused kernel)
@@ -81,12 +79,17 @@ class StateDicts:
                 group.setdefault(key, value)
         if self._scaler.enabled:  # (torch's optimizers pass over keys they do not know)
             packed["loss_scaler"] = self._scaler.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            packed = post_hook(self, packed) or packed
         return packed
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's format (from this class or from the torch optimizer of the same
         name); the moments are coded as this optimizer keeps them (``moments=``), whatever
         the parameters' dtype."""
+        state_dict = state_dict.copy()  # (shallow, as torch's: its hooks may change it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         self._settle()
         self._sink.sync()
         by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)
@@ -111,6 +114,8 @@ class StateDicts:
                 log.info("%s.load_state_dict: %d fp32 parameters took the state dict's fp32 master weights (it was "
                          "saved by a run that computed in a narrower dtype; its model weights are their rounding)",
                          type(self).__name__, len(taken))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _load_loss_scale(self, saved: dict | None) -> None:
         """The saved loss scale and its count of good steps, as a checkpoint load takes them
@@ -155,3 +160,16 @@ class StateDicts:
                               staging=own.staging if own is not None else None, moments=self.moments,
                               master=self.master, scratch_released=self._book.scratch_released)
 
+
+def _packed_groups(param_groups: list[dict]) -> tuple[dict[int, int], list[dict]]:
+    """torch's packing of the param groups (``Optimizer.state_dict``): each parameter as its
+    index in the order of the groups; and those indices by ``id``."""
+    index: dict[int, int] = {}
+    groups, start = [], 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        index.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in index})
+        packed["params"] = [index[id(p)] for p in group["params"]]
+        start += len(packed["params"])
+        groups.append(packed)
+    return index, groups

@@ -296,3 +296,33 @@ def test_reset_state_is_torchs_cleared_state_and_optimizer_state_refuses_use(tmp
     finally:
         opt.close()
         offload.close(model)
+
+
+def test_torchs_state_dict_hooks_run_around_the_whole_dict(no_leaks):
+    """Hooks registered as on torch's optimizers run on an offload optimizer's state dicts:
+    a save post-hook sees the states (it used to see an empty ``state``), a load pre-hook's
+    changes are what loads, and the load post-hook runs (neither load hook used to)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        seen = []
+        opt.register_state_dict_pre_hook(lambda o: seen.append("save pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: seen.append(("save post", sorted(sd["state"][0]))))
+
+        def slower(o, sd):
+            sd["param_groups"] = [{**g, "lr": 1e-5} for g in sd["param_groups"]]
+            return sd
+
+        opt.register_load_state_dict_pre_hook(slower)
+        opt.register_load_state_dict_post_hook(lambda o: seen.append(("load post", o.param_groups[0]["lr"])))
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+        assert seen == ["save pre", ("save post", ["exp_avg", "exp_avg_sq", "step"]), ("load post", 1e-5)]
+        assert sd["param_groups"][0]["lr"] == 1e-2  # (the hook changed a copy, as torch's load does)
+        reference = torch.optim.AdamW(nn.Linear(4, 3).parameters())
+        assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in reference.state_dict()["param_groups"]]
+    finally:
+        opt.close()
