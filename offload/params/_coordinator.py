@@ -28,6 +28,7 @@ import torch
 
 from .._memory import HEAP_PEAK
 from .._signals import DEFER
+from .._units import format_size
 from ..io import BudgetError
 from ..store import TensorStore, Tier
 from .._autograd import in_backward
@@ -90,6 +91,7 @@ class Coordinator:
     def begin_pass(self, key: str) -> None:
         """A new pass (the root module's forward) of kind ``key`` starts."""
         self.store.check_files()
+        self._check_layout()
         if self.schedule.is_open(key):
             return  # end_pass() already opened it and prefetched its start
         self._finish_pass()
@@ -108,6 +110,34 @@ class Coordinator:
     def abandon_pass(self) -> None:
         """Drop the current pass without recording its (partial) order."""
         self.schedule.abandon()
+
+    def _check_layout(self) -> None:
+        """Activation checkpointing turned on since ``wrap`` keeps whole blocks' groups at
+        once: measured again, the budget refused here, before the pass, if it no longer holds
+        a pass, and the cache chosen again from the room left."""
+        device = self.store.tiers[Tier.DEVICE]
+        if self.layout is None or not self.layout.remeasure(device.slot_size):
+            return
+        if self.layout.need > self.device_budget:
+            need, more = self.layout.need, self.layout.could_keep(device.slot_size)
+            fix = f"Set device_budget >= {format_size(need + more)}"
+            if more:  # (a larger budget under "auto" keeps more small groups resident: that figure holds them too)
+                fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
+                        f"resident_bytes={self.layout.resident_bytes}, device_budget >= {format_size(need)})")
+            raise BudgetError(
+                f"activation checkpointing was turned on after offload.wrap: module "
+                f"{self.layout.held_at.removesuffix(' (checkpointed)')!r} now holds {format_size(self.layout.held)} "
+                "of parameter groups at once (recomputed in backward, its groups stay until backward has gone "
+                f"through it), {format_size(need)} with the resident ones, more than device_budget "
+                f"{format_size(self.device_budget)}. {fix}; or turn checkpointing on before offload.wrap, whose "
+                "layout then keeps fewer groups resident")
+        device.limit_slack(self.layout.room(self.device_budget))
+        for group in self.cached:
+            rec = self.records[group]
+            if rec.state is _CACHED:
+                self._move(group, rec, _RELEASED)
+                self.materializer.evict(group)
+        self.cached = set()
 
     def _finish_pass(self) -> None:
         recorded = self.schedule.finish()

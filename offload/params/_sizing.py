@@ -16,6 +16,7 @@ instead until the rest fits. A value set explicitly is kept, and refused when it
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,6 +78,8 @@ class DeviceLayout:
     nests: Nests | None = None
     refusal: BudgetError | None = None  # what wrap refuses of this layout (kept by device_layout(check=False))
     auto: bool = False  # the threshold was chosen (resident_bytes="auto"): a larger budget keeps more resident
+    model: Any = None  # a weak reference to the model measured (``remeasure``)
+    checkpointing: tuple = ()  # which of its layers had activation checkpointing on then
 
     def could_keep(self, slot_size: Callable[[int], int]) -> int:
         """Device bytes a larger budget would keep resident beyond today's under "auto":
@@ -95,6 +98,21 @@ class DeviceLayout:
     def need(self) -> int:
         """Device bytes that must fit in the budget for a pass to run."""
         return self.resident + self.held
+
+    def remeasure(self, slot_size: Callable[[int], int]) -> bool:
+        """Measure what a pass holds at once again if activation checkpointing was turned
+        on or off in the model since (``gradient_checkpointing_enable()`` after ``wrap``, as
+        Trainer does): True when it was."""
+        model = self.model() if self.model is not None else None
+        if model is None:
+            return False
+        flags = _checkpointing(model)
+        if flags == self.checkpointing:
+            return False
+        self.checkpointing = flags
+        self.nests = _nests(model, self.needs, slot_size)
+        self.held, self.held_at = self.nests.largest()
+        return True
 
     def room(self, budget: int) -> int:
         """What the budget leaves for the prefetch window and the cache."""
@@ -138,15 +156,15 @@ def _measure(model: nn.Module, config: OffloadConfig, threshold: int,
     if place is not None:
         place(groups)
     resident = sum(device_slot_size(config.device, g.nbytes) for g in groups if g.resident)
-    nests = _nests(model, needs, config)
+    nests = _nests(model, needs, lambda n: device_slot_size(config.device, n))
     held, where = nests.largest()
-    return DeviceLayout(groups, needs, threshold, resident, held, where, nests)
+    return DeviceLayout(groups, needs, threshold, resident, held, where, nests, model=weakref.ref(model),
+                        checkpointing=_checkpointing(model))
 
 
-def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], config: OffloadConfig) -> Nests:
+def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], slot_size: Callable[[int], int]) -> Nests:
     """The streamed groups held at each module that adds some: its own and its enclosing modules'."""
-    nests = Nests({id(g): device_slot_size(config.device, g.nbytes)
-                   for groups in needs.values() for g in groups if not g.resident})
+    nests = Nests({id(g): slot_size(g.nbytes) for groups in needs.values() for g in groups if not g.resident})
 
     def visit(module: nn.Module, name: str, held: frozenset[int]) -> None:
         new = {id(g) for g in needs.get(module, []) if not g.resident} - held
@@ -161,6 +179,10 @@ def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], config: O
 
     visit(model, "", frozenset())
     return nests
+
+
+def _checkpointing(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(_checkpointed(m) for m in model.modules())
 
 
 def _checkpointed(module: nn.Module) -> bool:
@@ -270,6 +292,7 @@ def no_room_error(group: ParamGroup, err: BudgetError, *, device: Any, device_bu
     kept = (f"; {len(parked)} of them ({format_size(sum(g.nbytes for g in parked))}) are kept "
             "from their recomputation (activation checkpointing) until backward has gone through "
             "them: the device must hold a whole checkpointed block's parameters") if parked else ""
+
     fix = f"Set device_budget >= {format_size(need + more)}"
     if more:
         fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
