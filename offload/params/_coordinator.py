@@ -28,7 +28,6 @@ import torch
 
 from .._memory import HEAP_PEAK
 from .._signals import DEFER
-from .._units import format_size
 from ..io import BudgetError
 from ..store import TensorStore, Tier
 from .._autograd import in_backward
@@ -37,7 +36,7 @@ from ._materializer import Materializer
 from ._pending import PendingWrites
 from ._replaced import adopt_replaced, replaced_slots, settle_replaced_before_write
 from ._schedule import Schedule, choose_cached
-from ._sizing import no_room_error
+from ._sizing import no_room_error, remeasured
 from ._state import Counts, GroupRecord, GroupState, check_transition
 
 __all__ = ["Coordinator"]
@@ -113,24 +112,11 @@ class Coordinator:
 
     def _check_layout(self) -> None:
         """Activation checkpointing turned on since ``wrap`` keeps whole blocks' groups at
-        once: measured again, the budget refused here, before the pass, if it no longer holds
-        a pass, and the cache chosen again from the room left."""
+        once: measured again (a budget that no longer holds a pass refused here, before the
+        pass), and the cache chosen again from the room left."""
         device = self.store.tiers[Tier.DEVICE]
-        if self.layout is None or not self.layout.remeasure(device.slot_size):
+        if self.layout is None or not remeasured(self.layout, device.slot_size, self.device_budget):
             return
-        if self.layout.need > self.device_budget:
-            need, more = self.layout.need, self.layout.could_keep(device.slot_size)
-            fix = f"Set device_budget >= {format_size(need + more)}"
-            if more:  # (a larger budget under "auto" keeps more small groups resident: that figure holds them too)
-                fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
-                        f"resident_bytes={self.layout.resident_bytes}, device_budget >= {format_size(need)})")
-            raise BudgetError(
-                f"activation checkpointing was turned on after offload.wrap: module "
-                f"{self.layout.held_at.removesuffix(' (checkpointed)')!r} now holds {format_size(self.layout.held)} "
-                "of parameter groups at once (recomputed in backward, its groups stay until backward has gone "
-                f"through it), {format_size(need)} with the resident ones, more than device_budget "
-                f"{format_size(self.device_budget)}. {fix}; or turn checkpointing on before offload.wrap, whose "
-                "layout then keeps fewer groups resident")
         device.limit_slack(self.layout.room(self.device_budget))
         for group in self.cached:
             rec = self.records[group]

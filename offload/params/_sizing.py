@@ -28,7 +28,7 @@ from ..io import BudgetError
 from ..store import Tier, device_slot_size, host_slot_size
 from ._groups import ParamGroup, build_groups
 
-__all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned", "no_room_error"]
+__all__ = ["DeviceLayout", "Nests", "device_layout", "check_partitioned", "no_room_error", "remeasured"]
 
 AUTO_RESIDENT = 64 << 10  # what resident_bytes="auto" starts from
 
@@ -305,3 +305,24 @@ def no_room_error(group: ParamGroup, err: BudgetError, *, device: Any, device_bu
         f"({format_size(group.nbytes)}): {format_size(device.used_bytes)} are held at this point of the pass "
         f"by {len(held)} groups in use ({', '.join(repr(g.key) for g in held[:4])}"
         f"{', ...' if len(held) > 4 else ''}) and the resident parameters{kept}. {fix} ({err})")
+
+
+def remeasured(layout: DeviceLayout, slot_size: Callable[[int], int], device_budget: int) -> bool:
+    """Whether ``layout`` was measured again (activation checkpointing turned on or off
+    since ``wrap``); refuses a budget that no longer holds a pass, with the figure that
+    runs at once (under resident_bytes="auto" a larger budget keeps more groups resident)."""
+    if not layout.remeasure(slot_size):
+        return False
+    if layout.need <= device_budget:
+        return True
+    need, more = layout.need, layout.could_keep(slot_size)
+    fix = f"Set device_budget >= {format_size(need + more)}"
+    if more:
+        fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
+                f"resident_bytes={layout.resident_bytes}, device_budget >= {format_size(need)})")
+    raise BudgetError(
+        f"activation checkpointing was turned on after offload.wrap: module "
+        f"{layout.held_at.removesuffix(' (checkpointed)')!r} now holds {format_size(layout.held)} of parameter "
+        "groups at once (recomputed in backward, its groups stay until backward has gone through it), "
+        f"{format_size(need)} with the resident ones, more than device_budget {format_size(device_budget)}. {fix}; "
+        "or turn checkpointing on before offload.wrap, whose layout then keeps fewer groups resident")
