@@ -256,11 +256,12 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
     whole = [g.whole.nbytes for g in groups if g.whole is not None]  # several ranks: slices
     if streamed:
         home = config.param_tier
-        adopted = in_place.in_place_bytes if in_place is not None else 0
+        adopted = in_place.buffer_bytes if in_place is not None else 0
         n_adopted = len(in_place.adopted) if in_place is not None else 0
         if adopted:
-            p.rows.append(PlanRow("parameters, read in place", "checkpoint", adopted,
-                                  f"{len(in_place.adopted)} groups in the checkpoint's files; none copied"))
+            p.rows.append(PlanRow("parameters, read in place", "checkpoint", in_place.in_place_bytes,
+                                  f"{len(in_place.adopted)} groups in the checkpoint's files, read as whole 4 KiB "
+                                  f"blocks ({format_size(adopted)}); none copied"))
             if optimizer is not None and in_place.trainable_bytes:
                 p.rows.append(PlanRow("parameters copied on first write", "nvme", in_place.trainable_bytes,
                                       "the trainable groups leave the checkpoint at the optimizer's first step"))

@@ -83,6 +83,13 @@ class InPlaceChoice:
 
     @property
     def in_place_bytes(self) -> int:
+        """The tensors' bytes the checkpoint serves (what the model would copy)."""
+        return sum(slot.nbytes for g in self.adopted for slot in g.slots)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The adopted groups' buffers: the tensors, the bytes between them and the covering
+        blocks' ends (what the device budget and a copy on first write take)."""
         return sum(g.nbytes for g in self.adopted)
 
     @property
@@ -91,8 +98,9 @@ class InPlaceChoice:
         return sum(g.nbytes for g in self.adopted if any(s.param.requires_grad for s in g.slots))
 
     def describe(self) -> str:
-        parts = [f"{len(self.adopted)} parameter groups ({format_size(self.in_place_bytes)}) read in place "
-                 f"from the checkpoint, in {self.ranges} ranges of neighbouring tensors"]
+        parts = [f"{len(self.adopted)} parameter groups ({format_size(self.in_place_bytes)} of tensors) read in "
+                 f"place from the checkpoint, in {self.ranges} ranges of neighbouring tensors read as whole 4 KiB "
+                 f"blocks ({format_size(self.buffer_bytes)})"]
         for reason, groups in self.copied.items():
             parts.append(f"{len(groups)} copied ({format_size(sum(g.nbytes for g in groups))}: {reason})")
         return "; ".join(parts)

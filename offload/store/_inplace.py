@@ -247,14 +247,15 @@ class InPlaceHomes:
             return copy is not None and isinstance(copy.slot, CheckpointSlot)
 
     def checkpoint_stats(self) -> dict[str, Any]:
-        """Bytes resting in checkpoint files (and the file ranges they are read as), read from
-        them (and of those, read through the page cache), and moved out by a first write."""
+        """Bytes resting in checkpoint files (each range's kept bytes: the covering blocks'
+        ends not counted) and the file ranges they are read as, bytes read from them (whole
+        blocks; and of those, read through the page cache), and moved out by a first write."""
         with DEFER, self._cond:
             held = ranges = 0
             for record in self._tensors.values():
                 home = record.copies.get(record.home)
                 if home is not None and isinstance(home.slot, CheckpointSlot):
-                    held += record.nbytes
+                    held += sum(r.length if r.kept is None else r.kept for r in home.slot.ranges)
                     ranges += len(home.slot.ranges)
             nvme = self.tiers.get(Tier.NVME)
             files = getattr(nvme, "opened_checkpoint", None)

@@ -248,14 +248,13 @@ def test_plan_and_setup_log_say_what_is_read_in_place(tmp_path, caplog):
     rows = {r.item: r for r in offload.plan(model, cfg, optimizer=None, checkpoint=path).rows}
     groups = [g for g in offload.params.device_layout(model, cfg).groups if not g.resident]
     streamed = sum(g.nbytes for g in groups)
-    laid_out = rows["parameters, read in place"].nbytes  # (large tensors placed as in the file, modulo 4 KiB)
+    assert rows["parameters, read in place"].nbytes == sum(s.nbytes for g in groups for s in g.slots)  # (the tensors)
     assert rows["parameters, read in place"].tier == "checkpoint"
-    assert streamed <= laid_out <= streamed + 4096 * sum(len(g.slots) for g in groups)
-    streamed = laid_out
     assert "parameters, streamed" not in rows  # (nothing copied)
     assert offload.plan(model, cfg, optimizer=None, checkpoint=path).disk_need == 0
     training = offload.plan(model, cfg, checkpoint=path)
-    assert {r.item: r.nbytes for r in training.rows}["parameters copied on first write"] == streamed
+    moved = {r.item: r.nbytes for r in training.rows}["parameters copied on first write"]
+    assert streamed <= moved <= streamed + 8192 * sum(len(g.slots) for g in groups)  # (buffers: the covering blocks)
     copying = {r.item: r for r in offload.plan(model, cfg.replace(read_in_place=False), checkpoint=path).rows}
     assert "parameters, read in place" not in copying and copying["parameters, streamed"].nbytes == sum(g.nbytes for g in groups)
     assert "copied from the checkpoint at wrap" in copying["parameters, streamed"].note
