@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._units import PARAM_ALIGN
+from ._hf_keys import kept_in_fp32
 
 if TYPE_CHECKING:
     from ..distributed import Partition
@@ -90,10 +91,16 @@ def build_groups(model: nn.Module, *, dtype: torch.dtype | None, resident_bytes:
     groups: list[ParamGroup] = []
     needs: dict[nn.Module, list[ParamGroup]] = {}
     open_group: ParamGroup | None = None
+    kept = kept_in_fp32(model, dtype)
+
+    def dtype_of(name: str, param: nn.Parameter) -> torch.dtype:
+        if dtype is None or not param.is_floating_point():
+            return param.dtype
+        return torch.float32 if kept is not None and kept(name) else dtype
+
     for module_name, module in model.named_modules(remove_duplicate=True):
-        own = sum(p.numel() * (torch.empty((), dtype=dtype).element_size()
-                               if dtype is not None and p.is_floating_point() else p.element_size())
-                  for p in module.parameters(recurse=False) if id(p) not in owner)
+        own = sum(p.numel() * dtype_of(f"{module_name}.{n}" if module_name else n, p).itemsize
+                  for n, p in module.named_parameters(recurse=False) if id(p) not in owner)
         mergeable = (open_group is not None and own >= resident_bytes
                      and open_group.nbytes + own <= group_bytes)
         group = open_group if mergeable else ParamGroup(module_name or "<root>")
@@ -106,8 +113,7 @@ def build_groups(model: nn.Module, *, dtype: torch.dtype | None, resident_bytes:
                 if other not in used:
                     used.append(other)
                 continue
-            param_dtype = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
-            group.add(full, param, param_dtype)
+            group.add(full, param, dtype_of(full, param))
             owner[id(param)] = (group, group.slots[-1])
         if group.slots:
             if group is not open_group:

@@ -12,13 +12,15 @@ tensor of the file: ``CheckpointReader`` refuses it with the way round.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
-__all__ = ["HfKeys", "hf_keys"]
+__all__ = ["HfKeys", "hf_keys", "kept_in_fp32"]
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +67,20 @@ def hf_keys(model: nn.Module, keys: list[str], model_keys: set[str]) -> HfKeys |
         log.warning("transformers' checkpoint conversion mapping not applied (%s): the checkpoint's names are "
                     "taken as they are", err)
         return None
+
+
+def kept_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> Callable[[str], bool] | None:
+    """Which parameter names ``compute_dtype`` leaves in fp32, as ``from_pretrained(dtype=)``
+    keeps them: a transformers model's ``_keep_in_fp32_modules`` under fp16 (T5's ``wo``,
+    whose products overflow fp16) and ``_keep_in_fp32_modules_strict`` under fp16 and bf16,
+    each a pattern searched in the name (``*``: anything), as transformers matches them.
+    None where none is kept."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    patterns = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        patterns |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not patterns:
+        return None
+    found = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in sorted(patterns)))
+    return lambda name: found.search(name) is not None

@@ -208,3 +208,31 @@ def test_generation_settings_come_with_the_checkpoint(tmp_path, no_leaks):
     model = _wrap(own, tmp_path / "ckpt", tmp_path / "swap2")
     assert model.generation_config.max_new_tokens == 3 and model.generation_config.repetition_penalty != 2.0
     offload.unwrap(model)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_compute_dtype_keeps_in_fp32_what_from_pretrained_keeps(tmp_path, dtype, no_leaks):
+    """``from_pretrained(dtype=torch.float16)`` keeps T5's ``wo`` weights in fp32 (its
+    ``_keep_in_fp32_modules``: their products overflow fp16); ``compute_dtype="fp16"`` used
+    to cast them too, and the logits parted from from_pretrained's (4e-3 here, inf on real
+    T5 checkpoints). Now they stay fp32 under fp16, as from_pretrained keeps them, and are
+    cast under bf16, where transformers keeps only ``_keep_in_fp32_modules_strict``: logits
+    equal from_pretrained's, bit for bit."""
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0)
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "ckpt")
+    ref = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "ckpt", dtype=torch_dtype).eval()
+    model = _wrap(lambda: transformers.T5ForConditionalGeneration(config), tmp_path / "ckpt", tmp_path / "swap",
+                  compute_dtype=dtype)
+    try:
+        kept = {n: p.dtype for n, p in model.named_parameters()}
+        assert kept == {n: p.dtype for n, p in ref.named_parameters()}
+        assert (kept["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == torch.float32) == (dtype == "fp16")
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits,
+                                       ref(input_ids=ids, decoder_input_ids=ids).logits, rtol=0, atol=0)
+    finally:
+        offload.close(model)
