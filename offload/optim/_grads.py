@@ -18,8 +18,9 @@ refuses fp16 gradients, accepts them).
   maxima) is noted per segment and applied inside the next ``step()`` (or before the next
   backward adds to it) where one multiplication there rounds as torch's calls in turn do:
   a single factor noted, or powers of two beside it (``_exact_later``). A division by
-  another number, or a second such factor, is computed on the elements at once, as is a
-  noted factor before a 2-norm is taken (torch's norm is of the products: ``settle``);
+  another number, or a second such factor, is computed on the elements at once; p.grad's
+  2-norm under such a factor is taken of the products, read (torch's norm is of those),
+  and the optimizer's clip applies the factor first (``settle``);
   ``p.grad = None`` drops it; ``p.grad = t`` replaces it.
 - Like torch's, it stays after ``step()`` until ``zero_grad()`` or ``p.grad = None``; a
   backward without either adds to it.
@@ -313,7 +314,8 @@ class GradientBook:
             values = self.values(param)
             return float(torch.linalg.vector_norm(values, order, dtype=torch.float64))
         if order == 2.0:
-            self.settle(param)
+            if any(seg.scale != 1.0 and not _pow2(seg.scale) for seg in segs):  # (torch's is of the products)
+                return float(torch.linalg.vector_norm(self.values(param)))
             return held_norm(segs) / self._loss_scale()
         return max((seg.maxabs * abs(seg.scale) for seg in segs), default=0.0) / self._loss_scale()
 
@@ -339,14 +341,13 @@ class GradientBook:
             else:
                 seg.scale *= factor
 
-    def settle(self, param: torch.Tensor | None = None) -> None:
-        """Compute ``param``'s elements (every wrapped parameter's when None) with the factor
-        noted on them where it is not a power of two: the 2-norm torch takes next is of those
-        products, which the noted norm times the factor only approximates."""
+    def settle(self) -> None:
+        """Compute every wrapped parameter's elements with the factor noted on them where it
+        is not a power of two: the 2-norm torch takes next is of those products, which the
+        noted norm times the factor only approximates (before the optimizer's clip)."""
         if self.book.partition() is not None:  # (a rank holds slices: p.grad is refused there)
             return
-        params = [param] if param is not None else [e.param for e in self.book.entries.values() if e.owner is not None]
-        for p in params:
+        for p in (e.param for e in self.book.entries.values() if e.owner is not None):
             if any(seg.has_grad and seg.shard.acc is None and seg.scale != 1.0 and not _pow2(seg.scale)
                    for seg in self._segments(p)):
                 self.write(p, self.values(p))
