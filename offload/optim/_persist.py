@@ -29,6 +29,8 @@ class StateDicts:
     @property
     def state(self) -> StateMap:
         """Not where the states are (``_statemap``): empty, and refuses use."""
+        if "_state_map" not in self.__dict__:  # (an optimizer restored by __setstate__ skipped the setter)
+            self.__dict__["_state_map"] = StateMap(type(self).__name__)
         return self.__dict__["_state_map"]
 
     @state.setter
