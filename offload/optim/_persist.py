@@ -45,6 +45,9 @@ class StateDicts:
         parameter whose ``optimizer.state`` entry was cleared (restarts when layers are
         unfrozen or adapters merged). Master weights stay the parameters' values. With
         several ranks, call it on every rank, as ``step()``."""
+        if self._early is not None:
+            raise RuntimeError("reset_state() within update_during_backward(): the backward has already updated "
+                               "shards with the states it would reset. Call it before the backward or after step()")
         self._settle()
         self._sink.sync()
         self._phase.refuse_if_poisoned()

@@ -5,10 +5,12 @@ torch's optimizers keep each parameter's state (``step``, ``exp_avg``, ...) in
 a reset of them when layers are unfrozen or adapters merged (ReLoRA-style restarts clear
 the dict or assign zeros). An offload optimizer keeps those states in its own tiers, shard
 by shard (``_states``), so such code would read an empty dict and its changes would do
-nothing, and the run would go on as if untouched. The mapping stays empty for torch's own
-code (``Optimizer.state_dict`` packs what it holds: nothing) and refuses everything else
-with an error that names the calls that do the same work here: ``state_dict()`` to read,
-``reset_state()`` to start states again.
+nothing, and the run would go on as if untouched. Even seeing it empty misleads: torch's
+distributed checkpoint (``get_optimizer_state_dict``) takes an empty state for an
+optimizer that never stepped and steps it once with zero gradients. So the mapping
+refuses every use, iteration, ``len`` and ``in`` included, with an error that names the
+calls that do the same work here: ``state_dict()`` to read, ``reset_state()`` to start
+states again. Nothing of torch's ``Optimizer`` that offload's optimizers use reads it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ class OptimizerStateError(RuntimeError):
 
 
 class StateMap(dict):
-    """What ``optimizer.state`` is (see the module docstring): empty for iteration, ``len``
-    and ``in``; every read of an entry and every change raises ``OptimizerStateError``."""
+    """What ``optimizer.state`` is (see the module docstring): every use raises
+    ``OptimizerStateError``."""
 
     def __init__(self, owner: str = "the offload optimizer") -> None:
         super().__init__()
@@ -67,6 +69,30 @@ class StateMap(dict):
 
     def __ior__(self, other: Any) -> NoReturn:
         self.refuse("optimizer.state |= ...")
+
+    def __iter__(self) -> NoReturn:
+        self.refuse("iterating over optimizer.state")
+
+    def __len__(self) -> NoReturn:
+        self.refuse("len(optimizer.state) (or its truth value)")
+
+    def __contains__(self, key: Any) -> NoReturn:
+        self.refuse("p in optimizer.state")
+
+    def keys(self) -> NoReturn:
+        self.refuse("optimizer.state.keys()")
+
+    def values(self) -> NoReturn:
+        self.refuse("optimizer.state.values()")
+
+    def items(self) -> NoReturn:
+        self.refuse("optimizer.state.items()")
+
+    def copy(self) -> NoReturn:
+        self.refuse("optimizer.state.copy()")
+
+    def __repr__(self) -> str:
+        return f"<optimizer.state of {self.owner}: kept in its tiers; see optimizer.state_dict()>"
 
     def __reduce__(self):  # (pickled or copied as an empty map of the same owner)
         return (type(self), (self.owner,))

@@ -287,12 +287,17 @@ def test_reset_state_is_torchs_cleared_state_and_optimizer_state_refuses_use(tmp
     try:
         p = model.lm_head.weight
         for use in (lambda: opt.state[p], lambda: opt.state.clear(), lambda: opt.state.__setitem__(p, {}),
-                    lambda: setattr(opt, "state", {}), lambda: opt.state.pop(p)):
+                    lambda: setattr(opt, "state", {}), lambda: opt.state.pop(p), lambda: len(opt.state),
+                    lambda: p in opt.state, lambda: list(opt.state.values()), lambda: bool(opt.state)):
             with pytest.raises(offload.optim.OptimizerStateError, match=r"reset_state\(params\)"):
                 use()
-        assert len(opt.state) == 0 and p not in opt.state and not list(opt.state.items())
         with pytest.raises(ValueError, match="not one of this AdamW's"):
             opt.reset_state([torch.nn.Parameter(torch.zeros(3))])
+        with opt.update_during_backward():  # (shards updated with the old states: refused, not half reset)
+            model(input_ids=batches[0], labels=batches[0]).loss.backward()
+        with pytest.raises(RuntimeError, match="within update_during_backward"):
+            opt.reset_state()
+        opt.step()
     finally:
         opt.close()
         offload.close(model)
