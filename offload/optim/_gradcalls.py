@@ -97,8 +97,7 @@ class GradientCalls:
             raise ValueError(f"norm_type={norm_type}: offload optimizers clip by the 2-norm or the inf-norm")
         self._sink.sync()
         self._ensure_layout()
-        if norm_type == 2.0:
-            self._grads.settle()  # (a factor noted on p.grad: torch's norm is of the products)
+        self._grads.settle()  # (a factor noted on p.grad: torch's norm is of the products, and the clip multiplies them)
         total = torch.tensor(total_norm(self._book, norm_type) / self._scaler.factor)
         # (the factor in fp32 tensor arithmetic, as clip_grad_norm_ computes it: to the bit)
         scale_all(self._book, float(torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)))

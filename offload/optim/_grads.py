@@ -26,7 +26,7 @@ refuses fp16 gradients, accepts them).
   backward without either adds to it.
 - Any other call runs on a copy of its elements (read from the tier); a call that writes
   them in place has its result written back; a result that views the copy refuses writes
-  (:class:`CopyView`), which would be lost.
+  (``_gradcopies.CopyView``), which would be lost.
 
 It refuses use once ``zero_grad()`` has dropped the gradient it stood for, within
 ``update_during_backward()`` (the update runs during backward), and with several ranks
@@ -40,10 +40,11 @@ import numbers
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from ..params import LAYOUT, NO_DATA, defer_to, kind_of, write_targets
+from ..params import LAYOUT, NO_DATA, defer_to
 from ..store import Tier
+from ._gradcopies import on_copies
 from ._noted import held_norm, noted_norms, renote
 
 __all__ = ["OffloadedGrad", "GradientBook"]
@@ -59,6 +60,8 @@ _DATA_SET = torch._C.TensorBase.data.__set__
 
 class OffloadedGrad(torch.Tensor):
     """What ``p.grad`` is for a parameter whose gradient rests in an offload optimizer."""
+
+    offloaded_grad = True  # (how _gradcopies tells it apart without importing it)
 
     _book: "GradientBook"
     _param: torch.Tensor
@@ -96,9 +99,13 @@ class OffloadedGrad(torch.Tensor):
         if func in _SCALE and len(args) == 2 and args[0] is first and not kwargs:
             factor = _number(args[1])
             if factor is not None and not (factor == 0.0 and _SCALE[func]):  # (x / 0: as torch, on a copy)
-                first._book.scale(first._param, factor, divide=_SCALE[func])
+                divide = _SCALE[func]
+                if divide and first.device.type == "cuda" and _cpu_scalar(args[1]):
+                    # (torch's CUDA kernel divides by a CPU scalar as a product with its fp32 reciprocal)
+                    factor, divide = float(torch.tensor(1.0) / torch.tensor(factor, dtype=torch.float32)), False
+                first._book.scale(first._param, factor, divide=divide)
                 return first
-        return _on_copies(func, args, kwargs, grads)
+        return on_copies(func, args, kwargs, grads)
 
 
 def _set_data(grad: "OffloadedGrad", new: Any) -> None:
@@ -126,57 +133,6 @@ def _unscale(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> N
             g._book.scale(g._param, factor)
 
 
-def _on_copies(func: Any, args: tuple, kwargs: dict, grads: list[OffloadedGrad]) -> Any:
-    """Run ``func`` on copies of the gradients' elements; write back those it wrote."""
-    copies = {id(g): g._book.values(g._param).to(g.device) for g in grads}
-
-    def swap(a: Any) -> Any:
-        return copies[id(a)] if type(a) is OffloadedGrad else a
-
-    out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
-    written = write_targets(kind_of(func), args, kwargs)
-    for g in grads:
-        if any(t is g for t in written):
-            g._book.write(g._param, copies[id(g)])
-    for g in grads:  # an in-place call returns its target (a call returning its input unwritten: the copy)
-        if out is copies[id(g)] and any(t is g for t in written):
-            return g
-    return _guard_views(out, {c.untyped_storage().data_ptr() for c in copies.values()})
-
-
-def _guard_views(out: Any, storages: set[int]) -> Any:
-    """Results that view one of the copies (``p.grad.view(-1)``, ``p.grad[0]``) become
-    :class:`CopyView`: a write through them would change the copy, not the gradient."""
-    def guard(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and type(t) is not OffloadedGrad:
-            with _plain():
-                if t.untyped_storage().data_ptr() in storages:
-                    return t.as_subclass(CopyView)
-        return t
-
-    return tree_map(guard, out)
-
-
-class CopyView(torch.Tensor):
-    """A view of a copy of an offloaded ``p.grad``: read freely; an in-place write raises."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if OffloadedGrad in types:  # its values first (it calls again)
-            return NotImplemented
-        if any(type(t) is CopyView for t in write_targets(kind_of(func), args, kwargs)):
-            raise RuntimeError(
-                f"{getattr(func, '__name__', func)}() writes into a view of an offloaded parameter's p.grad, "
-                "which is a copy of the gradient resting in the optimizer: the write would be lost. Write to "
-                "p.grad itself (p.grad.mul_(c), p.grad.clamp_(...), p.grad = new), or clone() the view")
-        with _plain():
-            storages = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                        if type(t) is CopyView}
-            out = func(*args, **kwargs)
-        return _guard_views(out, storages)
-
-
 def _vector_order(func: Any, args: tuple, kwargs: dict) -> float | None:
     """The order of a whole-tensor vector norm call (2 or inf), else None."""
     if kwargs.get("dim") is not None or kwargs.get("out") is not None or kwargs.get("keepdim") or len(args) > 2:
@@ -187,6 +143,10 @@ def _vector_order(func: Any, args: tuple, kwargs: dict) -> float | None:
     if isinstance(order, numbers.Number) and float(order) in (2.0, math.inf):
         return float(order)
     return None
+
+
+def _cpu_scalar(x: Any) -> bool:
+    return not isinstance(x, torch.Tensor) or x.device.type == "cpu"
 
 
 def _number(x: Any) -> float | None:
@@ -342,15 +302,26 @@ class GradientBook:
                 seg.scale *= factor
 
     def settle(self) -> None:
-        """Compute every wrapped parameter's elements with the factor noted on them where it
-        is not a power of two: the 2-norm torch takes next is of those products, which the
-        noted norm times the factor only approximates (before the optimizer's clip)."""
+        """Apply to the held sums the factors noted on them that are not powers of two, each
+        shard read and written once: the norm ``opt.clip_grad_norm_`` takes next is of those
+        products (the noted norm times the factor only approximates it), and its factor then
+        multiplies them again, as torch's calls in turn do."""
         if self.book.partition() is not None:  # (a rank holds slices: p.grad is refused there)
             return
-        for p in (e.param for e in self.book.entries.values() if e.owner is not None):
-            if any(seg.has_grad and seg.shard.acc is None and seg.scale != 1.0 and not _pow2(seg.scale)
-                   for seg in self._segments(p)):
-                self.write(p, self.values(p))
+        for shard in self.book.shards:
+            segs = [seg for seg in shard.segments if seg.has_grad and seg.scale != 1.0 and not _pow2(seg.scale)]
+            if not shard.wrapped or shard.acc is not None or not segs:  # (an open sum takes factors in place)
+                continue
+            acc = _read(shard)
+            for seg in segs:
+                part = acc[seg.offset: seg.offset + seg.length].mul_(seg.scale)
+                seg.scale, seg.whole = 1.0, None
+                seg.sumsq, seg.maxabs = noted_norms(part)
+            if shard.grad_home is Tier.HOST:
+                shard.store.mark_dirty(shard.grad_key, Tier.HOST)
+            else:
+                shard.store.put(shard.grad_key, acc, shard.grad_home)
+            renote(shard)
 
     def values(self, param: torch.Tensor) -> torch.Tensor:
         """A copy of the gradient's elements, in the parameter's shape, fp32 (on the CPU)."""

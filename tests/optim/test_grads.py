@@ -282,8 +282,8 @@ def test_clipping_equals_torchs_bit_for_bit(tmp_path, tier, api, tiny_llama, mak
     close(model, opt)
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_divisions_and_several_scalings_of_p_grad_round_as_torchs(tmp_path, tier, tiny_llama, make_opt,
+@pytest.mark.parametrize("tier,api", [("host", "torch"), ("nvme", "torch"), ("nvme", "optimizer")])
+def test_divisions_and_several_scalings_of_p_grad_round_as_torchs(tmp_path, tier, api, tiny_llama, make_opt,
                                                                  offload_config, lm_batches, assert_same_weights,
                                                                  no_leaks):
     """Hand-written loops scale ``p.grad`` themselves: ``p.grad /= micro`` to average an
@@ -317,11 +317,21 @@ def test_divisions_and_several_scalings_of_p_grad_round_as_torchs(tmp_path, tier
             p.grad.mul_(0.7).mul_(0.25)
             p.grad.mul_(0.3)
 
+    def factor_then_max_norm_clip(params, clip):
+        for p in params:
+            p.grad.mul_(0.7)
+        return clip(params, 0.01, norm_type=math.inf)
+
     ref, model = tiny_llama(), tiny_llama()
     ref_opt = make_opt("adamw", ref.parameters(), False)
     offload.wrap(model, offload_config(tmp_path, param_tier=tier, optimizer_tier=tier))
     opt = make_opt("adamw", model.parameters(), True, grad_tier=tier if tier == "nvme" else "auto")
-    edits = [div3, average_then_clip, factor_then_clip, clip_then_factor, two_factors_and_a_power_of_two]
+    edits = [div3, average_then_clip, factor_then_clip, clip_then_factor, two_factors_and_a_power_of_two,
+             factor_then_max_norm_clip]
+
+    def opt_clip(params, max_norm, norm_type=2.0):  # (the optimizer's own, over the same parameters)
+        return opt.clip_grad_norm_(max_norm, norm_type)
+
     for edit, micro in zip(edits, lm_batches(model.config.vocab_size, steps=len(edits))):
         got = []
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -329,7 +339,7 @@ def test_divisions_and_several_scalings_of_p_grad_round_as_torchs(tmp_path, tier
             for loss in losses:
                 loss.backward()
             params = [p for g in o.param_groups for p in g["params"]]
-            norm = edit(params, torch.nn.utils.clip_grad_norm_)
+            norm = edit(params, opt_clip if api == "optimizer" and o is opt else torch.nn.utils.clip_grad_norm_)
             o.step()
             o.zero_grad()
             got.append([float(loss) for loss in losses] + ([] if norm is None else norm if isinstance(norm, list)
