@@ -90,7 +90,8 @@ class Coordinator:
     def begin_pass(self, key: str) -> None:
         """A new pass (the root module's forward) of kind ``key`` starts."""
         self.store.check_files()
-        self._check_layout()
+        if key == "grad":  # (checkpointing recomputes only where there is a backward)
+            self._check_layout()
         if self.schedule.is_open(key):
             return  # end_pass() already opened it and prefetched its start
         self._finish_pass()

@@ -79,7 +79,9 @@ class DeviceLayout:
     refusal: BudgetError | None = None  # what wrap refuses of this layout (kept by device_layout(check=False))
     auto: bool = False  # the threshold was chosen (resident_bytes="auto"): a larger budget keeps more resident
     model: Any = None  # a weak reference to the model measured (``remeasure``)
-    checkpointing: tuple = ()  # which of its layers had activation checkpointing on then
+    layers: tuple = ()  # its layers that can turn activation checkpointing on (transformers')
+    checkpointing: tuple = ()  # which of them had it on when measured
+    refused: tuple | None = None  # (held, where) of the last measure the budget could not hold
 
     def could_keep(self, slot_size: Callable[[int], int]) -> int:
         """Device bytes a larger budget would keep resident beyond today's under "auto":
@@ -99,19 +101,21 @@ class DeviceLayout:
         """Device bytes that must fit in the budget for a pass to run."""
         return self.resident + self.held
 
-    def remeasure(self, slot_size: Callable[[int], int]) -> bool:
+    def remeasure(self, slot_size: Callable[[int], int], budget: int) -> bool:
         """Measure what a pass holds at once again if activation checkpointing was turned
         on or off in the model since (``gradient_checkpointing_enable()`` after ``wrap``, as
-        Trainer does): True when it was."""
+        Trainer does): True when it was. A measure that does not fit ``budget`` is not kept
+        (the refusal comes again at the next pass, until the setting or the budget changes)."""
         model = self.model() if self.model is not None else None
-        if model is None:
+        flags = tuple(_checkpointed(m) for m in self.layers)
+        if model is None or flags == self.checkpointing:
             return False
-        flags = _checkpointing(model)
-        if flags == self.checkpointing:
-            return False
-        self.checkpointing = flags
-        self.nests = _nests(model, self.needs, slot_size)
-        self.held, self.held_at = self.nests.largest()
+        nests = _nests(model, self.needs, slot_size)
+        held, where = nests.largest()
+        if self.resident + held <= budget:
+            self.checkpointing, self.nests, self.held, self.held_at = flags, nests, held, where
+        else:
+            self.refused = (held, where)
         return True
 
     def room(self, budget: int) -> int:
@@ -158,8 +162,9 @@ def _measure(model: nn.Module, config: OffloadConfig, threshold: int,
     resident = sum(device_slot_size(config.device, g.nbytes) for g in groups if g.resident)
     nests = _nests(model, needs, lambda n: device_slot_size(config.device, n))
     held, where = nests.largest()
+    layers = tuple(m for m in model.modules() if _can_checkpoint(m))
     return DeviceLayout(groups, needs, threshold, resident, held, where, nests, model=weakref.ref(model),
-                        checkpointing=_checkpointing(model))
+                        layers=layers, checkpointing=tuple(_checkpointed(m) for m in layers))
 
 
 def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], slot_size: Callable[[int], int]) -> Nests:
@@ -181,16 +186,16 @@ def _nests(model: nn.Module, needs: dict[nn.Module, list[ParamGroup]], slot_size
     return nests
 
 
-def _checkpointing(model: nn.Module) -> tuple[bool, ...]:
-    return tuple(_checkpointed(m) for m in model.modules())
+def _can_checkpoint(module: nn.Module) -> bool:
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
 
 
 def _checkpointed(module: nn.Module) -> bool:
     """A transformers layer with gradient checkpointing on (``gradient_checkpointing_enable()``
-    before ``wrap``). Checkpointing set up otherwise is met at run time, where a refusal names
-    the budget that holds what that point of the pass needs."""
-    return getattr(module, "gradient_checkpointing", False) is True and \
-        any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+    before ``wrap``; after it, ``DeviceLayout.remeasure``). Checkpointing set up otherwise is
+    met at run time, where a refusal names the budget that holds what that point of the pass
+    needs."""
+    return getattr(module, "gradient_checkpointing", False) is True and _can_checkpoint(module)
 
 
 def _refusal(model: nn.Module, config: OffloadConfig, layout: DeviceLayout, explicit: bool,
@@ -293,10 +298,7 @@ def no_room_error(group: ParamGroup, err: BudgetError, *, device: Any, device_bu
             "from their recomputation (activation checkpointing) until backward has gone through "
             "them: the device must hold a whole checkpointed block's parameters") if parked else ""
 
-    fix = f"Set device_budget >= {format_size(need + more)}"
-    if more:
-        fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
-                f"resident_bytes={layout.resident_bytes}, device_budget >= {format_size(need)})")
+    fix = _budget_fix(layout, need, more) if layout is not None else f"Set device_budget >= {format_size(need)}"
     if parked:
         fix += ("; or turn activation checkpointing on before offload.wrap, which then sizes the layout for "
                 "whole checkpointed blocks")
@@ -311,18 +313,27 @@ def remeasured(layout: DeviceLayout, slot_size: Callable[[int], int], device_bud
     """Whether ``layout`` was measured again (activation checkpointing turned on or off
     since ``wrap``); refuses a budget that no longer holds a pass, with the figure that
     runs at once (under resident_bytes="auto" a larger budget keeps more groups resident)."""
-    if not layout.remeasure(slot_size):
+    layout.refused = None
+    if not layout.remeasure(slot_size, device_budget):
         return False
-    if layout.need <= device_budget:
+    if layout.refused is None:
         return True
-    need, more = layout.need, layout.could_keep(slot_size)
+    held, where = layout.refused
+    need, more = layout.resident + held, layout.could_keep(slot_size)
+    raise BudgetError(
+        f"activation checkpointing was turned on after offload.wrap: module "
+        f"{where.removesuffix(' (checkpointed)')!r} now holds {format_size(held)} of parameter groups at once "
+        "(recomputed in backward, its groups stay until backward has gone through it), "
+        f"{format_size(need)} with the resident ones, more than device_budget {format_size(device_budget)}. "
+        f"{_budget_fix(layout, need, more)}; or turn checkpointing on before offload.wrap, whose layout then "
+        "keeps fewer groups resident")
+
+
+def _budget_fix(layout: DeviceLayout, need: int, more: int) -> str:
+    """The budget that runs: ``need``, and under resident_bytes="auto" ``more`` that a larger
+    budget spends on keeping small groups resident."""
     fix = f"Set device_budget >= {format_size(need + more)}"
     if more:
         fix += (f" (resident_bytes='auto' keeps more small groups on the device under a larger budget; with "
                 f"resident_bytes={layout.resident_bytes}, device_budget >= {format_size(need)})")
-    raise BudgetError(
-        f"activation checkpointing was turned on after offload.wrap: module "
-        f"{layout.held_at.removesuffix(' (checkpointed)')!r} now holds {format_size(layout.held)} of parameter "
-        "groups at once (recomputed in backward, its groups stay until backward has gone through it), "
-        f"{format_size(need)} with the resident ones, more than device_budget {format_size(device_budget)}. {fix}; "
-        "or turn checkpointing on before offload.wrap, whose layout then keeps fewer groups resident")
+    return fix

@@ -107,19 +107,34 @@ def test_the_budget_a_run_time_refusal_recommends_runs(tmp_path, arch, reentrant
                 num_key_value_heads=2, vocab_size=128))
         return T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64))
 
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
     def run(budget, swap):
         model = offload.wrap(make(), cfg(tmp_path / swap, budget, optimizer_tier="nvme",
                                          nvme_path=str(tmp_path / swap)))
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         try:
-            x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
             train_two_steps(model.train(), lambda m: m(input_ids=x, labels=x).loss)
             return offload.stats(model)["device_peak_bytes"]
         finally:
             offload.close(model)
 
-    with pytest.raises(BudgetError, match="turned on after offload.wrap.*checkpointing on before offload.wrap") as refused:
+    refusal = "turned on after offload.wrap.*checkpointing on before offload.wrap"
+    with pytest.raises(BudgetError, match=refusal) as refused:
         run("64KiB" if arch == "llama" else "256KiB", "a")
+    if arch == "llama":  # (no backward, no recomputation: an evaluation runs; a retry is refused again)
+        model = offload.wrap(make(), cfg(tmp_path / "c", "64KiB", nvme_path=str(tmp_path / "c")))
+        try:
+            model.gradient_checkpointing_enable()
+            with torch.no_grad():
+                model(input_ids=x)
+            for _ in range(2):
+                with pytest.raises(BudgetError, match=refusal):
+                    model(input_ids=x, labels=x)
+            model.gradient_checkpointing_disable()
+            model(input_ids=x, labels=x).loss.backward()
+        finally:
+            offload.close(model)
     found = re.search(r"Set device_budget >= ([\d.]+) KiB", str(refused.value))
     assert found, refused.value
     budget = int(float(found.group(1)) * 1024)
