@@ -1,4 +1,6 @@
-"""A checkpoint's tensor names as transformers' ``from_pretrained`` reads them.
+"""What transformers' ``from_pretrained`` does to a checkpoint's tensors that offload must
+do alike: their names (below), and the weights it keeps in fp32 under a half dtype
+(``kept_in_fp32``).
 
 transformers 5 keeps some architectures' files in an older layout and converts them while
 loading (``conversion_mapping``): some keys are only renamed (a ViT's
@@ -73,14 +75,19 @@ def kept_in_fp32(model: nn.Module, dtype: torch.dtype | None) -> Callable[[str],
     """Which parameter names ``compute_dtype`` leaves in fp32, as ``from_pretrained(dtype=)``
     keeps them: a transformers model's ``_keep_in_fp32_modules`` under fp16 (T5's ``wo``,
     whose products overflow fp16) and ``_keep_in_fp32_modules_strict`` under fp16 and bf16,
-    each a pattern searched in the name (``*``: anything), as transformers matches them.
-    None where none is kept."""
+    each a pattern searched in the name (``*``: anything), as transformers matches them;
+    for every such model in ``model`` (one inside a module of the user's too), over its own
+    parameters. None where none is kept."""
     if dtype not in (torch.float16, torch.bfloat16):
         return None
-    patterns = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    if dtype == torch.float16:
-        patterns |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if not patterns:
+    kept: list[tuple[str, re.Pattern]] = []
+    for prefix, module in model.named_modules():
+        patterns = set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+        if dtype == torch.float16:
+            patterns |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        if patterns:
+            found = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in sorted(patterns)))
+            kept.append((f"{prefix}." if prefix else "", found))
+    if not kept:
         return None
-    found = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in sorted(patterns)))
-    return lambda name: found.search(name) is not None
+    return lambda name: any(name.startswith(prefix) and found.search(name, len(prefix)) for prefix, found in kept)

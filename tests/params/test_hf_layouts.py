@@ -236,3 +236,12 @@ def test_compute_dtype_keeps_in_fp32_what_from_pretrained_keeps(tmp_path, dtype,
                                        ref(input_ids=ids, decoder_input_ids=ids).logits, rtol=0, atol=0)
     finally:
         offload.close(model)
+
+    class Outer(torch.nn.Module):  # (a T5 inside a module of the user's keeps them too)
+        def __init__(self):
+            super().__init__()
+            self.t5, self.head = transformers.T5ForConditionalGeneration(config), torch.nn.Linear(4, 4)
+
+    kept = offload.params.kept_in_fp32(Outer(), torch_dtype)
+    assert (kept is not None and kept("t5.encoder.block.0.layer.1.DenseReluDense.wo.weight")) == (dtype == "fp16")
+    assert kept is None or not kept("head.weight")
