@@ -85,7 +85,8 @@ class StateDicts:
         if self._scaler.enabled:  # (torch's optimizers pass over keys they do not know)
             packed["loss_scaler"] = self._scaler.state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
-            packed = post_hook(self, packed) or packed
+            result = post_hook(self, packed)
+            packed = packed if result is None else result
         return packed
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -94,7 +95,8 @@ class StateDicts:
         the parameters' dtype."""
         state_dict = state_dict.copy()  # (shallow, as torch's: its hooks may change it)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre_hook(self, state_dict) or state_dict
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         self._settle()
         self._sink.sync()
         by_index = check_groups(self.param_groups, state_dict["param_groups"], self._rows_for, type(self).__name__)

@@ -226,6 +226,10 @@ class InPlaceHomes:
         bytes: nothing is copied or written, and no NVMe budget is taken until its first
         write moves it to a swap extent."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
+        for r in ranges:  # (a range past the tensor's end would be read short, and its moved bytes wrong)
+            if r.offset < 0 or r.dest < 0 or r.dest + r.length > nbytes:
+                raise ValueError(f"adopt({key!r}): a range of {r.length} bytes at {r.dest} does not fit the "
+                                 f"tensor's {nbytes} bytes (file offset {r.offset})")
         with DEFER, self._cond:
             self._check_open()
             self._backend(Tier.NVME)
@@ -247,8 +251,8 @@ class InPlaceHomes:
             return copy is not None and isinstance(copy.slot, CheckpointSlot)
 
     def checkpoint_stats(self) -> dict[str, Any]:
-        """Bytes resting in checkpoint files (each range's kept bytes: the covering blocks'
-        ends not counted) and the file ranges they are read as, bytes read from them (whole
+        """Bytes resting in checkpoint files (each range's kept bytes: its tensors and the few
+        bytes between them, the covering blocks' ends not counted) and the file ranges they are read as, bytes read from them (whole
         blocks; and of those, read through the page cache), and moved out by a first write."""
         with DEFER, self._cond:
             held = ranges = 0

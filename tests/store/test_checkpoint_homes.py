@@ -135,6 +135,8 @@ def test_direct_reads_are_aligned_and_a_refusal_reads_buffered_and_says_so(tmp_p
         assert all(is_direct for *_, is_direct in backend.calls)
         with pytest.raises(ValueError, match="before the tensor"):
             CheckpointRange(file, 8, 60_000, 0, shift=8)
+        with pytest.raises(ValueError, match="does not fit the tensor's 60000 bytes"):
+            store.adopt("x", torch.uint8, (60_000,), [CheckpointRange(file, 8, 60_000, 8, shift=8)])
     refusing = faulty({"open_direct": [errno.EINVAL, errno.EINVAL]})
     with _store(tmp_path, file_backend=refusing) as store, caplog.at_level(logging.WARNING, logger="offload"):
         file = store.open_checkpoint(path)
