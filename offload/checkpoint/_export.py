@@ -6,7 +6,9 @@ import glob
 import json
 import logging
 import os
+import shutil
 import struct
+import tempfile
 import time
 
 from torch import nn
@@ -138,14 +140,31 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
         written.append(os.path.join(path, "model.safetensors.index.json"))
     for stale in set(glob.glob(os.path.join(glob.escape(path), "model*.safetensors*"))) - set(written):
         os.remove(stale)  # an earlier export's other shards or index, now that this one is whole
-    for attr in ("config", "generation_config"):
-        cfg = getattr(model, attr, None)
-        if cfg is not None and hasattr(cfg, "save_pretrained"):
-            cfg.save_pretrained(path)
+    _save_configs(model, path)
     fsync_dir(path)
     seconds = time.perf_counter() - started
     log.info("exported %s in %d file(s) to %s in %.2f s", format_size(total), n, path, seconds)
     return written
+
+
+def _save_configs(model: nn.Module, path: str) -> None:
+    """The model's ``config.json`` (and generation config) as ``save_pretrained`` writes them,
+    each made whole in a scratch directory beside it and renamed over the earlier one: a
+    process killed while writing leaves the earlier export's config, not an empty file."""
+    configs = [c for c in (getattr(model, a, None) for a in ("config", "generation_config"))
+               if c is not None and hasattr(c, "save_pretrained")]
+    if not configs:
+        return
+    scratch = tempfile.mkdtemp(prefix=".config-", dir=path)
+    try:
+        for cfg in configs:
+            cfg.save_pretrained(scratch)
+        for name in os.listdir(scratch):
+            with open(os.path.join(scratch, name), "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(os.path.join(scratch, name), os.path.join(path, name))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _agree(part, error: BaseException | None) -> None:

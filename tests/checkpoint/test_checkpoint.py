@@ -231,6 +231,17 @@ def test_export_loads_with_from_pretrained(tmp_path, arch, tier, tiny_gpt2, tiny
     assert sorted(os.listdir(out)) == before
     offload.export(wrapped, str(out))  # again, as one file: the old shards and index are gone
     assert sorted(f for f in os.listdir(out) if "safetensors" in f) == ["model.safetensors"]
+
+    def killed(self, directory, *args, **kwargs):  # (stopped half way through writing config.json)
+        with open(os.path.join(directory, "config.json"), "w") as fh:
+            fh.write("{")
+        raise KeyboardInterrupt
+
+    exported, config = sorted(os.listdir(out)), (out / "config.json").read_bytes()
+    with mock.patch.object(type(wrapped.config), "save_pretrained", killed), pytest.raises(KeyboardInterrupt):
+        offload.export(wrapped, str(out))
+    assert sorted(os.listdir(out)) == exported and (out / "config.json").read_bytes() == config  # (the earlier one)
+    type(wrapped).from_pretrained(str(out))
     offload.unwrap(wrapped)
     opt.close()
 
