@@ -72,7 +72,9 @@ class Catalog:
         return t.name if t is not None else None
 
 
-def catalog(model: nn.Module) -> Catalog:
+def catalog(model: nn.Module, *, reading: bool = True) -> Catalog:
+    """``model``'s parameters and buffers as a checkpoint names them (``reading``: their
+    values are to be read, not replaced by a load)."""
     cat = Catalog(model)
     for name, p in model.named_parameters(remove_duplicate=False):
         t = cat.by_id.get(id(p))
@@ -93,7 +95,7 @@ def catalog(model: nn.Module) -> Catalog:
         raise ValueError("the module holds several wrapped models partitioned over ranks: save or load each "
                          "wrapped model on its own")
     for manager in cat.managers:  # a step's update still owed to the weights lands first
-        manager.pending.settle()
+        manager.pending.settle(reading=reading)
     seen: dict[int, Tensorish] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for name, buf in module._buffers.items():

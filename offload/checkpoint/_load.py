@@ -44,7 +44,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     path = os.fspath(path)
     optimizer = innermost_optimizer(optimizer, "load_checkpoint")
-    cat = catalog(model)
+    cat = catalog(model, reading=False)  # (a load mends weights a stopped step left mixed)
     part = cat.manager.partition if cat.manager is not None else None
     if part is None:
         return _load(path, read_manifest(path), model, optimizer, cat)

@@ -112,6 +112,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
                       "backward_read_bytes": 0, **counters()}
         self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
+        self._phase.on_poison = self._mark_models  # (a stopped step leaves its models' weights mixed)
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
                                shard_size=shard_size, grad_tier=grad_tier, fmt=StateFormat.parse(moments),
                                master_fmt=StateFormat.parse_master(master))
@@ -351,6 +352,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
             except Exception:  # noqa: BLE001 - closing goes on
                 log.warning("offload optimizer: dropping the last step's update failed at close()", exc_info=True)
         self._closed = True
+        self._mark_models(None)  # (closing a poisoned optimizer accepts its models' weights as they are)
         self._sink.close()  # (open accumulators are dropped, not flushed: the states go too)
         for group in getattr(self, "param_groups", []):
             for p in group["params"]:
@@ -360,6 +362,12 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _mark_models(self, reason: str | None) -> None:
+        """Tell the wrapped models this optimizer updates that their weights are mixed
+        (``reason``: what stopped half way; None: mended), so that reads refuse them."""
+        for manager in self._book.managers():
+            manager.pending.set_mixed(id(self), reason)
 
     def give_up(self) -> bool:
         """Close for a new optimizer over the same parameters, unless this one holds a

@@ -13,6 +13,7 @@ load succeeds.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 __all__ = ["OptimizerPhase", "Phase"]
 
@@ -52,20 +53,26 @@ class Phase:
     def __init__(self) -> None:
         self.value = OptimizerPhase.IDLE
         self.reason: str | None = None
+        self.on_poison: Any = None  # called with the reason when poisoned, with None when it clears
 
     def enter(self, new: OptimizerPhase) -> None:
         if new is not self.value and new not in _ALLOWED[self.value]:
             raise RuntimeError(f"offload optimizer: cannot go from {self.value.value} to {new.value}"
                                + (f" ({self.reason})" if self.reason else ""))
+        was = self.value
         self.value = new
         if new is not OptimizerPhase.POISONED:
             self.reason = None
+            if was is OptimizerPhase.POISONED and self.on_poison is not None:
+                self.on_poison(None)
 
     def poison(self, reason: str) -> None:
         """A step or load stopped half way through ``reason``; the first reason is kept."""
         if self.value is not OptimizerPhase.POISONED:
             self.reason = reason
         self.value = OptimizerPhase.POISONED
+        if self.on_poison is not None:
+            self.on_poison(self.reason)
 
     @property
     def poisoned(self) -> bool:

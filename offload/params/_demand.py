@@ -217,7 +217,7 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
         return args[0]
     for owner in found:  # a step whose update runs in this forward may owe the group new bytes
         if owner.access.coordinator.pending:
-            owner.access.coordinator.pending.ready(owner.group)
+            owner.access.coordinator.pending.ready(owner.group, reading=kind not in (Kind.WRITE, Kind.SET_DATA))
     if func is DETACH and access.snapshots is not None:  # model.state_dict() in progress
         # (a copy even of a resident or cached group: entries that alias one group buffer
         # would share storage, which safetensors' save_model and Accelerate refuse)

@@ -292,6 +292,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     files and threads are still released and the error is raised.
     """
     inner, manager = wrapped_in(model)  # (or the wrapped model inside: a PEFT model built after wrap)
+    manager.pending.refuse_if_mixed()  # (before anything is released: a load can still mend them)
     try:
         manager.pending.settle()  # (a step's update still owed to the weights)
     except BaseException:
@@ -352,7 +353,7 @@ def close(model: nn.Module) -> None:
 def _close(model: nn.Module, manager: ParamManager) -> None:
     try:
         try:  # a step's update still owed: the optimizer's states and weights finish it
-            manager.pending.settle()
+            manager.pending.settle(reading=False)
         except Exception:  # noqa: BLE001 - closing goes on
             log.warning("offload.close: the last step's update could not finish", exc_info=True)
             _abandon_owed(manager)

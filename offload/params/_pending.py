@@ -34,13 +34,31 @@ class Writer(Protocol):
 
 
 class PendingWrites:
-    """The writers that owe one wrapped model's groups new bytes (usually none or one)."""
+    """The writers that owe one wrapped model's groups new bytes (usually none or one), and
+    the optimizers whose step or load stopped half way (``mixed``): the weights are then
+    partly from that step, and every read of them is refused until a load or ``close()``
+    of that optimizer clears it; writes (a load) go through."""
 
     def __init__(self) -> None:
         self.writers: list[Writer] = []
+        self.mixed: dict[int, str] = {}  # id(optimizer) -> what stopped half way
 
     def __bool__(self) -> bool:
-        return bool(self.writers)
+        return bool(self.writers) or bool(self.mixed)
+
+    def set_mixed(self, key: int, reason: str | None) -> None:
+        if reason is None:
+            self.mixed.pop(key, None)
+        else:
+            self.mixed[key] = reason
+
+    def refuse_if_mixed(self) -> None:
+        if self.mixed:
+            raise RuntimeError(
+                f"the model's weights may be a mix: the optimizer's previous {next(iter(self.mixed.values()))}, "
+                "so they need not be the weights of any one step. Load a checkpoint "
+                "(offload.load_checkpoint(path, model, optimizer)) or the model's and the optimizer's state dicts, "
+                "or close() that optimizer to use the weights as they are")
 
     def add(self, writer: Writer) -> None:
         self.writers.append(writer)
@@ -53,14 +71,19 @@ class PendingWrites:
         whole = group.whole or group
         return any(w.stale(whole) for w in self.writers)
 
-    def ready(self, group: ParamGroup) -> None:
-        """Before ``group``'s bytes are read: have every writer that owes it write them."""
+    def ready(self, group: ParamGroup, *, reading: bool = True) -> None:
+        """Before ``group``'s bytes are read (``reading``; else overwritten): have every
+        writer that owes it write them."""
+        if reading:
+            self.refuse_if_mixed()
         whole = group.whole or group
         for writer in list(self.writers):
             if writer.stale(whole):
                 writer.before_use(whole)
 
-    def settle(self) -> None:
+    def settle(self, *, reading: bool = True) -> None:
+        if reading:
+            self.refuse_if_mixed()
         for writer in list(self.writers):
             writer.settle()
 

@@ -169,3 +169,37 @@ def test_ctrl_c_inside_bookkeeping_is_held_back_until_it_is_consistent():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with DEFER:  # and nothing is left pending
         pass
+
+
+@pytest.mark.parametrize("later", [True, False])
+def test_weights_a_stopped_update_left_mixed_are_refused_until_a_load(tmp_path, later, save_after, step, batches,
+                                                                      reference, assert_weights, close_all,
+                                                                      no_leaks):
+    """An update interrupted between shards (in the next forward, or inside step()) leaves
+    weights partly from that step. The optimizer refused to go on, but the model's weights
+    were read silently: a forward, model.state_dict(), offload.state_dict, export and unwrap
+    gave the mix (a Ctrl-C handler that exports wrote a model of no step). Now every read
+    is refused, naming the way out; a load mends them, and the run then goes on as the
+    reference."""
+    model, opt, path = save_after(tmp_path)
+    opt = offload.AdamW(model.parameters(), lr=opt.defaults["lr"], weight_decay=opt.defaults["weight_decay"],
+                        shard_size=16384, update_in_next_forward=later)  # (takes over from the first one)
+    offload.load_checkpoint(path, model, opt)
+    ids = batches(4)
+    handle = interrupt_update(model, opt)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, opt, ids[2])
+        opt.synchronize()
+    handle.remove()
+    try:
+        for read in (lambda: model(input_ids=ids[0]), model.state_dict, lambda: offload.state_dict(model),
+                     lambda: offload.export(model, str(tmp_path / "export")), lambda: offload.unwrap(model)):
+            with pytest.raises(RuntimeError, match=r"weights may be a mix: the optimizer's previous step\(\) "
+                                                   r"stopped after updating \d+ of \d+ shards.*load_checkpoint"):
+                read()
+        offload.load_checkpoint(path, model, opt)
+        losses, weights = reference(4)
+        torch.testing.assert_close([step(model, opt, x) for x in ids[2:]], losses[2:])
+        assert_weights(model, weights)
+    finally:
+        close_all(model, opt)
