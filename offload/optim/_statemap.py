@@ -40,59 +40,27 @@ class StateMap(dict):
             "optimizer.reset_state(params) (every parameter when called without any), as torch does for a "
             "parameter whose optimizer.state entry was cleared")
 
-    def __getitem__(self, key: Any) -> NoReturn:
-        self.refuse("optimizer.state[p]")
-
-    def get(self, key: Any, default: Any = None) -> NoReturn:
-        self.refuse("optimizer.state.get(p)")
-
-    def __setitem__(self, key: Any, value: Any) -> NoReturn:
-        self.refuse("optimizer.state[p] = ...")
-
-    def __delitem__(self, key: Any) -> NoReturn:
-        self.refuse("del optimizer.state[p]")
-
-    def setdefault(self, key: Any, default: Any = None) -> NoReturn:
-        self.refuse("optimizer.state.setdefault(p, ...)")
-
-    def pop(self, key: Any, *default: Any) -> NoReturn:
-        self.refuse("optimizer.state.pop(p)")
-
-    def popitem(self) -> NoReturn:
-        self.refuse("optimizer.state.popitem()")
-
-    def clear(self) -> NoReturn:
-        self.refuse("optimizer.state.clear()")
-
-    def update(self, *args: Any, **kwargs: Any) -> NoReturn:
-        self.refuse("optimizer.state.update(...)")
-
-    def __ior__(self, other: Any) -> NoReturn:
-        self.refuse("optimizer.state |= ...")
-
-    def __iter__(self) -> NoReturn:
-        self.refuse("iterating over optimizer.state")
-
-    def __len__(self) -> NoReturn:
-        self.refuse("len(optimizer.state) (or its truth value)")
-
-    def __contains__(self, key: Any) -> NoReturn:
-        self.refuse("p in optimizer.state")
-
-    def keys(self) -> NoReturn:
-        self.refuse("optimizer.state.keys()")
-
-    def values(self) -> NoReturn:
-        self.refuse("optimizer.state.values()")
-
-    def items(self) -> NoReturn:
-        self.refuse("optimizer.state.items()")
-
-    def copy(self) -> NoReturn:
-        self.refuse("optimizer.state.copy()")
-
     def __repr__(self) -> str:
         return f"<optimizer.state of {self.owner}: kept in its tiers; see optimizer.state_dict()>"
 
     def __reduce__(self):  # (pickled or copied as an empty map of the same owner)
         return (type(self), (self.owner,))
+
+
+def _refusing(what: str) -> Any:
+    def method(self: StateMap, *args: Any, **kwargs: Any) -> NoReturn:
+        self.refuse(what)
+    return method
+
+
+for _name, _what in {
+        "__getitem__": "optimizer.state[p]", "get": "optimizer.state.get(p)",
+        "__setitem__": "optimizer.state[p] = ...", "__delitem__": "del optimizer.state[p]",
+        "setdefault": "optimizer.state.setdefault(p, ...)", "pop": "optimizer.state.pop(p)",
+        "popitem": "optimizer.state.popitem()", "clear": "optimizer.state.clear()",
+        "update": "optimizer.state.update(...)", "__ior__": "optimizer.state |= ...",
+        "__iter__": "iterating over optimizer.state", "__len__": "len(optimizer.state) (or its truth value)",
+        "__contains__": "p in optimizer.state", "keys": "optimizer.state.keys()",
+        "values": "optimizer.state.values()", "items": "optimizer.state.items()", "copy": "optimizer.state.copy()",
+}.items():
+    setattr(StateMap, _name, _refusing(_what))
