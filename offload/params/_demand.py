@@ -37,6 +37,7 @@ written home when dropped; optimizers that keep a master copy are told to refres
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections import OrderedDict
@@ -270,7 +271,9 @@ def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list
     try:
         for owner in missing:
             owner.access.drop_batch_group()  # (load_state_dict: the previous group is done)
-            owner.access.acquire(owner.group)
+            pending = owner.access.coordinator.pending
+            with pending.writes() if written and kind is Kind.WRITE else contextlib.nullcontext():
+                owner.access.acquire(owner.group)
             held.append(owner)
         buffers = {o.access.buffer_address(o.group): o for o in held}
         if kind is Kind.ESCAPE:  # the result would point into the group's buffer: use a copy

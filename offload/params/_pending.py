@@ -11,7 +11,8 @@ by the group it is a slice of).
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+from typing import Iterator, Protocol
 
 from ._groups import ParamGroup
 
@@ -42,6 +43,7 @@ class PendingWrites:
     def __init__(self) -> None:
         self.writers: list[Writer] = []
         self.mixed: dict[int, str] = {}  # id(optimizer) -> what stopped half way
+        self.writing = 0  # inside a write into a parameter (its group is read to be changed: allowed)
 
     def __bool__(self) -> bool:
         return bool(self.writers) or bool(self.mixed)
@@ -52,8 +54,18 @@ class PendingWrites:
         else:
             self.mixed[key] = reason
 
+    @contextlib.contextmanager
+    def writes(self) -> Iterator[None]:
+        """A write into parameters (a load mending mixed weights) reads their groups to change
+        them: not refused."""
+        self.writing += 1
+        try:
+            yield
+        finally:
+            self.writing -= 1
+
     def refuse_if_mixed(self) -> None:
-        if self.mixed:
+        if self.mixed and not self.writing:
             raise RuntimeError(
                 f"the model's weights may be a mix: the optimizer's previous {next(iter(self.mixed.values()))}, "
                 "so they need not be the weights of any one step. Load a checkpoint "

@@ -179,12 +179,13 @@ def test_weights_a_stopped_update_left_mixed_are_refused_until_a_load(tmp_path, 
     weights partly from that step. The optimizer refused to go on, but the model's weights
     were read silently: a forward, model.state_dict(), offload.state_dict, export and unwrap
     gave the mix (a Ctrl-C handler that exports wrote a model of no step). Now every read
-    is refused, naming the way out; a load mends them, and the run then goes on as the
-    reference."""
+    is refused, naming the way out; a load mends them (a checkpoint, or the model's and
+    the optimizer's state dicts), and the run then goes on as the reference."""
     model, opt, path = save_after(tmp_path)
     opt = offload.AdamW(model.parameters(), lr=opt.defaults["lr"], weight_decay=opt.defaults["weight_decay"],
                         shard_size=16384, update_in_next_forward=later)  # (takes over from the first one)
     offload.load_checkpoint(path, model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
     ids = batches(4)
     handle = interrupt_update(model, opt)
     with pytest.raises(KeyboardInterrupt):
@@ -197,7 +198,12 @@ def test_weights_a_stopped_update_left_mixed_are_refused_until_a_load(tmp_path, 
             with pytest.raises(RuntimeError, match=r"weights may be a mix: the optimizer's previous step\(\) "
                                                    r"stopped after updating \d+ of \d+ shards.*load_checkpoint"):
                 read()
-        offload.load_checkpoint(path, model, opt)
+        if later:
+            offload.load_checkpoint(path, model, opt)
+        else:  # (the model's state dict first, as Trainer and Accelerate load them: its writes go through)
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            opt.zero_grad()  # (the interrupted step's gradients: torch's load_state_dict keeps p.grad too)
         losses, weights = reference(4)
         torch.testing.assert_close([step(model, opt, x) for x in ids[2:]], losses[2:])
         assert_weights(model, weights)
