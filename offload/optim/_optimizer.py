@@ -365,9 +365,12 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
 
     def _mark_models(self, reason: str | None) -> None:
         """Tell the wrapped models this optimizer updates that their weights are mixed
-        (``reason``: what stopped half way; None: mended), so that reads refuse them."""
+        (``reason``: what stopped half way; None: mended), so that reads refuse them. Not
+        with several ranks: a rank's reads are collectives, and one rank refusing alone (the
+        others not poisoned, as when another rank's load failed) would leave them waiting."""
         for manager in self._book.managers():
-            manager.pending.set_mixed(id(self), reason)
+            if manager.partition is None:
+                manager.pending.set_mixed(id(self), reason)
 
     def give_up(self) -> bool:
         """Close for a new optimizer over the same parameters, unless this one holds a
