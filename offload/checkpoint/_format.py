@@ -40,7 +40,8 @@ import torch
 
 from .._os import pid_alive
 
-__all__ = ["CheckpointError", "FORMAT", "VERSION", "version_of", "MANIFEST", "dtype_name", "dtype_of", "crc32", "jsonable",
+__all__ = ["CheckpointError", "FORMAT", "VERSION", "version_of", "MANIFEST", "dtype_name", "dtype_of", "crc32",
+           "jsonable", "sealed",
            "tensor_of", "AtomicDirectory", "recover", "read_manifest", "check_writable"]
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,19 @@ def write_json(path: str, obj: Any) -> None:
     os.rename(tmp, path)
 
 
+def sealed(manifest: dict) -> dict:
+    """``manifest`` with ``manifest_crc32``: a CRC of its own content, so a flipped bit or an
+    edit of a hyper-parameter or a step count is found at load as the tensors' CRCs find
+    theirs."""
+    as_read = json.loads(json.dumps(manifest, allow_nan=True))  # (as a load will see it: keys strings, tuples lists)
+    return {**manifest, "manifest_crc32": _manifest_crc(as_read)}
+
+
+def _manifest_crc(manifest: dict) -> int:
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode())
+
+
 def read_manifest(path: str) -> dict:
     """The manifest of the checkpoint at ``path``, after checking the directory is complete."""
     path = os.path.abspath(path.rstrip("/"))
@@ -256,6 +270,9 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"corrupt checkpoint: cannot read {manifest_path!r}: {err}") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path!r} is not an offload checkpoint manifest")
+    if "manifest_crc32" in manifest and manifest["manifest_crc32"] != _manifest_crc(manifest):
+        raise CheckpointError(f"corrupt checkpoint: {manifest_path!r} does not match its own checksum (a byte "
+                              "of it changed after the save: an edit or a damaged disk); load an earlier one")
     if manifest.get("version", 0) > VERSION:
         raise CheckpointError(f"checkpoint {path!r} has format version {manifest['version']}; this offload "
                               f"reads up to {VERSION}: upgrade offload")

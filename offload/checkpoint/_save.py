@@ -18,7 +18,7 @@ from ..io import BufferPool
 from ..optim import OffloadOptimizer
 from ._blobs import model_blobs
 from ._catalog import Catalog, catalog
-from ._format import FORMAT, MANIFEST, AtomicDirectory, CheckpointError, version_of, write_json
+from ._format import FORMAT, MANIFEST, AtomicDirectory, CheckpointError, sealed, version_of, write_json
 from ._optim_state import optimizer_blobs
 from ._optimizers import innermost_optimizer
 from ._stream import Blob, BlobWriter
@@ -74,7 +74,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             "optimizer": opt_info,
             "extra": extra_json,
         }
-        write_json(os.path.join(directory.tmp, MANIFEST), manifest)
+        write_json(os.path.join(directory.tmp, MANIFEST), sealed(manifest))
         directory.commit()
     except BaseException:
         directory.abort()
@@ -170,7 +170,7 @@ def _save_partitioned(path: str, model: nn.Module, optimizer: Any, extra_json: A
     if not errors and part.rank == 0:
         try:
             manifest = _merged_manifest(everyone, model, cat, extra_json)
-            write_json(os.path.join(tmp, MANIFEST), manifest)
+            write_json(os.path.join(tmp, MANIFEST), sealed(manifest))
             directory.commit()
         except BaseException as err:  # noqa: BLE001
             errors.append(f"rank 0: {type(err).__name__}: {err}")

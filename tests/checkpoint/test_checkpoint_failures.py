@@ -4,6 +4,7 @@ each refused with an error that names the cause, and nothing already saved is lo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -207,3 +208,20 @@ def test_disk_full_keeps_the_previous_checkpoint(loop_fs, tmp_path, monkeypatch,
     offload.load_checkpoint(path, fresh)
     for (n, p), (_, q) in zip(small.named_parameters(), fresh.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_an_edited_manifest_is_refused(saved):
+    """The manifest carries a checksum of itself: a learning rate or a step count changed in
+    it (an edit, a flipped bit) used to load silently, the tensors' own checksums intact. A
+    manifest without one (saved before) loads as before."""
+    path, m, opt = saved
+    manifest = read(path / "manifest.json")
+    offload.load_checkpoint(str(path), m, opt)  # (as saved: it loads)
+    edited = json.loads(json.dumps(manifest).replace('"lr": 0.01', '"lr": 0.09', 1))
+    assert edited != manifest
+    (path / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(offload.CheckpointError, match="manifest.json.*does not match its own checksum"):
+        offload.load_checkpoint(str(path), m, opt)
+    del manifest["manifest_crc32"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    offload.load_checkpoint(str(path), m, opt)
