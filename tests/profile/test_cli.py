@@ -18,6 +18,33 @@ from offload.profile.cli import format_table
 
 from test_profile import cli, fake_report, leftover_files  # (tests/profile is on the path: no package)
 
+
+def start_profiler(*args: str) -> subprocess.Popen:
+    # (-X faulthandler: a SIGABRT makes it print every thread's stack, which wait_until asks
+    # for when the profiler is slow to get where a test wants it)
+    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "offload.profile", "--no-progress", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(proc: subprocess.Popen, reached, failure: str, seconds: float = 240.0) -> None:
+    """Wait for ``reached()``; fail saying why not: the profiler ended early, or it was still
+    on its way after ``seconds`` (a loaded machine: once over a minute), with where it was."""
+    deadline = time.monotonic() + seconds
+    while not reached() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    if reached():
+        return
+    ended = proc.poll() is not None
+    if not ended:
+        proc.send_signal(signal.SIGABRT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    pytest.fail(f"{failure} ({'it exited ' + str(proc.returncode) if ended else f'not within {seconds:.0f} s'}):"
+                f"\n{err[-12000:]}")
+
 def test_refuses_a_missing_path(tmp_path):
     out = cli("--path", str(tmp_path / "nope"), "--size", "64MiB")
     assert out.returncode == 2 and "does not exist" in out.stderr and "--path" in out.stderr
@@ -81,14 +108,9 @@ def test_help_explains_every_flag(help_entries):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_during_validate_removes_its_swap_files(tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-m", "offload.profile", "--no-progress", "--no-cache", "--path",
-                             str(tmp_path), "--size", "64MiB", "--quick", "--validate", "2GiB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_profiler("--no-cache", "--path", str(tmp_path), "--size", "64MiB", "--quick", "--validate", "2GiB")
     swap = tmp_path / f".offload-profile-{proc.pid}-validate.tmp"
-    deadline = time.monotonic() + 120
-    while not (swap.exists() and any(swap.iterdir())) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert swap.exists(), "the validation never started"
+    wait_until(proc, lambda: swap.exists() and any(swap.iterdir()), "the validation never started")
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -117,18 +139,8 @@ def test_refuses_a_validate_below_its_floor_without_touching_size(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_removes_the_test_files(tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-m", "offload.profile", "--no-progress", "--path", str(tmp_path),
-                             "--size", "512MiB", "--full"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while not leftover_files(tmp_path) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    if not leftover_files(tmp_path):  # (say why: it ended early, or took over a minute to start)
-        ended = proc.poll() is not None
-        if not ended:
-            proc.kill()
-        _, err = proc.communicate(timeout=60)
-        pytest.fail(f"the profiler never created its test file ({'it exited ' + str(proc.returncode) if ended else 'not within 60 s'}):\n{err[-3000:]}")
+    proc = start_profiler("--path", str(tmp_path), "--size", "512MiB", "--full")
+    wait_until(proc, lambda: leftover_files(tmp_path), "the profiler never created its test file")
     time.sleep(0.5)  # well inside the sweep
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
