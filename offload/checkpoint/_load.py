@@ -97,6 +97,8 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
     finally:
         if cat.manager is None and not isinstance(optimizer, OffloadOptimizer):
             pool.close()
+    if cat.manager is not None:
+        cat.manager.pending.mend()  # (every weight loaded: what a stopped step left mixed is whole again)
     seconds = time.perf_counter() - started
     size = sum(manifest["files"].values())
     log.info("checkpoint %s loaded: %s in %.2f s (%.2f GB/s)", path, format_size(size), seconds,

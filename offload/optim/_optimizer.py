@@ -112,7 +112,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
                       "backward_read_bytes": 0, **counters()}
         self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
-        self._phase.on_poison = self._mark_models  # (a stopped step leaves its models' weights mixed)
+        self._phase.on_poison = self._on_poison
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
                                shard_size=shard_size, grad_tier=grad_tier, fmt=StateFormat.parse(moments),
                                master_fmt=StateFormat.parse_master(master))
@@ -363,14 +363,21 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
     def closed(self) -> bool:
         return self._closed
 
+    def _on_poison(self, reason: str | None) -> None:
+        """A stopped step leaves its models' weights mixed (marked); a load of this
+        optimizer's own states (None) does not mend them: a load of the weights does, or close()."""
+        if reason is not None:
+            self._mark_models(reason)
+
     def _mark_models(self, reason: str | None) -> None:
         """Tell the wrapped models this optimizer updates that their weights are mixed
         (``reason``: what stopped half way; None: mended), so that reads refuse them. Not
         with several ranks: a rank's reads are collectives, and one rank refusing alone (the
         others not poisoned, as when another rank's load failed) would leave them waiting."""
+        params = [id(p) for group in self.param_groups for p in group["params"]]
         for manager in self._book.managers():
             if manager.partition is None:
-                manager.pending.set_mixed(id(self), reason)
+                manager.pending.set_mixed(id(self), reason, params)
 
     def give_up(self) -> bool:
         """Close for a new optimizer over the same parameters, unless this one holds a

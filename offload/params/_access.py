@@ -48,6 +48,7 @@ class DemandAccess:
         self._snapshot_group: tuple[ParamGroup, torch.Tensor] | None = None
         self._batch_open = False  # model.load_state_dict() in progress
         self._batch_group: ParamGroup | None = None  # the group it wrote last, held for the next write
+        self._loaded: set[int] = set()  # ids of the parameters it wrote whole (a load mends mixed weights)
         self._listeners: list[weakref.WeakMethod] = []
         # while a write of one whole parameter runs: (its slot, the source of a copy_ or None),
         # so that what is kept of that parameter alone is updated (_originals)
@@ -213,9 +214,19 @@ class DemandAccess:
                                "assign (the values are copied into the tiers), or unwrap the model first")
         self._end_batch()
         self._batch_open = True
+        self._loaded.clear()
+
+    def wrote_whole(self, slot: Any) -> None:
+        """``slot``'s parameter was written whole (``copy_``), as a load writes it."""
+        if self._batch_open:
+            self._loaded.add(id(slot.param))
 
     def _load_post(self, module, incompatible_keys) -> None:
         self._end_batch()
+        # weights a stopped step left mixed are whole again once the load wrote each of its
+        # parameters (strict=False with some missing leaves them marked)
+        self.coordinator.pending.mend(self._loaded, within={id(p) for p in self._params})
+        self._loaded.clear()
 
     # -- model.state_dict(): copies in host memory, a group read at a time ---------------------
     def snapshot(self, owner: Owner) -> torch.Tensor:

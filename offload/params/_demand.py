@@ -258,9 +258,12 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
     whole = func is torch.Tensor.copy_ and args[0] is written[0].slot.param and isinstance(args[1], torch.Tensor)
     written[0].access.writing = (written[0].slot, args[1] if whole else None)
     try:
-        return _run_fetched(func, args, kwargs, kind, missing, written)
+        out = _run_fetched(func, args, kwargs, kind, missing, written)
     finally:
         written[0].access.writing = None
+    if whole:
+        written[0].access.wrote_whole(written[0].slot)
+    return out
 
 
 def _run_fetched(func: Any, args: tuple, kwargs: dict, kind: Kind, missing: list[Owner],

@@ -12,11 +12,12 @@ by the group it is a slice of).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol
 
 from ._groups import ParamGroup
 
-__all__ = ["PendingWrites", "Writer"]
+__all__ = ["MixedMark", "PendingWrites", "Writer"]
 
 
 class Writer(Protocol):
@@ -34,25 +35,44 @@ class Writer(Protocol):
         writer removes itself and says what was lost where it matters."""
 
 
+@dataclass(frozen=True)
+class MixedMark:
+    """Why a model's weights may be a mix, and which of its parameters (ids) may be."""
+
+    reason: str
+    params: frozenset[int]
+
+
 class PendingWrites:
     """The writers that owe one wrapped model's groups new bytes (usually none or one), and
     the optimizers whose step or load stopped half way (``mixed``): the weights are then
-    partly from that step, and every read of them is refused until a load or ``close()``
-    of that optimizer clears it; writes (a load) go through."""
+    partly from that step, and every read of them is refused until a load writes every
+    parameter that step may have changed (``mend``), or ``close()`` of that optimizer
+    accepts them; writes (a load) go through. An optimizer's own load does not mend them:
+    its states are then whole again, the model's weights not."""
 
     def __init__(self) -> None:
         self.writers: list[Writer] = []
-        self.mixed: dict[int, str] = {}  # id(optimizer) -> what stopped half way
+        self.mixed: dict[int, MixedMark] = {}  # id(optimizer) -> what stopped half way, and where
         self.writing = 0  # inside a write into a parameter (its group is read to be changed: allowed)
 
     def __bool__(self) -> bool:
         return bool(self.writers) or bool(self.mixed)
 
-    def set_mixed(self, key: int, reason: str | None) -> None:
+    def set_mixed(self, key: int, reason: str | None, params: Iterable[int] = ()) -> None:
+        """Mark (``reason``) or accept as they are (None) the weights ``key``'s stopped
+        step may have left mixed: ``params``, the ids of the parameters it updates."""
         if reason is None:
             self.mixed.pop(key, None)
         else:
-            self.mixed[key] = reason
+            self.mixed[key] = MixedMark(reason, frozenset(params))
+
+    def mend(self, written: set[int] | None = None, *, within: set[int] | None = None) -> None:
+        """A load wrote parameters whole: ``written`` (ids; None: every weight of the model).
+        A mark goes once every parameter of it that is in this model (``within``) was written."""
+        for key, mark in list(self.mixed.items()):
+            if written is None or (mark.params & (within or set())) <= written:
+                del self.mixed[key]
 
     @contextlib.contextmanager
     def writes(self) -> Iterator[None]:
@@ -67,10 +87,11 @@ class PendingWrites:
     def refuse_if_mixed(self) -> None:
         if self.mixed and not self.writing:
             raise RuntimeError(
-                f"the model's weights may be a mix: the optimizer's previous {next(iter(self.mixed.values()))}, "
+                f"the model's weights may be a mix: the optimizer's previous {next(iter(self.mixed.values())).reason}, "
                 "so they need not be the weights of any one step. Load a checkpoint "
-                "(offload.load_checkpoint(path, model, optimizer)) or the model's and the optimizer's state dicts, "
-                "or close() that optimizer to use the weights as they are")
+                "(offload.load_checkpoint(path, model, optimizer)) or the model's and the optimizer's state dicts "
+                "(the optimizer's alone leaves the weights as they are), or close() that optimizer to use the "
+                "weights as they are")
 
     def add(self, writer: Writer) -> None:
         self.writers.append(writer)
