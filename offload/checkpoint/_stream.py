@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .._signals import DEFER
 from .._units import format_size
 from ..io import BudgetError, BufferPool, DiskFullError, FileEngine, HostBuffer, OffloadIOError, round_up
 from ._format import ALIGN, CheckpointError, crc32
@@ -108,16 +109,21 @@ class BlobWriter:
                             raise
             in_window = 0
             for index, blob in enumerate(self.blobs):
-                borrowed = blob.borrow() if blob.borrow is not None else None
-                if borrowed is not None:  # resting in host memory: written from where it is
-                    held.append([blob, borrowed, None, None])
-                else:
+                # (a view or buffer handed out and recorded in ``held`` together: a Ctrl-C
+                # between the two left a view lent for ever, and a later load, eviction or
+                # exit waited on it)
+                item = [blob, None, None, None]
+                with DEFER:
+                    item[1] = blob.borrow() if blob.borrow is not None else None
+                    if item[1] is not None:  # resting in host memory: written from where it is
+                        held.append(item)
+                if item[1] is None:
                     while held and in_window + self.buffer_size > self.window:
                         in_window -= self._retire_head(held, bar)
                     buf = _acquire(self.pool, self.buffer_size, held, lambda: self._retire_head(held, bar), "saving",
-                                   round_up(blob.nbytes, ALIGN))
+                                   round_up(blob.nbytes, ALIGN), keep=lambda buf, item=item: _keep(held, item, buf))
                     in_window += buf.nbytes
-                    held.append([blob, buf, blob.fill(buf.bytes), None])
+                    item[2] = blob.fill(buf.bytes)
                 self._issue_ready(held)
             while held:
                 self._retire_head(held, bar)
@@ -177,40 +183,52 @@ class BlobWriter:
 
     def _retire_head(self, held: collections.deque, bar: Any) -> int:
         item = held[0]
-        if item[3] is None:
-            self._issue(item)
-        held.popleft()
-        return self._retire(item, bar)
-
-    def _retire(self, item: list, bar: Any) -> int:
-        blob, buf, fill, write, crc = item
-        write.wait()
-        crc.result()
-        _release(self.pool, buf)
+        try:
+            if item[3] is None:
+                self._issue(item)
+            item[3].wait()
+            item[4].result()
+        finally:  # (an error: the transfers on its buffer end before it is given back)
+            for c in (item[2], item[3]):
+                if c is not None:
+                    _settle(c.wait)
+            if len(item) > 4:
+                _settle(item[4].exception)
+            with DEFER:  # (forgotten and given back together: never twice, never lost)
+                held.popleft()
+                _release(self.pool, item[1])
+        blob, buf = item[0], item[1]
         if bar is not None:
             bar.update(blob.nbytes)
         return buf.nbytes if isinstance(buf, HostBuffer) else 0
 
 
 def _acquire(pool: BufferPool, size: int, held: collections.deque, finish_oldest: Callable[[], Any],
-             what: str, least: int) -> HostBuffer:
+             what: str, least: int, *, keep: Callable[[HostBuffer], None]) -> HostBuffer:
     """A pool buffer of ``size`` (the stream's one size, so the pool hands the same buffers
     back), or of ``least`` (what this blob needs) where the pool has room for that only,
     finishing our own oldest transfers while the budget is full. (States resting in host
     memory are written from where they rest, yet their size set the stream's: at a tight
-    budget only the blob's own size fits.)"""
+    budget only the blob's own size fits.) ``keep`` records it, with no Ctrl-C between."""
     while True:
-        buf = pool.try_acquire(size)
-        if buf is None and least < size:
-            buf = pool.try_acquire(least)
-        if buf is not None:
-            return buf
+        with DEFER:
+            buf = pool.try_acquire(size)
+            if buf is None and least < size:
+                buf = pool.try_acquire(least)
+            if buf is not None:
+                keep(buf)
+                return buf
         if not held:
             raise BudgetError(f"{what} needs a host buffer of {format_size(least)} but the host budget "
                               f"({format_size(pool.budget)}) has {format_size(pool.in_use_bytes)} in use: "
                               "raise host_budget (OffloadConfig), or cut the blobs smaller: an optimizer's "
                               "shard_size (offload.AdamW(..., shard_size=N)) or the model's group_bytes")
         finish_oldest()
+
+
+def _keep(held: collections.deque, entry: list, buf: Any) -> None:
+    entry[1] = buf
+    held.append(entry)
 
 
 def _settle(wait: Callable[[], Any]) -> None:
@@ -304,36 +322,43 @@ class BlobReader:
         size = max((round_up(i.phase + i.nbytes, ALIGN) for i in items), default=ALIGN)
         try:
             for item in items:
-                target = item.in_place() if item.in_place is not None and item.phase == 0 else None
+                # [item, the view lent or the buffer, the reads issued, their verification]:
+                # in ``held`` from the moment the view or buffer is handed out (see the save's)
+                entry: list = [item, None, [], None]
+                with DEFER:
+                    target = item.in_place() if item.in_place is not None and item.phase == 0 else None
+                    if target is not None:
+                        entry[1] = target
+                        held.append(entry)
                 if target is not None:
-                    dest = target[0]
+                    dest = data = target[0]
                 else:
                     while held and in_window + size > max(self.window, size):
-                        in_window -= self._finish(held.popleft(), bar)
-                    buf = _acquire(self.pool, size, held, lambda: self._finish(held.popleft(), bar), "loading",
-                                   round_up(item.phase + item.nbytes, ALIGN))
+                        in_window -= self._finish(held, bar)
+                    buf = _acquire(self.pool, size, held, lambda: self._finish(held, bar), "loading",
+                                   round_up(item.phase + item.nbytes, ALIGN),
+                                   keep=lambda buf, entry=entry: _keep(held, entry, buf))
                     in_window += buf.nbytes
                     dest = buf.bytes[item.phase:]
-                handles = []
+                    data = buf.bytes[item.phase: item.phase + item.nbytes]
                 for run in item.runs:
                     if run.file not in files:
                         files[run.file] = engine.open(os.path.join(self.directory, run.file))
-                    handles.append(engine.read(files[run.file], run.offset, dest[run.at: run.at + run.length]))
-                holder = target if target is not None else buf
-                data = dest if target is not None else buf.bytes[item.phase: item.phase + item.nbytes]
-                held.append((item, holder, handles, self._verifier.submit(self._verify, item, data, handles)))
+                    entry[2].append(engine.read(files[run.file], run.offset, dest[run.at: run.at + run.length]))
+                entry[3] = self._verifier.submit(self._verify, item, data, entry[2])
             while held:
-                self._finish(held.popleft(), bar)
+                self._finish(held, bar)
         finally:
             for _, buf, handles, verified in held:
                 for h in handles:
                     _settle(h.wait)
-                verified.cancel()
-                _settle(verified.exception)
+                if verified is not None:
+                    verified.cancel()
+                    _settle(verified.exception)
                 _release(self.pool, buf)
             self._verifier.shutdown()
             engine.close()
-            dest = data = holder = buf = handles = None  # (views of the last buffer, which trim() unmaps)
+            dest = data = buf = entry = target = None  # (views of the last buffer, which trim() unmaps)
             self.pool.trim()
             if bar is not None:
                 bar.close()
@@ -354,16 +379,20 @@ class BlobReader:
                     f"{entry['offset']}-{entry['offset'] + entry['length']}): the checkpoint is corrupt; "
                     "load an earlier one")
 
-    def _finish(self, held_item: tuple, bar: Any) -> int:
-        item, buf, handles, verified = held_item
+    def _finish(self, held: collections.deque, bar: Any) -> int:
+        """Verify and consume the oldest item of ``held``, then give its buffer back."""
+        item, buf, handles, verified = held[0]
+        in_place = not isinstance(buf, HostBuffer)
         try:
             verified.result()
-            in_place = not isinstance(buf, HostBuffer)
-            data = buf[0] if in_place else buf.bytes[item.phase: item.phase + item.nbytes]
             if not in_place:
-                item.consume(data)
+                item.consume(buf.bytes[item.phase: item.phase + item.nbytes])
         finally:
-            _release(self.pool, buf)
+            for h in handles:  # (a failed verification need not have waited for every read)
+                _settle(h.wait)
+            with DEFER:  # (forgotten and given back together: never twice, never lost)
+                held.popleft()
+                _release(self.pool, buf)
         if bar is not None:
             bar.update(item.nbytes)
         return 0 if in_place else buf.nbytes
