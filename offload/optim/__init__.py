@@ -6,7 +6,9 @@ from ._optimizer import OffloadOptimizer
 from ._phase import OptimizerPhase
 from ._rules import SGD, Adam, AdamW, state_rows
 from ._sizing import plan_rows
+from ._early import SettingsChangedError
 from ._statemap import OptimizerStateError
 
 __all__ = ["AdamW", "Adam", "SGD", "OffloadOptimizer", "OptimizerPhase", "CheckpointView", "ShardRows",
-           "plan_rows", "state_rows", "StateFormat", "BLOCK", "decode_piece", "OptimizerStateError"]
+           "plan_rows", "state_rows", "StateFormat", "BLOCK", "decode_piece", "OptimizerStateError",
+           "SettingsChangedError"]

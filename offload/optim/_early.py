@@ -13,7 +13,10 @@ and here.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
 
 from ._layout import ParamEntry, Shard
 from ._phase import Phase
@@ -21,7 +24,12 @@ from ._pipeline import READ_AHEAD, Pipeline
 from ._sink import on_drain_thread
 from ._writeback import WriteBack
 
-__all__ = ["EarlyUpdate", "refuse_to_start"]
+__all__ = ["EarlyUpdate", "SettingsChangedError", "refuse_to_start"]
+
+
+class SettingsChangedError(RuntimeError):
+    """A parameter group's settings changed between ``update_during_backward()`` and the
+    ``step()`` that finished it; the step was taken whole with the earlier settings."""
 
 
 def refuse_to_start(*, loss_scaling: bool, clipped: bool, shards: list[Shard]) -> None:
@@ -37,9 +45,26 @@ def refuse_to_start(*, loss_scaling: bool, clipped: bool, shards: list[Shard]) -
                          "runs in the next forward)")
 
 
+def _settings(groups: list[dict]) -> list[dict[str, Any]]:
+    return [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
+            and a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
+    return bool(a == b)
+
+
 class EarlyUpdate:
-    def __init__(self, shards: list[Shard], pipeline: Pipeline, writeback: WriteBack, phase: Phase):
+    def __init__(self, shards: list[Shard], pipeline: Pipeline, writeback: WriteBack, phase: Phase,
+                 groups: list[dict]):
         self.pipeline, self.writeback, self.phase = pipeline, writeback, phase
+        # the groups' settings as the block began: the backward updates shards with them,
+        # so the step() that finishes it takes them too (a change in between is refused)
+        self.groups, self.settings = groups, _settings(groups)
+        self.changed: list[str] = []
         self.queue: list[Shard] = []  # final, not updated yet (reads issued ahead)
         self.done: set[int] = set()  # ids of the shards updated during this backward
         self.issued: set[int] = set()
@@ -106,16 +131,45 @@ class EarlyUpdate:
     def finish(self, rest_of: Callable[[set[int]], list[Shard]]) -> list[Shard]:
         """``step()``: update the shards still queued, then ``rest_of(done ids)`` (shards with
         gradients that did not become final in the pass), then write every parameter group.
-        Returns the shards updated in this step."""
+        Returns the shards updated in this step. Settings changed since the block began are
+        noted (``changed``) and this step takes the earlier ones, as the backward's shards did."""
         try:
-            self.advance(block=True)
-            rest = rest_of(self.done)
-            self.pipeline.run(rest, 1.0, self.pending)
-            self.writeback.finish_rest(self.pending)
+            with self._earlier_settings():
+                self.advance(block=True)
+                rest = rest_of(self.done)
+                self.pipeline.run(rest, 1.0, self.pending)
+                self.writeback.finish_rest(self.pending)
         except BaseException:
             self.abandon()  # (shards updated during backward hold this step's states)
             raise
         return rest
+
+    @contextlib.contextmanager
+    def _earlier_settings(self) -> Iterator[None]:
+        now = [{k: g[k] for k in saved if k in g} for g, saved in zip(self.groups, self.settings)]
+        self.changed = [f"group {i}'s {k} changed from {saved[k]!r} to {g.get(k)!r}" for i, (g, saved)
+                        in enumerate(zip(self.groups, self.settings)) for k in saved if not _same(saved[k], g.get(k))]
+        if not self.changed:
+            yield
+            return
+        for g, saved in zip(self.groups, self.settings):
+            g.update(saved)
+        try:
+            yield
+        finally:
+            for g, values in zip(self.groups, now):
+                g.update(values)
+
+    def refuse_changed_settings(self) -> None:
+        """After the step's bookkeeping: say that it took the earlier settings, and why."""
+        if self.changed:
+            raise SettingsChangedError(
+                f"{'; '.join(self.changed[:3])} after update_during_backward() began: its backward updates "
+                "shards as their gradients are final, with the settings of that moment, so this step took the "
+                "earlier ones throughout (torch's step() would take the new ones). Set the learning rate and the "
+                "other settings before the backward (a scheduler's step() right after optimizer.step()), or "
+                "drop update_during_backward() (the default update, in the next forward, takes the settings "
+                "step() sees)")
 
     def abandon(self) -> None:
         """The backward (or an update in it, or the step finishing it) failed: nothing of it

@@ -222,6 +222,8 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         for manager in self._book.managers(work):
             manager.coordinator.resume_prefetch()
         self._end_step(started, skipped=False)
+        if early is not None:
+            early.refuse_changed_settings()  # (the step is whole: taken with the earlier settings)
         return loss
 
     def _settle(self) -> None:
@@ -278,7 +280,9 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         * each parameter receives its gradient once in that pass (true of a parameter used
           several times in one graph, and of activation checkpointing; a reentrant backward
           that reports a parameter twice raises, and the optimizer then refuses to step
-          until a checkpoint or state dict is loaded).
+          until a checkpoint or state dict is loaded);
+        * the groups' settings (learning rate ...) are those of the block's start: a change
+          before ``step()`` raises ``SettingsChangedError`` there, the step taken with them.
         """
         self._settle()
         refuse_to_start(loss_scaling=self._scaler.enabled, clipped=self._clipped, shards=self._book.shards)
@@ -289,7 +293,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
                                "before the next one")
         self._ensure_layout()
         self._book.check_rows(type(self).__name__, self.param_groups)
-        early = EarlyUpdate(self._book.shards, self._pipeline, self._writeback, self._phase)
+        early = EarlyUpdate(self._book.shards, self._pipeline, self._writeback, self._phase, self.param_groups)
         self._phase.enter(OptimizerPhase.UPDATING_IN_BACKWARD)
         self._sink.listener = early
         try:

@@ -94,6 +94,53 @@ def test_update_during_backward_matches_torch(tmp_path, arch, tier, grad_tier, t
     assert_same_weights(model, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_settings_changed_after_update_during_backward_began_are_refused(tmp_path, tier, branchy, offload_config,
+                                                                          assert_losses, assert_same_weights,
+                                                                          no_leaks):
+    """A learning rate set between the backward and step() (a warmup placed there) was taken
+    by the shards step() updated and not by those the backward had: host tier's steps ran
+    whole with the old rate, silently. Now every shard of that step takes the settings the
+    block began with, and step() then raises SettingsChangedError naming the change; the
+    run equals torch's with each rate set one step later."""
+    ref, model = branchy(), branchy()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(4, 32, generator=g) for _ in range(4)]
+    rates = [1e-2, 2e-2, 2e-2, 5e-3]  # (step 2 sets the rate it has: nothing to refuse)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_losses = []
+    for i, x in enumerate(xs):  # the rate set after the previous step's backward
+        ref_opt.param_groups[0]["lr"] = rates[i - 1] if i else 1e-2
+        loss = ref(x).pow(2).mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    offload.wrap(model, offload_config(tmp_path, optimizer_tier=tier))
+    try:
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, shard_size=1500)
+        losses, refused = [], []
+        for i, x in enumerate(xs):
+            loss = model(x).pow(2).mean()
+            with opt.update_during_backward():
+                loss.backward()
+            opt.param_groups[0]["lr"] = rates[i]
+            try:
+                opt.step()
+            except offload.optim.SettingsChangedError as err:
+                assert "group 0's lr changed from" in str(err) and "before the backward" in str(err), err
+                refused.append(i)
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        assert refused == [1, 3]
+        assert opt.param_groups[0]["lr"] == rates[-1]  # (the user's setting stays, for the next step)
+        assert_losses(losses, ref_losses, rtol=0, atol=0)
+        opt.close()
+    finally:
+        offload.unwrap(model)
+    assert_same_weights(model, ref, rtol=0, atol=0)
+
+
 def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, branchy, offload_config, assert_losses,
                                                                   assert_same_weights, no_leaks):
     """The side layer gets no gradient on odd steps; its shards are not updated, and the
