@@ -273,6 +273,8 @@ class GradientBook:
         if any(seg.shard.acc is not None for seg in segs):  # during backward: not noted yet
             values = self.values(param)
             return float(torch.linalg.vector_norm(values, order, dtype=torch.float64))
+        if any(seg.approx for seg in segs):  # (the step changed the sum in place: its notes are near only)
+            return float(torch.linalg.vector_norm(self.values(param), order))
         if order == 2.0:
             if any(seg.scale != 1.0 and not _pow2(seg.scale) for seg in segs):  # (torch's is of the products)
                 return float(torch.linalg.vector_norm(self.values(param)))
@@ -305,17 +307,25 @@ class GradientBook:
         """Apply to the held sums the factors noted on them that are not powers of two, each
         shard read and written once: the norm ``opt.clip_grad_norm_`` takes next is of those
         products (the noted norm times the factor only approximates it), and its factor then
-        multiplies them again, as torch's calls in turn do."""
+        multiplies them again, as torch's calls in turn do. Notes a step left near only
+        (``approx``) are taken again from the sums."""
         if self.book.partition() is not None:  # (a rank holds slices: p.grad is refused there)
             return
         for shard in self.book.shards:
             segs = [seg for seg in shard.segments if seg.has_grad and seg.scale != 1.0 and not _pow2(seg.scale)]
-            if not shard.wrapped or shard.acc is not None or not segs:  # (an open sum takes factors in place)
+            near = [seg for seg in shard.segments if seg.has_grad and seg.approx and seg not in segs]
+            if not shard.wrapped or shard.acc is not None or not (segs or near):  # (an open sum takes factors)
                 continue
             acc = _read(shard)
+            for seg in near:
+                seg.sumsq, seg.maxabs = noted_norms(acc[seg.offset: seg.offset + seg.length])
+                seg.approx = False
+            if not segs:
+                renote(shard)
+                continue
             for seg in segs:
                 part = acc[seg.offset: seg.offset + seg.length].mul_(seg.scale)
-                seg.scale, seg.whole = 1.0, None
+                seg.scale, seg.whole, seg.approx = 1.0, None, False
                 seg.sumsq, seg.maxabs = noted_norms(part)
             if shard.grad_home is Tier.HOST:
                 shard.store.mark_dirty(shard.grad_key, Tier.HOST)
@@ -380,7 +390,7 @@ class GradientBook:
                 if not other.has_grad:
                     acc[other.offset: other.offset + other.length].zero_()
         acc[seg.offset: seg.offset + seg.length] = part
-        seg.has_grad, seg.zeroed, seg.scale, seg.whole = True, False, 1.0, None
+        seg.has_grad, seg.zeroed, seg.scale, seg.whole, seg.approx = True, False, 1.0, None, False
         seg.sumsq, seg.maxabs = noted_norms(part)
         if shard.grad_home is Tier.HOST:
             shard.store.mark_dirty(shard.grad_key, Tier.HOST)

@@ -83,6 +83,9 @@ class Segment:
     # a split parameter's squared norm taken over its whole gradient as it arrived (torch's
     # own sum, which the pieces' sums only approach); None once the sum is anything else
     whole: float | None = None
+    # sumsq and maxabs were divided, not taken, after an update changed the sum in place
+    # (``_pipeline``): right to a last bit only, so p.grad's norms and a clip take them again
+    approx: bool = False
     number: int = 0  # the parameter's place among the optimizer's, in the order given (``ParamEntry``)
 
 

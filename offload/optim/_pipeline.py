@@ -281,5 +281,5 @@ def _unscaled_in_place(segs: list[Segment], divisor: float, loss_scale: float) -
     for seg in segs:
         seg.sumsq /= divisor * divisor
         seg.maxabs /= abs(divisor)
-        seg.scale, seg.whole = loss_scale, None
+        seg.scale, seg.whole, seg.approx = loss_scale, None, True
     renote(segs[0].shard)

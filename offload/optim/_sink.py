@@ -262,6 +262,7 @@ class GradientSink:
         acc = shard.acc
         for seg in shard.segments:  # per parameter, for p.grad's norms (_grads)
             seg.sumsq, seg.maxabs = noted_norms(acc[seg.offset: seg.offset + seg.length])
+            seg.approx = False
         shard.sumsq = sum(seg.sumsq for seg in shard.segments)
         shard.maxabs = max((seg.maxabs for seg in shard.segments), default=0.0)
         shard.finite = math.isfinite(shard.maxabs)  # (a sum of squares can overflow where no element does)

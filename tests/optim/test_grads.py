@@ -40,6 +40,10 @@ def test_torch_clip_grad_norm_clips(tmp_path, tier, norm_type, adamw_pair, lm_ba
         assert float(want) > limit  # the clip changed something
         opt.step()
         ref_opt.step()
+        # p.grad's norms after the step (a log line): the host tier's update multiplied the
+        # sums in place, and their noted norms, divided to follow, were a last bit off
+        norms = [[p.grad.norm(norm_type) for p in m.parameters() if p.grad is not None] for m in (model, ref)]
+        torch.testing.assert_close(*norms, rtol=0, atol=0)
         model.zero_grad()
         ref_opt.zero_grad()
     assert_same_weights(model, ref, rtol=0, atol=0)
