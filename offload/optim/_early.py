@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..io import PAGE_SIZE, round_up
+from ..store import Residency, Tier
 from ._layout import ParamEntry, Shard
 from ._phase import Phase
 from ._pipeline import READ_AHEAD, Pipeline
@@ -75,6 +77,7 @@ class EarlyUpdate:
         # every wrapped shard counts toward its groups (those that get no gradient in the
         # pass are merged from the current bytes at step())
         self.pending = writeback.plan([s for s in shards if s.wrapped])
+        self.open = [s for s in shards if s.wrapped]  # not final yet in this backward
 
     # -- the sink's listener --------------------------------------------------------------
     def gradient(self, entry: ParamEntry) -> None:
@@ -90,6 +93,8 @@ class EarlyUpdate:
                     + "Run that backward outside update_during_backward()")
 
     def shard_final(self, shard: Shard) -> None:
+        if shard in self.open:
+            self.open.remove(shard)
         self.queue.append(shard)
         if not on_drain_thread():
             self.advance(block=False)
@@ -100,6 +105,12 @@ class EarlyUpdate:
         if self.queue:
             self.advance(block=False)
 
+    def give_way(self) -> None:
+        """The backward needs host room: update the queued shards now (their gradients are
+        final), so that their rows and groups go home and free it as the writes land."""
+        if self.queue:
+            self.advance(block=True)
+
     # -- the work ---------------------------------------------------------------------------
     def advance(self, *, block: bool) -> None:
         queue = self.queue
@@ -108,8 +119,8 @@ class EarlyUpdate:
                 if id(shard) not in self.issued:  # reading another shard: within the shards in flight
                     if block:
                         self.pipeline.bound_writes()
-                    elif self.pipeline.writes_backlogged() or \
-                            not self.pipeline.room_beside_compute(shard, self.pending):
+                    elif self.pipeline.writes_backlogged() or not self.pipeline.room_beside_compute(
+                            shard, self.pending, backward=self._backward_room(shard.store)):
                         break  # (the backward goes on; a later call reads it, or step() does)
                 self.pipeline.issue(shard, self.issued, self.pending)
             head = queue[0]
@@ -127,6 +138,22 @@ class EarlyUpdate:
             self.done.add(id(head))
         busy, self.busy = self.busy, []
         self.busy = self.writeback.finish_released(busy, force=block)
+
+    def _backward_room(self, store: Any) -> int:
+        """Host pool bytes of ``store`` the rest of the backward takes for its gradients: the
+        sums not yet in host memory that rest there, and the largest accumulator of those
+        that rest on NVMe. A read ahead leaves it free: else the backward would wait for room
+        that only a later gradient hook, the one waiting, could free."""
+        host, largest = 0, 0
+        for shard in self.open:
+            if shard.store is not store:
+                continue
+            if shard.grad_home is Tier.HOST:
+                if store.state(shard.grad_key, Tier.HOST) is not Residency.RESIDENT:
+                    host += store.tiers[Tier.HOST].slot_size(shard.numel * 4)
+            else:
+                largest = max(largest, round_up(shard.numel * 4, PAGE_SIZE))
+        return host + largest
 
     def _in_memory(self, shard: Shard) -> bool:
         return self.pipeline.in_memory(shard, self.pending)

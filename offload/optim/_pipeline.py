@@ -88,13 +88,14 @@ class Pipeline:
         if shard.reads_grad:
             count(self.stats, "gradients", read=shard.grad_bytes)
 
-    def room_beside_compute(self, shard: Shard, pending: dict) -> bool:
+    def room_beside_compute(self, shard: Shard, pending: dict, *, backward: int = 0) -> bool:
         """Whether reading ``shard`` leaves the host room that compute's transfers on a
         device need (a parameter group's staging, gradient copies) and the step's own
         write-back of a parameter group assembled from master rows (its staging for NVMe). A
         read ahead of its need waits for that room: holding it, a forward, a backward or the
-        write-back waiting for a staging buffer would find nothing in flight that frees one."""
-        reserve = self.reserve(shard.store)
+        write-back waiting for a staging buffer would find nothing in flight that frees one.
+        ``backward``: what the rest of a backward still takes from the pool (its gradients)."""
+        reserve = self.reserve(shard.store) + backward
         if not reserve or shard.home is Tier.HOST:
             return True
         pool = shard.store.staging

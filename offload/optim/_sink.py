@@ -58,6 +58,9 @@ class Listener(Protocol):
     def device_gradient(self) -> None:
         """A device gradient's copy was queued, on the backward's thread."""
 
+    def give_way(self) -> None:
+        """The backward needs host room the listener's queued work holds: finish that work."""
+
 
 class _OpenBackward(NamedTuple):
     """A backward adding gradients now, whose end-of-backward callback is queued."""
@@ -294,6 +297,10 @@ class GradientSink:
         short = nbytes - (pool.budget - pool.in_use_bytes)
         if short > 0:  # (held parameter groups go home: their room frees as they land)
             store.shed_behind(short)
+        if self.listener is not None and pool.budget - pool.in_use_bytes < nbytes:
+            # (the update during backward holds rows read for its queued shards, whose turn
+            # comes in a later gradient hook: waiting for their room here would wait for ever)
+            self.listener.give_way()
 
     def reset(self) -> None:
         """Drop every gradient held for wrapped parameters, with its noted norms."""

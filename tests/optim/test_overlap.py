@@ -141,6 +141,47 @@ def test_settings_changed_after_update_during_backward_began_are_refused(tmp_pat
     assert_same_weights(model, ref, rtol=0, atol=0)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("host_budget", [299008, 409600])
+def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_path, host_budget, tiny_llama,
+                                                                            offload_config, assert_losses, no_leaks):
+    """At host budgets the plain step runs at, the backward's first gradient sums waited
+    for host room that the update during backward held for its queued shards, whose turn
+    comes only in a later gradient hook: the process hung without using the CPU (found by a
+    new user's trial). Now the queued shards are updated when the backward needs their
+    room, and reads ahead leave the backward's gradients room: the run equals torch's, or
+    stops with a BudgetError that names host_budget."""
+    ref, model = tiny_llama(vocab_size=128), tiny_llama(vocab_size=128)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(3)]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    ref_losses = []
+    for ids in batches:
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    offload.wrap(model, offload_config(tmp_path, device_budget="100KiB", host_budget=host_budget, resident_bytes=0,
+                                       cache_bytes=0))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    try:
+        losses = []
+        for ids in batches:
+            loss = model(input_ids=ids, labels=ids).loss
+            with opt.update_during_backward():
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        assert_losses(losses, ref_losses, rtol=0, atol=0)
+    except BudgetError as err:
+        assert "host_budget" in str(err), err
+    finally:
+        opt.close()
+        offload.unwrap(model)
+
+
 def test_update_during_backward_with_a_parameter_without_gradient(tmp_path, branchy, offload_config, assert_losses,
                                                                   assert_same_weights, no_leaks):
     """The side layer gets no gradient on odd steps; its shards are not updated, and the
