@@ -28,6 +28,12 @@ __all__ = ["CheckpointReader", "init_empty_weights", "take_generation_config"]
 
 log = logging.getLogger(__name__)
 
+# (the way round for checkpoints offload cannot read as they are: a directory, so that the
+# generation defaults come with the weights, as from_pretrained takes them)
+SAVE_AS_NAMED = ("save it as the model names its tensors into a new directory (safetensors.torch.save_model(model, "
+                 "f'{new}/model.safetensors'), with model.config.save_pretrained(new) and, for generation, "
+                 "model.generation_config.save_pretrained(new)) and wrap with checkpoint=new")
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
            "U8": torch.uint8, "BOOL": torch.bool}
@@ -121,16 +127,14 @@ class CheckpointReader:
                 f"{len(set(keys.converted.values()))} parameters, e.g. {first!r} into {keys.converted[first]!r}): "
                 "offload reads each parameter as one tensor of the file and cannot build these. Load the model "
                 "with from_pretrained and wrap it without checkpoint= (its weights are then copied into swap "
-                "files), or, loaded so once, save it as the model names its tensors "
-                "(safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
+                "files), or, loaded so once, " + SAVE_AS_NAMED)
         if keys.renamed:
             renamed = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
             if len(renamed) < len(self.entries):  # (two tensors of the file under one name: which is meant?)
                 counts = collections.Counter(keys.renamed.get(k, k) for k in self.entries)
                 twice = sorted(k for k in self.entries if counts[keys.renamed.get(k, k)] > 1)
                 raise ValueError(f"checkpoint {self.path!r}: renamed as transformers does, tensors {twice[:4]} get "
-                                 "one name. Load the model with from_pretrained, save it as it names its tensors "
-                                 "(safetensors.torch.save_model(model, path)) and wrap with checkpoint=path")
+                                 "one name. Load the model with from_pretrained, then " + SAVE_AS_NAMED)
             self.entries = renamed
             first = next(iter(keys.renamed.items()))
             log.info("%d checkpoint tensors read under the names transformers gives them when loading a %s "
@@ -166,8 +170,8 @@ class CheckpointReader:
                 f"checkpoint {self.path!r} lacks {sorted(computed)[:6]}: {type(model).__name__} does not save them "
                 "(_keys_to_ignore_on_save / _keys_to_ignore_on_load_missing) and computes them when from_pretrained "
                 "loads it (sinusoidal position tables), which a model built on the meta device cannot. Load the "
-                "model with from_pretrained(directory) and wrap it without checkpoint=, or save it once with "
-                "safetensors.torch.save_model(model, path) and wrap with checkpoint=path")
+                "model with from_pretrained(directory) and wrap it without checkpoint=, or, loaded so once, "
+                + SAVE_AS_NAMED)
         if problems:
             raise ValueError(f"checkpoint {self.path!r} does not match the model: " + "; ".join(problems)
                              + ". Build the model from the config the checkpoint was saved with, as the class it "

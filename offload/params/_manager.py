@@ -217,8 +217,9 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                          "use device='cpu'")
     check_output_paths(config)
     reader = CheckpointReader(checkpoint, model) if checkpoint is not None else None
-    if reader is not None and os.path.isdir(checkpoint):
-        take_generation_config(model, checkpoint)
+    if reader is not None:  # (a single file's directory too: where it was saved beside its configs)
+        where = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(os.path.abspath(checkpoint))
+        take_generation_config(model, where)
     if reader is None:
         meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if meta:

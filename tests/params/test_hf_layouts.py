@@ -209,6 +209,17 @@ def test_generation_settings_come_with_the_checkpoint(tmp_path, no_leaks):
     assert model.generation_config.max_new_tokens == 3 and model.generation_config.repetition_penalty != 2.0
     offload.unwrap(model)
 
+    # a single file saved beside its configs (the way round offload's refusals name): the
+    # settings beside it come too (they were dropped, and generate ran 20 tokens, not 5)
+    safetensors = pytest.importorskip("safetensors.torch")
+    (tmp_path / "named").mkdir()
+    safetensors.save_model(saved, str(tmp_path / "named" / "weights.safetensors"))
+    saved.generation_config.save_pretrained(tmp_path / "named")
+    model = _wrap(lambda: transformers.LlamaForCausalLM(config), tmp_path / "named" / "weights.safetensors",
+                  tmp_path / "swap3")
+    assert model.generation_config.repetition_penalty == 2.0 and model.generation_config.max_new_tokens == 5
+    offload.unwrap(model)
+
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_compute_dtype_keeps_in_fp32_what_from_pretrained_keeps(tmp_path, dtype, no_leaks):
