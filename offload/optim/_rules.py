@@ -94,6 +94,7 @@ class SGD(OffloadOptimizer):
 
     def _update(self, group, params, grads, rows, steps, grad_scale) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        updates = []
         for i, (p, g) in enumerate(zip(params, grads)):
             if grad_scale != 1.0:  # in place, as torch's fused kernels unscale (_unscaled_in_place)
                 g = g.div_(grad_scale)
@@ -108,8 +109,11 @@ class SGD(OffloadOptimizer):
                 else:
                     buf.mul_(momentum).add_(g, alpha=1 - group["dampening"])
                 g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
-            p.add_(g, alpha=-lr)
+            updates.append(g)
             steps[i] += 1
+        # (one call for all, as torch's foreach SGD makes it: parameters of a model wrapped after
+        # this optimizer was built are written together, their copies taken before any write)
+        torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def state_rows(kind: str) -> tuple[str, ...]:

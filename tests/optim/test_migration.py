@@ -101,3 +101,24 @@ def test_settings_that_change_the_states_are_refused_and_decoupled_decay_followe
     assert_same_weights(model, ref)
     opt.close()
     offload.unwrap(model)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_optimizer_built_before_wrap(tmp_path, kind, lm_batches, tiny_gpt2, train, offload_config,
+                                        assert_same_weights, no_leaks):
+    """The optimizer built over the plain model, then the model wrapped: SGD's first step
+    was refused ('a copy ... taken before the parameter changed'), its updates written one
+    parameter at a time into copies the previous write had made stale. Now every kind runs
+    torch's trajectory."""
+    torch_cls, offload_cls, settings = KINDS[kind]
+    ref, model = tiny_gpt2(), tiny_gpt2()
+    batches = lm_batches(211, steps=3, micro=1)
+    train(ref, torch_opt(torch_cls, ref, settings), batches)
+    opt = offload_cls(groups(model, settings))
+    offload.wrap(model, offload_config(tmp_path, param_tier="host", optimizer_tier="host", resident_bytes=0))
+    try:
+        train(model, opt, batches)
+    finally:
+        opt.close()
+        offload.unwrap(model)
+    assert_same_weights(model, ref, rtol=0, atol=0)
