@@ -83,11 +83,14 @@ class GradientSink:
         self._streams: dict[torch.device, Any] = {}
         self._copies: dict[int, GradientCopies] = {}  # per store: buffers for device gradients' copies
         self._backward: _OpenBackward | None = None
+        self._hook_ids: dict[int, int] = {}  # id(param) -> our post-accumulate hook's handle id
 
     def hook(self, entry: ParamEntry) -> None:
         """Take ``entry``'s gradients from now on."""
         if not entry.hooked:
-            self._hooks.append(entry.param.register_post_accumulate_grad_hook(self._on_grad))
+            handle = entry.param.register_post_accumulate_grad_hook(self._on_grad)
+            self._hooks.append(handle)
+            self._hook_ids[id(entry.param)] = handle.id
             entry.hooked = True
 
     @property
@@ -106,6 +109,8 @@ class GradientSink:
         if grad is None:
             return
         check_dense(p, grad)  # (before anything is taken: p.grad stays as backward left it)
+        entry = self.book.entries[id(p)]
+        self._refuse_earlier_hooks(p, entry)
         HEAP_PEAK.sample()  # autograd's gradients are among torch's largest tensors: look while this one lives
         p.grad = None
         self.before()
@@ -119,7 +124,6 @@ class GradientSink:
             if self.phase.value is OptimizerPhase.IDLE:
                 self.phase.enter(OptimizerPhase.ACCUMULATING)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        entry = self.book.entries[id(p)]
         acc = accelerator_for(grad.device)
         if entry.owner.manager.partition is not None:
             self.reducer.add(entry, grad)
@@ -131,6 +135,20 @@ class GradientSink:
             self.listener.device_gradient()
         elif self.ahead is not None and self.listener is None:
             self.ahead.advance()
+
+    def _refuse_earlier_hooks(self, p: torch.Tensor, entry: ParamEntry) -> None:
+        """A post-accumulate-grad hook registered before ours ran on this backward's
+        gradient alone: with a sum held from an earlier backward of the step, torch's would
+        have seen that sum. Refused there, before anything is added (p.grad is as it was)."""
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        if not hooks or next(iter(hooks)) == self._hook_ids.get(id(p)):
+            return
+        if any(seg.has_grad and not seg.zeroed for seg in entry.segments):
+            raise RuntimeError(
+                f"a post-accumulate-grad hook on a parameter of shape {tuple(p.shape)} was registered before the "
+                "offload optimizer took its gradients: with gradient accumulation it ran on this backward's "
+                "gradient alone, where torch's p.grad holds the sum of the step's backwards. Register the hook "
+                "after building the optimizer (it then sees the sum), or step after every backward")
 
     def drain(self, p: torch.Tensor, grad: torch.Tensor, base: int = 0) -> None:
         """Add ``p``'s gradient into its shards' accumulators: element ``i`` of ``p`` is

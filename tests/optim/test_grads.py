@@ -429,3 +429,27 @@ def test_loss_scaled_fp16_norms_stay_finite(no_leaks):
     want = torch.linalg.vector_norm(torch.stack(norms)) / opt.loss_scale
     torch.testing.assert_close(opt.clip_grad_norm_(1.0), want)
     opt.close()
+
+
+def test_a_post_accumulate_hook_registered_before_the_optimizer_is_refused_when_sums_accumulate(
+        tmp_path, tiny_gpt2, offload_config, lm_batches, no_leaks):
+    """A hook registered before the optimizer runs ahead of the optimizer's own, on the
+    backward's gradient alone; with accumulation torch's p.grad there is the step's sum
+    (a trial's hook saw values up to 0.055 apart). Refused at the backward that would
+    differ, before its gradient is added; a single backward per step is as torch's."""
+    model = offload.wrap(tiny_gpt2(), offload_config(tmp_path))
+    seen = []
+    dict(model.named_parameters())["transformer.h.1.mlp.c_proj.weight"].register_post_accumulate_grad_hook(
+        lambda p: seen.append(float(p.grad.norm())))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    try:
+        (first, second), = lm_batches(211, steps=1, micro=2)
+        backward(model, first)
+        opt.step()
+        opt.zero_grad()
+        backward(model, first)
+        with pytest.raises(RuntimeError, match="registered before the offload optimizer.*sum of the step's"):
+            backward(model, second)
+        assert len(seen) == 3  # (the hook ran; nothing of the refused backward was added)
+    finally:
+        close(model, opt)
