@@ -241,6 +241,10 @@ class SwapFiles:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if holder == f"process {os.getpid()} on {socket.gethostname()}":  # (this one)
+                    raise DirectoryLockedError(
+                        f"nvme_path {self.path!r} is in use by another wrapped model or store of this process: "
+                        "give each its own nvme_path (a subdirectory per model), or unwrap the other first") from None
                 raise DirectoryLockedError(
                     f"nvme_path {self.path!r} is in use by {holder}: give each process (and each "
                     "store) its own nvme_path, e.g. a subdirectory per rank") from None
