@@ -6,8 +6,7 @@ transfer was never issued, a free list half updated) would leave it inconsistent
 a later ``close()`` fails or waits for ever. While the main thread is inside such a
 section, :data:`DEFER` swaps the SIGINT handler for one that only records the signal, and
 puts the original back (calling it, i.e. raising KeyboardInterrupt, if a signal came) when
-the outermost section ends (one that ends with an error raises it as the next section
-starts). Blocking waits inside a section run under :data:`ALLOW`,
+the outermost section ends. Blocking waits inside a section run under :data:`ALLOW`,
 which reinstates the original handler for their duration: Ctrl-C still interrupts a wait
 on a hung disk, at a point where the bookkeeping is consistent.
 
@@ -54,8 +53,6 @@ class _Defer:
         st = _state
         if st.depth == 0:
             handler = signal.getsignal(signal.SIGINT)
-            if st.pending is not None:  # held back by a section that ended with an error: raised now
-                _deliver(handler)
             if callable(handler):  # SIG_DFL / SIG_IGN: nothing to defer
                 st.original = handler
                 signal.signal(signal.SIGINT, _record)
@@ -73,10 +70,8 @@ class _Defer:
             signal.signal(signal.SIGINT, original)
             if exc[0] is None:
                 _deliver(original)
-            elif issubclass(exc[0], KeyboardInterrupt):
-                st.pending = None  # already leaving with one
-            # (else leaving with an error a caller may handle: the Ctrl-C is raised at the
-            # next section's start, where nothing is half done, rather than lost)
+            else:
+                st.pending = None  # already leaving with an exception
 
 
 class _Allow:

@@ -142,9 +142,7 @@ class StateDicts:
     def _loading(self, what: str):
         """A load replaces every state: an update during backward pending is dropped; a load
         that raises half way poisons the optimizer, one that completes clears a poisoning."""
-        poisoned = self._phase.poisoned
         self._drop_early()  # (its host copies dropped: the load replaces what it updated)
-        dropped = self._phase.poisoned and not poisoned
         self._phase.enter(OptimizerPhase.LOADING)
         try:
             yield
@@ -152,8 +150,6 @@ class StateDicts:
             self._phase.poison(f"{what} stopped half way")
             raise
         self._phase.enter(OptimizerPhase.IDLE)
-        if dropped:  # (the weights it marked are those the dropped copies had not changed)
-            self._mark_models(None)
 
     def checkpoint_view(self) -> CheckpointView:
         """What ``offload.save_checkpoint`` / ``load_checkpoint`` read and write."""
