@@ -14,6 +14,7 @@ and here.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator
 
 import torch
@@ -48,8 +49,16 @@ def refuse_to_start(*, loss_scaling: bool, clipped: bool, shards: list[Shard]) -
 
 
 def _settings(groups: list[dict]) -> list[dict[str, Any]]:
-    return [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-            for g in groups]
+    return [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    try:  # (a list of betas changed in place is a change)
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - a setting that cannot be copied is compared as the object it is
+        return value
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -66,9 +75,10 @@ class EarlyUpdate:
     def __init__(self, shards: list[Shard], pipeline: Pipeline, writeback: WriteBack, phase: Phase,
                  groups: list[dict]):
         self.pipeline, self.writeback, self.phase = pipeline, writeback, phase
-        # the groups' settings as the block began: the backward updates shards with them,
-        # so the step() that finishes it takes them too (a change in between is refused)
-        self.groups, self.settings = groups, _settings(groups)
+        # the groups' settings as the first shard was updated in the backward: the step()
+        # that finishes it takes them too (a change in between is refused)
+        self.groups: list[dict] = groups
+        self.settings: list[dict[str, Any]] | None = None
         self.changed: list[str] = []
         self.queue: list[Shard] = []  # final, not updated yet (reads issued ahead)
         self.done: set[int] = set()  # ids of the shards updated during this backward
@@ -107,12 +117,17 @@ class EarlyUpdate:
 
     def give_way(self) -> None:
         """The backward needs host room: update the queued shards now (their gradients are
-        final), so that their rows and groups go home and free it as the writes land."""
-        if self.queue:
-            self.advance(block=True)
+        final), so that their rows and groups go home and free it as the writes land. Groups
+        the pass still uses stay owed (written when released). Not on a drain worker (CUDA):
+        the queue is the backward's thread's, as in ``shard_final``."""
+        if self.queue and not on_drain_thread():
+            self.advance(block=True, release_all=False)
 
     # -- the work ---------------------------------------------------------------------------
-    def advance(self, *, block: bool) -> None:
+    def advance(self, *, block: bool, release_all: bool | None = None) -> None:
+        """Update the queued shards whose reads have landed (all of them when ``block``),
+        then write the groups the pass released (all, when ``release_all``: the default
+        is ``block``, as at ``step()``, where no pass holds any)."""
         queue = self.queue
         while queue:
             for shard in queue[: 1 + READ_AHEAD]:
@@ -129,6 +144,8 @@ class EarlyUpdate:
             if not block and (id(head) not in self.issued or not self._in_memory(head)):
                 break
             queue.pop(0)
+            if self.settings is None:  # (the settings this step's updates take: see finish)
+                self.settings = _settings(self.groups)
             try:
                 self.pipeline.process(head, 1.0, self.pending, busy=self.busy, where="backward")
             except BaseException:
@@ -137,7 +154,7 @@ class EarlyUpdate:
                 raise
             self.done.add(id(head))
         busy, self.busy = self.busy, []
-        self.busy = self.writeback.finish_released(busy, force=block)
+        self.busy = self.writeback.finish_released(busy, force=block if release_all is None else release_all)
 
     def _backward_room(self, store: Any) -> int:
         """Host pool bytes of ``store`` the rest of the backward takes for its gradients: the
@@ -161,8 +178,9 @@ class EarlyUpdate:
     def finish(self, rest_of: Callable[[set[int]], list[Shard]]) -> list[Shard]:
         """``step()``: update the shards still queued, then ``rest_of(done ids)`` (shards with
         gradients that did not become final in the pass), then write every parameter group.
-        Returns the shards updated in this step. Settings changed since the block began are
-        noted (``changed``) and this step takes the earlier ones, as the backward's shards did."""
+        Returns the shards updated in this step. Settings changed since the backward updated
+        its first shard are noted (``changed``) and this step takes the earlier ones, as the
+        backward's shards did (none updated: the current ones, as torch's step())."""
         try:
             with self._earlier_settings():
                 self.advance(block=True)
@@ -176,26 +194,28 @@ class EarlyUpdate:
 
     @contextlib.contextmanager
     def _earlier_settings(self) -> Iterator[None]:
-        now = [{k: g[k] for k in saved if k in g} for g, saved in zip(self.groups, self.settings)]
+        settings = self.settings or []
         self.changed = [f"group {i}'s {k} changed from {saved[k]!r} to {g.get(k)!r}" for i, (g, saved)
-                        in enumerate(zip(self.groups, self.settings)) for k in saved if not _same(saved[k], g.get(k))]
+                        in enumerate(zip(self.groups, settings)) for k in saved if not _same(saved[k], g.get(k))]
         if not self.changed:
             yield
             return
-        for g, saved in zip(self.groups, self.settings):
+        now = [dict(g) for g in self.groups]
+        for g, saved in zip(self.groups, settings):
             g.update(saved)
         try:
             yield
         finally:
-            for g, values in zip(self.groups, now):
+            for g, values in zip(self.groups, now):  # (the same dicts: a scheduler holds them)
+                g.clear()
                 g.update(values)
 
     def refuse_changed_settings(self) -> None:
         """After the step's bookkeeping: say that it took the earlier settings, and why."""
         if self.changed:
             raise SettingsChangedError(
-                f"{'; '.join(self.changed[:3])} after update_during_backward() began: its backward updates "
-                "shards as their gradients are final, with the settings of that moment, so this step took the "
+                f"{'; '.join(self.changed[:3])} after the backward in update_during_backward() began updating "
+                "shards, as their gradients were final, with the settings of that moment; so this step took the "
                 "earlier ones throughout (torch's step() would take the new ones). Set the learning rate and the "
                 "other settings before the backward (a scheduler's step() right after optimizer.step()), or "
                 "drop update_during_backward() (the default update, in the next forward, takes the settings "

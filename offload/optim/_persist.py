@@ -10,6 +10,7 @@ update owed to the next forward lands before anything is read or replaced).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -23,6 +24,11 @@ from ._statemap import StateMap
 __all__ = ["StateDicts"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Load:
+    weights: bool  # whether the load has begun to write the models' weights
 
 
 class StateDicts:
@@ -60,7 +66,7 @@ class StateDicts:
                     raise ValueError(f"reset_state: parameter {i} of those given (shape {tuple(p.shape)}) is not one "
                                      f"of this {type(self).__name__}'s")
             wanted = {id(p) for p in params}
-        with self._loading("reset_state()"):
+        with self._loading("reset_state()", weights=False):
             self._ensure_layout()
             reset_rows(self._book.shards, self._states, wanted)
 
@@ -105,7 +111,7 @@ class StateDicts:
             if saved != mine:
                 log.info("%s.load_state_dict: the state dict's %s were kept as %s, this optimizer keeps them as %s: "
                          "converted", type(self).__name__, what, saved, mine)
-        with self._loading("load_state_dict()"):
+        with self._loading("load_state_dict()", weights=False) as load:
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             loaded = {id(by_index[int(k)]): v for k, v in state_dict["state"].items()}
@@ -114,6 +120,7 @@ class StateDicts:
             self._load_loss_scale(state_dict.get("loss_scaler"))
             taken = [(p, loaded[id(p)]["master_param"]) for p in masters_to_take(self._book.shards)
                      if "master_param" in loaded.get(id(p), {})]
+            load.weights = bool(taken)  # (from here a stop leaves weights partly replaced)
             with torch.no_grad():
                 for p, master in taken:
                     p.copy_(master.reshape(p.shape))
@@ -139,15 +146,18 @@ class StateDicts:
             self._grads.loss_scale_changed(old, self._scaler.scale)
 
     @contextlib.contextmanager
-    def _loading(self, what: str):
+    def _loading(self, what: str, *, weights: bool = True):
         """A load replaces every state: an update during backward pending is dropped; a load
-        that raises half way poisons the optimizer, one that completes clears a poisoning."""
+        that raises half way poisons the optimizer, one that completes clears a poisoning.
+        ``weights``: whether it writes the models' weights (settable on the yielded record
+        once it begins to): only then does a stop mark them mixed."""
         self._drop_early()  # (its host copies dropped: the load replaces what it updated)
         self._phase.enter(OptimizerPhase.LOADING)
+        load = _Load(weights)
         try:
-            yield
+            yield load
         except BaseException:
-            self._phase.poison(f"{what} stopped half way")
+            self._phase.poison(f"{what} stopped half way", weights=load.weights)
             raise
         self._phase.enter(OptimizerPhase.IDLE)
 

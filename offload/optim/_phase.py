@@ -66,12 +66,13 @@ class Phase:
             if was is OptimizerPhase.POISONED and self.on_poison is not None:
                 self.on_poison(None)
 
-    def poison(self, reason: str) -> None:
-        """A step or load stopped half way through ``reason``; the first reason is kept."""
+    def poison(self, reason: str, *, weights: bool = True) -> None:
+        """A step or load stopped half way through ``reason``; the first reason is kept.
+        ``weights``: whether it may have changed the models' weights (``on_poison`` is told)."""
         if self.value is not OptimizerPhase.POISONED:
             self.reason = reason
         self.value = OptimizerPhase.POISONED
-        if self.on_poison is not None:
+        if self.on_poison is not None and weights:
             self.on_poison(self.reason)
 
     @property

@@ -303,3 +303,33 @@ def test_ctrl_c_as_a_checkpoint_borrows_a_view_leaves_nothing_lent(tmp_path, mon
         assert_weights(model, weights)
     finally:
         close_all(model, opt)
+
+
+def test_a_stopped_load_of_the_optimizers_states_alone_leaves_the_weights_readable(tmp_path, monkeypatch,
+                                                                                    save_after, step, batches,
+                                                                                    reference, assert_weights,
+                                                                                    close_all, no_leaks):
+    """reset_state() and a load_state_dict() that takes no master weights write no weight:
+    stopped half way, the optimizer refuses to step until a load, but the model's weights
+    stay readable (they were marked, and since only a load of the weights mends a mark,
+    a successful retry left every read refused)."""
+    from offload.optim import _persist
+
+    model, opt, path = save_after(tmp_path)
+    state = opt.state_dict()
+    real = _persist.scatter_state
+    monkeypatch.setattr(_persist, "scatter_state", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.load_state_dict(state)
+        model.state_dict()  # (readable)
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\) stopped half way"):
+            step(model, opt, batches(3)[2])
+        monkeypatch.setattr(_persist, "scatter_state", real)
+        opt.load_state_dict(state)
+        opt.zero_grad()
+        losses, weights = reference(4)
+        torch.testing.assert_close([step(model, opt, x) for x in batches(4)[2:]], losses[2:])
+        assert_weights(model, weights)
+    finally:
+        close_all(model, opt)

@@ -100,22 +100,16 @@ def test_settings_changed_after_update_during_backward_began_are_refused(tmp_pat
                                                                           no_leaks):
     """A learning rate set between the backward and step() (a warmup placed there) was taken
     by the shards step() updated and not by those the backward had: host tier's steps ran
-    whole with the old rate, silently. Now every shard of that step takes the settings the
-    block began with, and step() then raises SettingsChangedError naming the change; the
-    run equals torch's with each rate set one step later."""
-    ref, model = branchy(), branchy()
+    whole with the old rate, silently. Now, where the backward updated a shard before the
+    change, every shard of that step takes the earlier settings and step() raises
+    SettingsChangedError naming the change; where it had updated none (states still being
+    read on NVMe), the step takes the new ones, as torch's. A rate set inside the block
+    before the backward is simply taken. The run equals torch's with the rates each step
+    took."""
     g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(4, 32, generator=g) for _ in range(4)]
-    rates = [1e-2, 2e-2, 2e-2, 5e-3]  # (step 2 sets the rate it has: nothing to refuse)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    ref_losses = []
-    for i, x in enumerate(xs):  # the rate set after the previous step's backward
-        ref_opt.param_groups[0]["lr"] = rates[i - 1] if i else 1e-2
-        loss = ref(x).pow(2).mean()
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    xs = [torch.randn(4, 32, generator=g) for _ in range(5)]
+    rates = [1e-2, 2e-2, 2e-2, 5e-3, 1e-3]  # (step 2 sets the rate it has: nothing to refuse)
+    model = branchy()
     offload.wrap(model, offload_config(tmp_path, optimizer_tier=tier))
     try:
         opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, shard_size=1500)
@@ -123,6 +117,8 @@ def test_settings_changed_after_update_during_backward_began_are_refused(tmp_pat
         for i, x in enumerate(xs):
             loss = model(x).pow(2).mean()
             with opt.update_during_backward():
+                if i == 4:  # (set before the backward, inside the block)
+                    opt.param_groups[0]["lr"] = rates[i]
                 loss.backward()
             opt.param_groups[0]["lr"] = rates[i]
             try:
@@ -132,17 +128,29 @@ def test_settings_changed_after_update_during_backward_began_are_refused(tmp_pat
                 refused.append(i)
             opt.zero_grad()
             losses.append(float(loss.detach()))
-        assert refused == [1, 3]
+        assert set(refused) <= {1, 3}
+        if tier == "host":  # (states in memory: every shard is updated inside the backward)
+            assert refused == [1, 3]
         assert opt.param_groups[0]["lr"] == rates[-1]  # (the user's setting stays, for the next step)
-        assert_losses(losses, ref_losses, rtol=0, atol=0)
         opt.close()
     finally:
         offload.unwrap(model)
+    ref = branchy()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_losses = []
+    for i, x in enumerate(xs):  # a refused step took the rate from before the change
+        ref_opt.param_groups[0]["lr"] = (rates[i - 1] if i else 1e-2) if i in refused else rates[i]
+        loss = ref(x).pow(2).mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss.detach()))
+    assert_losses(losses, ref_losses, rtol=0, atol=0)
     assert_same_weights(model, ref, rtol=0, atol=0)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("host_budget", [299008, 409600])
+@pytest.mark.parametrize("host_budget", [299008, 409600, 1048576])
 def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_path, host_budget, tiny_llama,
                                                                             offload_config, assert_losses, no_leaks):
     """At host budgets the plain step runs at, the backward's first gradient sums waited
@@ -150,7 +158,8 @@ def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_
     comes only in a later gradient hook: the process hung without using the CPU (found by a
     new user's trial). Now the queued shards are updated when the backward needs their
     room, and reads ahead leave the backward's gradients room: the run equals torch's, or
-    stops with a BudgetError that names host_budget."""
+    stops with a BudgetError that names host_budget (which of the two, at the two tight
+    budgets, depends on when reads land; at 1 MiB it runs)."""
     ref, model = tiny_llama(vocab_size=128), tiny_llama(vocab_size=128)
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(3)]
@@ -176,7 +185,7 @@ def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_
             losses.append(float(loss.detach()))
         assert_losses(losses, ref_losses, rtol=0, atol=0)
     except BudgetError as err:
-        assert "host_budget" in str(err), err
+        assert "host_budget" in str(err) and host_budget < 1 << 20, err
     finally:
         opt.close()
         offload.unwrap(model)
