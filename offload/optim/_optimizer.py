@@ -281,8 +281,9 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
           several times in one graph, and of activation checkpointing; a reentrant backward
           that reports a parameter twice raises, and the optimizer then refuses to step
           until a checkpoint or state dict is loaded);
-        * the groups' settings (learning rate ...) are those of the block's start: a change
-          before ``step()`` raises ``SettingsChangedError`` there, the step taken with them.
+        * the groups' settings (learning rate ...) are those the backward updated its first
+          shard with: a change before ``step()`` raises ``SettingsChangedError`` there, the
+          step taken with them.
         """
         self._settle()
         refuse_to_start(loss_scaling=self._scaler.enabled, clipped=self._clipped, shards=self._book.shards)
