@@ -390,6 +390,9 @@ class BlobReader:
         finally:
             for h in handles:  # (a failed verification need not have waited for every read)
                 _settle(h.wait)
+            if not verified.done():  # (interrupted while waiting: the checksum may still read it)
+                verified.cancel()
+                _settle(verified.exception)
             with DEFER:  # (forgotten and given back together: never twice, never lost)
                 held.popleft()
                 _release(self.pool, buf)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ._hf_keys import hf_keys
 
-__all__ = ["CheckpointReader", "init_empty_weights", "take_generation_config"]
+__all__ = ["CheckpointReader", "beside_its_config", "init_empty_weights", "take_generation_config"]
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +226,27 @@ class CheckpointReader:
                     "checkpoint from the tied model")
 
 
-def take_generation_config(model: nn.Module, path: str) -> None:
+def beside_its_config(model: nn.Module, file: str) -> str | None:
+    """The directory of a single-file checkpoint when it also holds the model's config
+    (a ``config.json`` of the same ``model_type``): its generation settings are the model's.
+    A folder of unrelated files gives none (None)."""
+    folder = os.path.dirname(os.path.abspath(file))
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    mine = getattr(getattr(model, "config", None), "model_type", None)
+    return folder if saved is not None and saved == mine else None
+
+
+def take_generation_config(model: nn.Module, path: str | None) -> None:
     """A save_pretrained directory's ``generation_config.json`` becomes the model's
     generation defaults, as ``from_pretrained`` makes it (a model built from its config has
     the config's defaults instead, and ``generate`` would sample, stop and penalise
     differently); a model whose defaults were already changed keeps them."""
+    if path is None:
+        return
     file = os.path.join(path, "generation_config.json")
     current = getattr(model, "generation_config", None)
     if current is None or not os.path.isfile(file) or not callable(getattr(model, "can_generate", None)) \

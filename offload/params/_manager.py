@@ -24,7 +24,7 @@ from ._gathering import GatheredSlices
 from ._groups import ParamGroup, point, slice_groups
 from ._hooks import ModuleHooks
 from ._inplace import InPlaceLayout, adopt_groups
-from ._loading import CheckpointReader, take_generation_config
+from ._loading import CheckpointReader, beside_its_config, take_generation_config
 from ._mapped import MappedViews
 from ._replaced import replaced_slots
 from ._materializer import Materializer
@@ -217,9 +217,9 @@ def wrap(model: nn.Module, config: OffloadConfig, *, checkpoint: str | os.PathLi
                          "use device='cpu'")
     check_output_paths(config)
     reader = CheckpointReader(checkpoint, model) if checkpoint is not None else None
-    if reader is not None:  # (a single file's directory too: where it was saved beside its configs)
-        where = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(os.path.abspath(checkpoint))
-        take_generation_config(model, where)
+    if reader is not None:  # (a single file's directory too, where it was saved beside its configs)
+        take_generation_config(model, checkpoint if os.path.isdir(checkpoint) else
+                               beside_its_config(model, checkpoint))
     if reader is None:
         meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if meta:

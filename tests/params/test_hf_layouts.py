@@ -216,7 +216,12 @@ def test_generation_settings_come_with_the_checkpoint(tmp_path, no_leaks):
     safetensors.save_model(saved, str(tmp_path / "named" / "weights.safetensors"))
     saved.generation_config.save_pretrained(tmp_path / "named")
     model = _wrap(lambda: transformers.LlamaForCausalLM(config), tmp_path / "named" / "weights.safetensors",
-                  tmp_path / "swap3")
+                  tmp_path / "swap3")  # (no config.json beside it: a folder of other files, not taken)
+    assert model.generation_config.repetition_penalty != 2.0
+    offload.unwrap(model)
+    saved.config.save_pretrained(tmp_path / "named")
+    model = _wrap(lambda: transformers.LlamaForCausalLM(config), tmp_path / "named" / "weights.safetensors",
+                  tmp_path / "swap4")
     assert model.generation_config.repetition_penalty == 2.0 and model.generation_config.max_new_tokens == 5
     offload.unwrap(model)
 
