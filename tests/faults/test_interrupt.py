@@ -171,6 +171,23 @@ def test_ctrl_c_inside_bookkeeping_is_held_back_until_it_is_consistent():
         pass
 
 
+def stop_an_update(model, opt, path, step, batches, **settings):
+    """A new AdamW over the model (``settings`` added), the checkpoint at ``path`` loaded,
+    then the third batch's update stopped between shards. Returns the optimizer, the
+    (weights, optimizer state dict) loaded, and the batches."""
+    opt = offload.AdamW(model.parameters(), lr=opt.defaults["lr"], weight_decay=opt.defaults["weight_decay"],
+                        shard_size=16384, **settings)  # (takes over from the first one)
+    offload.load_checkpoint(path, model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+    ids = batches(4)
+    handle = interrupt_update(model, opt)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, opt, ids[2])
+        opt.synchronize()
+    handle.remove()
+    return opt, saved, ids
+
+
 @pytest.mark.parametrize("later", [True, False])
 def test_weights_a_stopped_update_left_mixed_are_refused_until_a_load(tmp_path, later, save_after, step, batches,
                                                                       reference, assert_weights, close_all,
@@ -182,16 +199,7 @@ def test_weights_a_stopped_update_left_mixed_are_refused_until_a_load(tmp_path, 
     is refused, naming the way out; a load mends them (a checkpoint, or the model's and
     the optimizer's state dicts), and the run then goes on as the reference."""
     model, opt, path = save_after(tmp_path)
-    opt = offload.AdamW(model.parameters(), lr=opt.defaults["lr"], weight_decay=opt.defaults["weight_decay"],
-                        shard_size=16384, update_in_next_forward=later)  # (takes over from the first one)
-    offload.load_checkpoint(path, model, opt)
-    saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
-    ids = batches(4)
-    handle = interrupt_update(model, opt)
-    with pytest.raises(KeyboardInterrupt):
-        step(model, opt, ids[2])
-        opt.synchronize()
-    handle.remove()
+    opt, saved, ids = stop_an_update(model, opt, path, step, batches, update_in_next_forward=later)
     try:
         for read in (lambda: model(input_ids=ids[0]), model.state_dict, lambda: offload.state_dict(model),
                      lambda: offload.export(model, str(tmp_path / "export")), lambda: offload.unwrap(model)):
@@ -218,16 +226,7 @@ def test_only_a_load_of_the_weights_mends_them(tmp_path, save_after, step, batch
     refused until a load writes every parameter the stopped step updates (strict=False with
     one missing is not enough; a load_checkpoint of the model alone is)."""
     model, opt, path = save_after(tmp_path)
-    opt = offload.AdamW(model.parameters(), lr=opt.defaults["lr"], weight_decay=opt.defaults["weight_decay"],
-                        shard_size=16384)
-    offload.load_checkpoint(path, model, opt)
-    weights, state = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
-    ids = batches(4)
-    handle = interrupt_update(model, opt)
-    with pytest.raises(KeyboardInterrupt):
-        step(model, opt, ids[2])
-        opt.synchronize()
-    handle.remove()
+    opt, (weights, state), ids = stop_an_update(model, opt, path, step, batches)
     mixed = r"weights may be a mix: the optimizer's previous step\(\) stopped"
     try:
         opt.load_state_dict(state)

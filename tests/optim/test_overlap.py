@@ -151,7 +151,7 @@ def test_settings_changed_after_update_during_backward_began_are_refused(tmp_pat
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("host_budget", [299008, 409600, 1048576])
-def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_path, host_budget, tiny_llama,
+def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_path, host_budget, tiny_llama, train,
                                                                             offload_config, assert_losses, no_leaks):
     """At host budgets the plain step runs at, the backward's first gradient sums waited
     for host room that the update during backward held for its queued shards, whose turn
@@ -163,14 +163,7 @@ def test_update_during_backward_at_a_tight_host_budget_never_waits_for_ever(tmp_
     ref, model = tiny_llama(vocab_size=128), tiny_llama(vocab_size=128)
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(3)]
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
-    ref_losses = []
-    for ids in batches:
-        loss = ref(input_ids=ids, labels=ids).loss
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(float(loss.detach()))
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True), [[ids] for ids in batches])
     offload.wrap(model, offload_config(tmp_path, device_budget="100KiB", host_budget=host_budget, resident_bytes=0,
                                        cache_bytes=0))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
