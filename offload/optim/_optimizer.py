@@ -17,7 +17,6 @@ doing, ``_phase``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any, Callable, Iterable
@@ -30,7 +29,7 @@ from ..config import OffloadConfig
 from ..params import release_gradients
 from ._ahead import BackwardReads
 from ._deferred import Deferral
-from ._early import EarlyUpdate, refuse_to_start
+from ._during import BackwardUpdates
 from ._formats import StateFormat
 from ._moved import counters, per_parameter
 from ._gradcalls import GradientCalls
@@ -51,7 +50,7 @@ __all__ = ["OffloadOptimizer"]
 log = logging.getLogger(__name__)
 
 
-class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
+class OffloadOptimizer(StateDicts, GradientCalls, BackwardUpdates, Optimizer):
     """Base of :class:`AdamW`, :class:`Adam` and :class:`SGD`; see the module docstring.
 
     Extra keyword arguments (beyond torch's):
@@ -254,71 +253,6 @@ class OffloadOptimizer(StateDicts, GradientCalls, Optimizer):
         for manager in self._book.logged_by():
             manager.optimizer_step_done(seconds, lr=self.param_groups[0]["lr"], skipped=skipped, moved=moved,
                                         read_in_backward=ahead)
-
-    @contextlib.contextmanager
-    def update_during_backward(self):
-        """Within this block, a ``backward()`` updates each shard of a wrapped model's
-        parameters as soon as their gradients are final, overlapping the optimizer's reads,
-        update and write-backs with the rest of the backward pass; ``step()`` afterwards
-        updates what is left (plain parameters, parameters that got no gradient in that
-        pass) and ends the step::
-
-            with opt.update_during_backward():
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-        The result equals ``backward(); step()`` exactly, under these rules (each checked):
-
-        * the backward inside the block is the last of its step: earlier micro-batches of a
-          gradient accumulation run outside it, and no other backward may come before
-          ``step()``;
-        * no gradient clipping (``clip_grad_norm_`` needs every gradient before the first
-          update; it raises after this block) and no fp16 loss scaling (an overflow would
-          have to skip the whole step): with either, the default update in the next forward
-          overlaps the same work exactly;
-        * each parameter receives its gradient once in that pass (true of a parameter used
-          several times in one graph, and of activation checkpointing; a reentrant backward
-          that reports a parameter twice raises, and the optimizer then refuses to step
-          until a checkpoint or state dict is loaded);
-        * the groups' settings (learning rate ...) are those the backward updated its first
-          shard with: a change before ``step()`` raises ``SettingsChangedError`` there, the
-          step taken with them.
-        """
-        self._settle()
-        refuse_to_start(loss_scaling=self._scaler.enabled, clipped=self._clipped, shards=self._book.shards)
-        self._sink.sync()
-        self._phase.refuse_if_poisoned()
-        if self._early is not None:
-            raise RuntimeError("update_during_backward() was already used in this step: call step() "
-                               "before the next one")
-        self._ensure_layout()
-        self._book.check_rows(type(self).__name__, self.param_groups)
-        early = EarlyUpdate(self._book.shards, self._pipeline, self._writeback, self._phase, self.param_groups)
-        self._phase.enter(OptimizerPhase.UPDATING_IN_BACKWARD)
-        self._sink.listener = early
-        try:
-            yield self
-        except BaseException:
-            # the backward failed or was interrupted: nothing of it may be applied later
-            self._drop_early()
-            raise
-
-    @property
-    def _early(self) -> EarlyUpdate | None:
-        """The update during backward under way, from its block to the step that ends it
-        (the gradient sink's listener meanwhile)."""
-        return self._sink.listener
-
-    def _drop_early(self) -> None:
-        """Abandon an update during backward (poisoned where a shard was updated)."""
-        early, self._sink.listener = self._early, None
-        try:
-            if early is not None:
-                early.abandon()
-        finally:
-            if self._phase.value is OptimizerPhase.UPDATING_IN_BACKWARD:
-                self._phase.enter(OptimizerPhase.IDLE)
 
     def synchronize(self) -> None:
         """Wait until the step's write-backs have reached their tier. ``step()`` returns
