@@ -184,6 +184,11 @@ class ModuleHooks:
         with torch._C.DisableTorchFunctionSubclass():
             if tensor.device.type == "meta":
                 return tensor
+            if tensor.layout is not torch.strided:
+                # (a sparse tensor has no one storage to look at; its values may view a group
+                # that is gone by the backward, as PEFT's SHiRA builds one from a parameter:
+                # kept as a copy of its own, in memory)
+                return kept(tensor.detach().clone())
             ptr = storage_address(tensor)
             if ptr is None:
                 raise RuntimeError(NO_STORAGE_SAVED)

@@ -201,3 +201,30 @@ def test_no_buffer_of_offloads_own_is_left_to_views(tmp_path, io_backend, no_lea
         assert pools and all(p.left_to_holders == 0 for p in pools)
     finally:
         offload.close(model)
+
+
+class _SparseDelta(nn.Module):
+    """A sparse update built from a parameter and added to a weight, as PEFT's SHiRA does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.after = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.vals = nn.Parameter(torch.randn(4))
+        self.register_buffer("idx", torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]))
+
+    def forward(self, x):
+        delta = torch.sparse_coo_tensor(self.idx, self.vals * 2, (16, 16), is_coalesced=True)
+        return self.after(nn.functional.linear(x, self.lin.weight + delta, self.lin.bias)).tanh()
+
+
+def test_a_sparse_tensor_saved_for_backward_gives_torchs_gradients(tmp_path, no_leaks):
+    """A sparse tensor saved for backward was refused with a message about forward-mode AD
+    (it has no one storage to look at), so SHiRA could not train on an offloaded base. It
+    is kept as its own copy: its values may view a group streamed out by the backward."""
+    model, ref = pair(_SparseDelta, tmp_path, resident_bytes=0)
+    x = torch.randn(3, 16)
+    for m in (model, ref):
+        m(x).sum().backward()
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
+    offload.unwrap(model)
