@@ -75,6 +75,12 @@ class StateDicts:
         parameter's shape, fp32) and, where the optimizer keeps one, ``master_param``; and
         ``moments``, how they were kept. Coded moments are decoded exactly, and coded again
         to the same bytes by an optimizer of the same format and layout (``_formats``)."""
+        if self._book.partition() is not None:  # (each rank's tensors would hold its slice, zeros elsewhere)
+            raise RuntimeError(
+                f"{type(self).__name__}.state_dict() with several ranks: each rank holds a slice of every state, "
+                "so the dict would hold zeros where the other ranks' slices are. Save with "
+                "offload.save_checkpoint(path, model, optimizer) on every rank (it loads into any number of "
+                "ranks, or one process); load_state_dict() of a whole dict works on ranks")
         self._settle()
         self._sink.sync()
         self._phase.refuse_if_poisoned()  # (half a step's states would be saved as a whole one)

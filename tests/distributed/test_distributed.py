@@ -79,6 +79,9 @@ def test_two_ranks_train_like_one_process_and_like_torch(runs):
     assert_same_run(runs["two"], runs["torch"])
     # offload.unwrap on every rank gives each the whole trained model
     assert all(r["unwrapped_equal"] for r in runs["two"]["ranks"] + runs["one"]["ranks"])
+    # the optimizer's state_dict() would hold a rank's slices and zeros (a trial saved it so)
+    assert all("several ranks" in r.get("state_dict_refused", "") and "save_checkpoint" in r["state_dict_refused"]
+               for r in runs["two"]["ranks"])
 
 
 def test_ranks_built_with_other_seeds_that_load_one_checkpoint_train_alike(runs):
