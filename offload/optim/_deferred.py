@@ -31,6 +31,7 @@ from .._signals import DEFER
 from ..store import Tier
 from ._layout import Shard
 from ._phase import OptimizerPhase, Phase
+from ._settings import copy_settings
 from ._pipeline import READ_AHEAD, Pipeline
 from ._writeback import WriteBack
 
@@ -250,9 +251,8 @@ class Deferral:
 
     def prepare(self, later: list[Shard], param_groups: list[dict], grad_scale: Callable[[], float]) -> NextForward:
         """The update of ``later``, planned (nothing updated, nothing registered yet)."""
-        settings = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items()}
-                    for g in param_groups]  # (a scheduler may change them in place next)
-        return NextForward(later, self.pipeline, self.writeback, self.phase, groups=settings, grad_scale=grad_scale,
+        return NextForward(later, self.pipeline, self.writeback, self.phase, groups=copy_settings(param_groups),
+                           grad_scale=grad_scale,
                            stats=self.stats, done=self._done)
 
     def owe(self, nf: NextForward) -> None:

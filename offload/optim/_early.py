@@ -14,16 +14,14 @@ and here.
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable, Iterator
-
-import torch
 
 from ..io import PAGE_SIZE, round_up
 from ..store import Residency, Tier
 from ._layout import ParamEntry, Shard
 from ._phase import Phase
 from ._pipeline import READ_AHEAD, Pipeline
+from ._settings import copy_settings, same_setting
 from ._sink import on_drain_thread
 from ._writeback import WriteBack
 
@@ -46,29 +44,6 @@ def refuse_to_start(*, loss_scaling: bool, clipped: bool, shards: list[Shard]) -
                          "factor must come from this step's gradients; clip without "
                          "update_during_backward() (backward(), clip_grad_norm_(), step(): its update "
                          "runs in the next forward)")
-
-
-def _settings(groups: list[dict]) -> list[dict[str, Any]]:
-    return [{k: _copy(v) for k, v in g.items() if k != "params"} for g in groups]
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    try:  # (a list of betas changed in place is a change)
-        return copy.deepcopy(value)
-    except Exception:  # noqa: BLE001 - a setting that cannot be copied is compared as the object it is
-        return value
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-            and a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError, RuntimeError):  # (an array's == is elementwise: no one answer)
-        return a is b
 
 
 class EarlyUpdate:
@@ -145,7 +120,7 @@ class EarlyUpdate:
                 break
             queue.pop(0)
             if self.settings is None:  # (the settings this step's updates take: see finish)
-                self.settings = _settings(self.groups)
+                self.settings = copy_settings(self.groups)
             try:
                 self.pipeline.process(head, 1.0, self.pending, busy=self.busy, where="backward")
             except BaseException:
@@ -196,7 +171,7 @@ class EarlyUpdate:
     def _earlier_settings(self) -> Iterator[None]:
         settings = self.settings or []
         self.changed = [f"group {i}'s {k} changed from {saved[k]!r} to {g.get(k)!r}" for i, (g, saved)
-                        in enumerate(zip(self.groups, settings)) for k in saved if not _same(saved[k], g.get(k))]
+                        in enumerate(zip(self.groups, settings)) for k in saved if k != "params" and not same_setting(saved[k], g.get(k))]
         if not self.changed:
             yield
             return

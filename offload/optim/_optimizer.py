@@ -111,7 +111,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, BackwardUpdates, Optimizer):
                       "backward_read_bytes": 0, **counters()}
         self._moved_before: dict = {}  # the stats at the last step's end (the step log's per-parameter bytes)
         self._phase = Phase()
-        self._phase.on_poison = self._on_poison
+        self._phase.on_poison = self._mark_models  # (a stopped step leaves its models' weights mixed)
         self._book = ShardBook(lambda gi: self._rows_for(self.param_groups[gi]), config=config,
                                shard_size=shard_size, grad_tier=grad_tier, fmt=StateFormat.parse(moments),
                                master_fmt=StateFormat.parse_master(master))
@@ -301,12 +301,6 @@ class OffloadOptimizer(StateDicts, GradientCalls, BackwardUpdates, Optimizer):
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def _on_poison(self, reason: str | None) -> None:
-        """A stopped step leaves its models' weights mixed (marked); a load of this
-        optimizer's own states (None) does not mend them: a load of the weights does, or close()."""
-        if reason is not None:
-            self._mark_models(reason)
 
     def _mark_models(self, reason: str | None) -> None:
         """Tell the wrapped models this optimizer updates that their weights are mixed

@@ -53,18 +53,17 @@ class Phase:
     def __init__(self) -> None:
         self.value = OptimizerPhase.IDLE
         self.reason: str | None = None
-        self.on_poison: Any = None  # called with the reason when poisoned, with None when it clears
+        # called with the reason when poisoned (a poison cleared by a load tells nobody: what
+        # it marked stays until a load of the weights or close(), see _optimizer)
+        self.on_poison: Any = None
 
     def enter(self, new: OptimizerPhase) -> None:
         if new is not self.value and new not in _ALLOWED[self.value]:
             raise RuntimeError(f"offload optimizer: cannot go from {self.value.value} to {new.value}"
                                + (f" ({self.reason})" if self.reason else ""))
-        was = self.value
         self.value = new
         if new is not OptimizerPhase.POISONED:
             self.reason = None
-            if was is OptimizerPhase.POISONED and self.on_poison is not None:
-                self.on_poison(None)
 
     def poison(self, reason: str, *, weights: bool = True) -> None:
         """A step or load stopped half way through ``reason``; the first reason is kept.
