@@ -62,7 +62,22 @@ class EarlyUpdate:
         # every wrapped shard counts toward its groups (those that get no gradient in the
         # pass are merged from the current bytes at step())
         self.pending = writeback.plan([s for s in shards if s.wrapped])
-        self.open = [s for s in shards if s.wrapped]  # not final yet in this backward
+        # what the rest of the backward takes of each store's pool for its gradient sums
+        # (``_backward_room``), counted once here and lessened as shards become final
+        self._sums: dict[int, tuple[int, int]] = {}  # id(shard) -> (id(store), host bytes it will take)
+        self._host_left: dict[int, int] = {}
+        self._largest: dict[int, int] = {}
+        for s in shards:
+            if not s.wrapped:
+                continue
+            key = id(s.store)
+            if s.grad_home is Tier.HOST:
+                host = s.store.tiers[Tier.HOST].slot_size(s.numel * 4) \
+                    if s.store.state(s.grad_key, Tier.HOST) is not Residency.RESIDENT else 0
+                self._sums[id(s)] = (key, host)
+                self._host_left[key] = self._host_left.get(key, 0) + host
+            else:  # (the largest accumulator, for the whole backward: a bound, not tracked down)
+                self._largest[key] = max(self._largest.get(key, 0), round_up(s.numel * 4, PAGE_SIZE))
 
     # -- the sink's listener --------------------------------------------------------------
     def gradient(self, entry: ParamEntry) -> None:
@@ -78,8 +93,9 @@ class EarlyUpdate:
                     + "Run that backward outside update_during_backward()")
 
     def shard_final(self, shard: Shard) -> None:
-        if shard in self.open:
-            self.open.remove(shard)
+        key, host = self._sums.pop(id(shard), (None, 0))
+        if key is not None:
+            self._host_left[key] -= host
         self.queue.append(shard)
         if not on_drain_thread():
             self.advance(block=False)
@@ -133,19 +149,10 @@ class EarlyUpdate:
 
     def _backward_room(self, store: Any) -> int:
         """Host pool bytes of ``store`` the rest of the backward takes for its gradients: the
-        sums not yet in host memory that rest there, and the largest accumulator of those
-        that rest on NVMe. A read ahead leaves it free: else the backward would wait for room
-        that only a later gradient hook, the one waiting, could free."""
-        host, largest = 0, 0
-        for shard in self.open:
-            if shard.store is not store:
-                continue
-            if shard.grad_home is Tier.HOST:
-                if store.state(shard.grad_key, Tier.HOST) is not Residency.RESIDENT:
-                    host += store.tiers[Tier.HOST].slot_size(shard.numel * 4)
-            else:
-                largest = max(largest, round_up(shard.numel * 4, PAGE_SIZE))
-        return host + largest
+        sums that rest there and were not in host memory as it began, and the largest
+        accumulator of those that rest on NVMe. A read ahead leaves it free: else the backward
+        would wait for room that only a later gradient hook, the one waiting, could free."""
+        return self._host_left.get(id(store), 0) + self._largest.get(id(store), 0)
 
     def _in_memory(self, shard: Shard) -> bool:
         return self.pipeline.in_memory(shard, self.pending)
