@@ -115,7 +115,13 @@ class DetachedCopy(torch.Tensor):
     def __deepcopy__(self, memo):
         self.check_fresh()
         with _plain():
-            return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+            plain = self.as_subclass(torch.Tensor)
+            # torch's deepcopy files its result under id(plain) in the memo; freed at return,
+            # that id goes to the next entry's plain view, which then got this entry's copy
+            # (a state dict's deepcopy gave one layer's weights under another's name). Kept
+            # alive as long as the memo, as copy.deepcopy keeps what it copies.
+            memo.setdefault(id(memo), []).append(plain)
+            return plain.__deepcopy__(memo)
 
 
 def _version(owner: Any) -> int:

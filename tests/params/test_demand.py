@@ -149,6 +149,10 @@ def test_state_dict_load_state_dict_and_save_pretrained(arch, tmp_path, no_leaks
             torch.testing.assert_close(sd[k], expected[k], msg=k)
         if arch == "gpt2":  # one tensor under both names, as torch gives
             assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
+        copied = copy.deepcopy(sd)  # each key its own values (one layer's were handed out under another's name)
+        for k in expected:
+            torch.testing.assert_close(copied[k], expected[k], msg=k)
+        assert len({id(v) for v in copied.values()}) == len({id(v) for v in sd.values()})
         buf = io.BytesIO()
         torch.save(sd, buf)
         buf.seek(0)
