@@ -371,7 +371,9 @@ def _set_data(owner: Owner, value: Any) -> None:
             f"cannot set .data of offloaded parameter {owner.name!r} (module {owner.module!r}) to {what}: "
             f"it keeps the shape {tuple(owner.slot.shape)}, dtype {owner.slot.dtype} and device it was wrapped "
             "with. To change them call offload.unwrap(model) first; to run in another dtype set "
-            "OffloadConfig(compute_dtype=...) at wrap")
+            "OffloadConfig(compute_dtype=...) at wrap. (A model.to()/.half()/.double() stops here: the buffers "
+            "and parameters it reached before this one are converted already; the same call with their "
+            "former dtype and device puts them back)")
     owner.access.check_writable(owner)
     with torch.no_grad():
         missing = [] if owner.access.materialized(owner.group) else [owner]
