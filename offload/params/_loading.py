@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ._hf_keys import hf_keys
+from ._ties import check_tied_names, check_ties_as_loaded
 
 __all__ = ["CheckpointReader", "beside_its_config", "init_empty_weights", "take_generation_config"]
 
@@ -76,6 +77,7 @@ class CheckpointReader:
                                      "model.safetensors or an index)")
                 self.entries[name] = entry
         self._rename_as_transformers(model)
+        check_ties_as_loaded(model, path, self.has, self._same)
         self._check_against(model)
 
     def has(self, name: str) -> bool:
@@ -178,7 +180,7 @@ class CheckpointReader:
                              "was saved from (a save_pretrained directory's config.json names it in "
                              "'architectures').")
         for names in aliases.values():
-            self._check_tied([n for n in names if n in self.entries])
+            check_tied_names(self.path, [n for n in names if n in self.entries], self._same)
 
     def _drop_ignored(self, model: nn.Module, saved: set[str]) -> None:
         """Forget the file's tensors, of those the model does not save (``saved``: its state
@@ -211,19 +213,9 @@ class CheckpointReader:
         return {k for k in self.entries if k not in saved and not k.startswith(prefix + ".")
                 and k not in self._stripped}
 
-    def _check_tied(self, names: list[str]) -> None:
-        """A parameter the model ties under several names, of which the file holds more than
-        one: they must be the same tensor, or which one the model reads would decide its
-        outputs (transformers unties them)."""
-        first = self.entries[names[0]] if names else None
-        for other in names[1:]:
-            entry = self.entries[other]
-            if (entry.dtype, entry.shape) != (first.dtype, first.shape) or not _same_bytes(first, entry):
-                raise ValueError(
-                    f"checkpoint {self.path!r} holds both {names[0]!r} and {other!r}, which this model ties into one "
-                    "parameter, with different values: from_pretrained unties them for such a file. Build the model "
-                    "untied (tie_word_embeddings=False in its config, so each reads its own tensor), or save the "
-                    "checkpoint from the tied model")
+    def _same(self, a: str, b: str) -> bool:
+        x, y = self.entries[a], self.entries[b]
+        return (x.dtype, x.shape) == (y.dtype, y.shape) and _same_bytes(x, y)
 
 
 def beside_its_config(model: nn.Module, file: str) -> str | None:

@@ -158,6 +158,45 @@ def test_tied_names_with_different_values_are_refused(tmp_path, no_leaks):
     offload.unwrap(model)
 
 
+@pytest.mark.parametrize("builder", ["accelerate", "assigned"])
+def test_a_model_built_untied_where_its_config_ties_is_refused(builder, tmp_path, no_leaks):
+    """A model whose config ties its output embedding, built with the two as separate
+    parameters (accelerate.init_empty_weights builds it so), given a file holding both names
+    with one value: from_pretrained ties them, so offload would train two parameters where
+    it trains one. Refused naming tie_weights(), after which it is from_pretrained's model."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    config = _tiny_llama_config(tie_word_embeddings=True)
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(config)
+    tensors = {k: v.clone() for k, v in saved.state_dict().items()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # (both names, one value)
+    config.save_pretrained(tmp_path / "both")
+    safetensors.save_file(tensors, str(tmp_path / "both" / "model.safetensors"))
+
+    def untied():
+        if builder == "accelerate":
+            with pytest.importorskip("accelerate").init_empty_weights():
+                return transformers.LlamaForCausalLM(config)
+        model = transformers.LlamaForCausalLM(config)
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight))
+        return model
+
+    assert untied().lm_head.weight is not untied().model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"ties 'lm_head.weight' to 'model.embed_tokens.weight'.*two parameters.*"
+                                         r"model.tie_weights\(\) before offload.wrap"):
+        _wrap(untied, tmp_path / "both", tmp_path / "swap")
+
+    def retied():
+        model = untied()
+        model.tie_weights()
+        return model
+
+    model = _wrap(retied, tmp_path / "both", tmp_path / "swap2")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    _same_logits(model, transformers.LlamaForCausalLM.from_pretrained(tmp_path / "both").eval(), 128)
+    offload.unwrap(model)
+
+
 def test_tensors_from_pretrained_passes_over(tmp_path, caplog, no_leaks):
     """Keys the class lists as ignorable (GPT-2's old causal masks) and buffers the model
     does not save (Llama's rotary inv_freq) are passed over, as from_pretrained does."""
