@@ -178,7 +178,9 @@ class CheckpointReader:
             raise ValueError(f"checkpoint {self.path!r} does not match the model: " + "; ".join(problems)
                              + ". Build the model from the config the checkpoint was saved with, as the class it "
                              "was saved from (a save_pretrained directory's config.json names it in "
-                             "'architectures').")
+                             "'architectures'). A new head on a pretrained base (a classifier the file lacks) "
+                             "needs initial values offload does not make: load it with from_pretrained, which "
+                             "initializes what the file lacks, and wrap it without checkpoint=.")
         for names in aliases.values():
             check_tied_names(self.path, [n for n in names if n in self.entries], self._same)
 
