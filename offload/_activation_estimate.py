@@ -14,29 +14,32 @@ Works for any model whose forward runs on meta tensors (most transformers models
 where it does not (data-dependent shapes, ``.item()``), the estimate is unavailable and the
 plan says so instead of guessing.
 
-Note: attention. On the meta device ``scaled_dot_product_attention`` runs its math path,
-which saves the attention matrix (batch x heads x sequence squared); the fused kernels torch
-picks on a real device keep only the inputs, the output and the log-sum-exp. So the call is
-answered here as the real device would run it: the fused kernel's saved tensors where torch
-would pick one (on the CPU as ``torch._fused_sdp_choice`` says: without dropout), the math
-path otherwise. On CUDA (which this machine may not have to ask) it is counted as fused;
-where the memory-efficient kernel runs with a mask, the mask it keeps is not counted.
+Note: a training step. Where something trains, the forward's loss (or its first output that
+requires grad) is taken back through the backward on meta too, each parameter's gradient
+dropped as it is made (offload takes it into its accumulators), and the most bytes of
+storages alive at once over the forward and the backward is the step's peak: the saved
+tensors, the gradients of the activations and, under gradient checkpointing, a segment's
+recomputed activations (which the forward alone never shows: its saved tensors are the
+segments' inputs only). A backward that does not run on meta leaves the estimate of the
+forward's saved tensors with the largest one's gradient beside them.
+
+Calls whose meta path differs from the real device's, or reads a value meta has not, are
+answered by ``_meta_kernels``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from ._meta_kernels import RealKernels, ValueReads
 
 __all__ = ["ActivationEstimate", "estimate_activations"]
 
@@ -49,6 +52,8 @@ class ActivationEstimate:
     largest_bytes: int  # the largest of them (backward holds its gradient beside it)
     error: str | None = None  # why there is no estimate
     forward_bytes: int | None = None  # nothing trains: the most bytes a forward without grad holds at once
+    step_bytes: int | None = None  # a training step's peak over its forward and backward (None: not run)
+    values_assumed: int = 0  # true-or-false reads of tensor values answered true (``_meta_kernels``)
 
     @property
     def inference(self) -> bool:
@@ -56,22 +61,25 @@ class ActivationEstimate:
 
     @property
     def peak_bytes(self) -> int:
-        """Saved tensors at the turn from forward to backward, with the gradient of the
-        largest one being computed beside them (and the output's); for inference, the
-        forward's own peak."""
+        """The most bytes torch's tensors take at once: the forward's own peak for
+        inference, the step's where its backward ran on meta (the module's note), else the
+        saved tensors at the turn from forward to backward with the gradient of the
+        largest one being computed beside them (and the output's)."""
         if self.forward_bytes is not None:
             return self.forward_bytes
+        if self.step_bytes is not None:
+            return self.step_bytes
         return self.saved_bytes + 2 * self.largest_bytes
 
 
 def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: torch.dtype | None = None,
                          device_type: str = "cpu") -> ActivationEstimate:
-    """Run ``model(**inputs)`` on the meta device as a training forward and count what
-    autograd saves; where nothing trains, as a forward without grad and count its peak
-    (the module's note). ``inputs``: the forward's keyword arguments (tensors of the batch's
-    shape, on any device, or anything else passed as is). ``dtype``: the compute dtype the
-    parameters run in (None: their own). ``device_type``: where the run computes ("cpu",
-    "cuda"), which decides the attention kernel (see the module's note)."""
+    """Run ``model(**inputs)`` on the meta device as a training step and count what autograd
+    saves and the step's peak; where nothing trains, as a forward without grad and count
+    its peak (the module's notes). ``inputs``: the forward's keyword arguments (tensors of
+    the batch's shape, on any device, or anything else passed as is). ``dtype``: the compute
+    dtype the parameters run in (None: their own). ``device_type``: where the run computes
+    ("cpu", "cuda"), which decides the attention kernel (``_meta_kernels``)."""
     if not isinstance(inputs, Mapping):
         raise TypeError(f"batch must be a mapping of the forward's keyword arguments (e.g. {{'input_ids': ids, "
                         f"'labels': ids}}), got {type(inputs).__name__}")
@@ -84,35 +92,28 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
         cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
         params[name] = torch.empty(p.shape, dtype=cast, device="meta", requires_grad=p.requires_grad)
     buffers = {name: meta(b) for name, b in model.named_buffers()}
-    storages: dict[int, int] = {}
     # parameters and their views (a tied head's transpose) are the tiers' bytes, counted
     # elsewhere; views of one storage count once
     weights = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values())
                if isinstance(t, torch.Tensor)}
-
-    alive: list[Any] = []  # every storage counted, kept until the count is done: one freed early
-    # (a branch the fused attention below cuts off the graph) would give its address, the key
-    # here, to a later one
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in weights and storage._cdata not in storages:
-            storages[storage._cdata] = storage.nbytes()
-            alive.append(storage)
-        return t
-
     kwargs = tree_map(meta, dict(inputs))
     trains = any(t.requires_grad for t in (*params.values(), *tree_flatten(dict(inputs))[0])
                  if isinstance(t, torch.Tensor))
     given = {t.untyped_storage()._cdata for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor)}
-    live = None if trains else _LiveBytes(weights | given)  # (nothing trains: the module's note)
+    live, saved, reads = _LiveBytes(weights | given), _Saved(weights), ValueReads()
+    step = _Step(model, saved, device_type) if trains else model
+    prefix = "model." if trains else ""
+    if trains:
+        for p in params.values():
+            if p.requires_grad:  # (offload takes each gradient as it is made: the module's note)
+                p.register_post_accumulate_grad_hook(_drop_grad)
     was_training = model.training
     model.train(trains)
     try:
-        with torch.set_grad_enabled(trains), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                _RealKernels(pack, device_type), live or contextlib.nullcontext():
-            torch.func.functional_call(model, {**params, **buffers}, args=(), kwargs=kwargs,
-                                       strict=False, tie_weights=True)
+        with torch.set_grad_enabled(trains), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+                RealKernels(device_type), live, reads:
+            torch.func.functional_call(step, {prefix + k: v for k, v in {**params, **buffers}.items()}, args=(),
+                                       kwargs=kwargs, strict=False, tie_weights=True)
     except RuntimeError as err:  # the forward reads values (.item(), data-dependent shapes): no estimate, said
         log.info("offload: no activation estimate: the forward does not run on the meta device (%s)", err)
         return ActivationEstimate(0, 0, f"{type(err).__name__}: {err}")
@@ -122,9 +123,96 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
                          "batch={'input_ids': ids, 'labels': ids}") from err
     finally:
         model.train(was_training)
-    if live is not None:
-        return ActivationEstimate(0, 0, forward_bytes=live.peak)
-    return ActivationEstimate(sum(storages.values()), max(storages.values(), default=0))
+    if not trains:
+        return ActivationEstimate(0, 0, forward_bytes=live.peak, values_assumed=reads.count)
+    ran = step.backward_error is None
+    if not ran:
+        log.info("offload: the activation estimate counts the forward only: its backward does not run on the meta "
+                 "device (%s)", step.backward_error)
+    return ActivationEstimate(saved.at_forward, saved.largest_at_forward, step_bytes=live.peak if ran else None,
+                              values_assumed=reads.count)
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+class _Saved:
+    """What autograd saves, each storage counted once (not ``weights``), as of the end of the
+    forward: a reentrant checkpoint's recompute in backward saves through the same hook."""
+
+    def __init__(self, weights: set[int]):
+        self.weights, self.seen = weights, set()
+        self.total = self.largest = self.at_forward = self.largest_at_forward = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.weights and key not in self.seen:
+            self.seen.add(key)
+            self.total += storage.nbytes()
+            self.largest = max(self.largest, storage.nbytes())
+            # (a storage freed hands its address, the key, to later ones: forgotten when freed)
+            weakref.finalize(storage, self.seen.discard, key)
+        return t
+
+    def forward_done(self) -> None:
+        self.at_forward, self.largest_at_forward = self.total, self.largest
+
+
+class _Step(nn.Module):
+    """``model(**kwargs)`` and then the backward of what it returns, in one call, so that the
+    meta parameters ``functional_call`` swaps in serve a checkpointed segment's recompute in
+    backward too. A backward that fails is kept in ``backward_error``.
+
+    The autograd engine runs the backward without torch function modes, so the recompute
+    would run attention on meta's math path (and checkpoint would refuse its tensors as
+    other than the forward's): while the backward runs, the outermost module called enters
+    ``RealKernels`` of its own for its call."""
+
+    def __init__(self, model: nn.Module, saved: _Saved, device_type: str):
+        super().__init__()
+        self.model, self.saved, self.device_type, self.backward_error = model, saved, device_type, None
+        self._kernels: tuple[nn.Module, RealKernels] | None = None
+
+    def forward(self, **kwargs: Any) -> None:
+        out = self.model(**kwargs)
+        self.saved.forward_done()
+        loss = _differentiable(out)
+        if loss is None:
+            self.backward_error = "no output requires grad"
+            return
+        handles = [h for m in self.model.modules() for h in (
+            m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._exit, always_call=True))]
+        try:
+            loss.backward(None if loss.dim() == 0 else torch.empty_like(loss))
+        except (RuntimeError, NotImplementedError) as err:
+            self.backward_error = f"{type(err).__name__}: {err}"
+        finally:
+            for h in handles:
+                h.remove()
+            if self._kernels is not None:
+                self._exit(self._kernels[0])
+
+    def _enter(self, module: nn.Module, *_: Any) -> None:
+        if self._kernels is None:
+            self._kernels = (module, RealKernels(self.device_type))
+            self._kernels[1].__enter__()
+
+    def _exit(self, module: nn.Module, *_: Any) -> None:
+        if self._kernels is not None and self._kernels[0] is module:
+            kernels, self._kernels = self._kernels[1], None
+            kernels.__exit__(None, None, None)
+
+
+def _differentiable(out: Any) -> torch.Tensor | None:
+    """The loss a training step takes back: ``out.loss`` where the model computes one
+    (transformers' outputs with labels), else its first output that requires grad."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    values = list(out.values()) if isinstance(out, Mapping) else out
+    return next((t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -151,60 +239,3 @@ class _LiveBytes(TorchDispatchMode):
     def _freed(self, key: int, nbytes: int) -> None:
         self.live.discard(key)
         self.now -= nbytes
-
-
-_GROUPED_MM = {f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None}
-
-
-class _RealKernels(TorchFunctionMode):
-    """Calls whose meta path differs from the real device's: ``scaled_dot_product_attention``
-    saves what the real device's kernel saves (the module's note), and the grouped matmul of
-    mixture-of-experts layers, whose meta kernel takes bf16 only, is answered for any dtype
-    (its inputs saved, as its backward needs them)."""
-
-    def __init__(self, pack: Any, device_type: str):
-        super().__init__()
-        self.pack, self.device_type = pack, device_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _GROUPED_MM:
-            return self._grouped_mm(func, *args, **kwargs)
-        if func is not F.scaled_dot_product_attention or not self._fused(*args, **kwargs):
-            return func(*args, **kwargs)
-        q, k, v = args[:3]
-        # (laid out as the fused kernels write it, batch x sequence x heads x dim and handed out
-        # transposed: the usual transpose-and-reshape after attention is then a view, not a copy)
-        if q.dim() == 4:
-            b, h, t = q.shape[:-1]
-            out = torch.empty((b, t, h, v.shape[-1]), dtype=q.dtype, device="meta").transpose(1, 2)
-        else:
-            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device="meta")
-        out.requires_grad_(any(x.requires_grad for x in (q, k, v)))
-        if out.requires_grad:
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")
-            for t in (q, k, v, out, lse):
-                self.pack(t)
-        return out
-
-    def _grouped_mm(self, func, a, b, *args, out_dtype=None, **kwargs):
-        with torch.no_grad():  # (the shape only, from bf16 stand-ins)
-            shape = func(a.detach().to(torch.bfloat16), b.detach().to(torch.bfloat16), *args, **kwargs).shape
-        out = torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
-        if a.requires_grad or b.requires_grad:
-            out.requires_grad_(True)
-            self.pack(a)
-            self.pack(b)
-        return out
-
-    def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-               enable_gqa=False) -> bool:
-        if self.device_type != "cpu":
-            return True
-        tiny = lambda t: torch.empty((1, t.shape[-3] if t.dim() > 2 else 1, 2, t.shape[-1]), dtype=t.dtype)  # noqa: E731
-        mask = None if attn_mask is None else torch.zeros((1, 1, 2, 2), dtype=attn_mask.dtype)
-        try:
-            return torch._fused_sdp_choice(tiny(query), tiny(key), tiny(value), mask, dropout_p, is_causal,
-                                           scale=scale, enable_gqa=enable_gqa) != 0  # 0: the math path
-        except (RuntimeError, TypeError):  # a torch without this choice: the math path, counted as such
-            return False

@@ -44,7 +44,7 @@ from torch import nn
 from ._activation_estimate import ActivationEstimate
 from ._memory import CUDA_KERNEL_HOST_BYTES, heap_overhead_factor, resolve_allocator, rss_bytes
 from ._os import nearest_existing_dir
-from ._plan_activations import ACTIVATION_ITEM, plan_activations
+from ._plan_activations import activation_warnings, ACTIVATION_ITEM, plan_activations
 from ._resolve import choose_io_backend
 from ._units import format_size
 from .config import OffloadConfig
@@ -193,7 +193,9 @@ class MemoryPlan:
             tail = f"; activations not counted: the forward does not run on the meta device ({act.error})"
         else:
             terms = ", ".join(f"{what} {format_size(n)}" for n, what in (
-                (self.activation_bytes, "the forward's peak (inference)" if act.inference else "activations"),
+                (self.activation_bytes, "the forward's peak (inference)" if act.inference
+                 else "activations" if act.step_bytes is None or self.activations_kept is not None
+                 else "activations and gradients at the step's peak"),
                 (self.grad_bytes, "largest gradient"),
                 (self.heap_overhead, f"malloc's kept memory (host_allocator '{self.allocator}')")) if n)
             if cuda:
@@ -229,17 +231,12 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
         p.problems.append(f"parameters: {refusal}")
     offloaded = plan_activations(config, activations)
     p.activations_kept = offloaded.kept_bytes
+    if activations is not None and activations.step_bytes is not None and p.activations_kept is None:
+        p.grad_bytes = 0  # (the step's peak, run through its backward on meta, holds each gradient as it is made)
     if activations is not None and activations.error is None and not cuda:  # (on CUDA they are on the device)
         p.heap_overhead = int(heap_overhead_factor(p.allocator) * p.activation_bytes)
-    if activations is not None and not cuda and config.dtype in (torch.bfloat16, torch.float16):
-        p.warnings.append("predicted_rss leaves out what torch's bf16/fp16 CPU kernels (oneDNN) cache beside the "
-                          "tensors: measured 3-8% of the peak on dense models, growing each step on mixture-of-"
-                          "experts ones as it does without offload (docs/memory.md); "
-                          "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 keeps less")
-    if activations is not None and activations.error is not None:
-        p.warnings.append("predicted_rss leaves out torch's tensors (activations, gradients): the forward does "
-                          f"not run on the meta device ({activations.error}); the first step's log line "
-                          "(mem_heap_peak_bytes) measures them")
+    if activations is not None:
+        p.warnings.extend(activation_warnings(activations, config))
     resident = sum(g.nbytes for g in groups if g.resident)
     streamed = [g.nbytes for g in groups if not g.resident]
     largest = max(streamed, default=0)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ._activation_estimate import ActivationEstimate
 from ._units import format_size
 from .config import OffloadConfig
 
-__all__ = ["ActivationPlan", "plan_activations", "ACTIVATION_ITEM"]
+__all__ = ["ActivationPlan", "plan_activations", "activation_warnings", "ACTIVATION_ITEM"]
 
 ACTIVATION_ITEM = "activations"  # the rows' item names start with this (their own budgets)
 
@@ -51,3 +53,24 @@ def plan_activations(config: OffloadConfig, estimate: ActivationEstimate | None)
     if known:
         kept = min(estimate.saved_bytes, config.activation_budget) + 2 * estimate.largest_bytes
     return ActivationPlan(rows, kept, problems)
+
+
+def activation_warnings(estimate: ActivationEstimate, config: OffloadConfig) -> list[str]:
+    """What the plan's figure for torch's tensors leaves out or assumes, given ``estimate``."""
+    out = []
+    if config.torch_device.type != "cuda" and config.dtype in (torch.bfloat16, torch.float16):
+        out.append("predicted_rss leaves out what torch's bf16/fp16 CPU kernels (oneDNN) cache beside the "
+                   "tensors: measured 3-8% of the peak on dense models, growing each step on mixture-of-"
+                   "experts ones as it does without offload (docs/memory.md); "
+                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY=0 keeps less")
+    if estimate.values_assumed:
+        out.append(f"the activation estimate took the {estimate.values_assumed} true-or-false value(s) the "
+                   "forward read from tensors as true (the meta device holds no values): transformers reads "
+                   "them to leave out the mask of a batch without padding or packed sequences; a batch "
+                   "that has them holds its masks beside (the first step's log line measures it: "
+                   "mem_heap_peak_bytes)")
+    if estimate.error is not None:
+        out.append("predicted_rss leaves out torch's tensors (activations, gradients): the forward does "
+                   f"not run on the meta device ({estimate.error}); the first step's log line "
+                   "(mem_heap_peak_bytes) measures them")
+    return out
