@@ -121,8 +121,9 @@ def test_real_sigint_at_arbitrary_moments(tmp_path, io_backend, step, offload_ru
         step(model, opt, ids)  # the recorded order exists: prefetch is active
         delay = duration * (i + 0.5) / 16
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
         try:
+            # (inside the try: on two busy cores the timer can fire before start() returns)
+            timer.start()
             for _ in range(200):  # far longer than the delay: the signal lands in a step
                 step(model, opt, ids)
         except KeyboardInterrupt:
