@@ -258,11 +258,12 @@ _PIECE = 64
 
 
 def cut(items: list[Item], *, first_index: int, shard_size: int | None,
-        grad_room: dict[int, int]) -> list[Shard]:
+        grad_room: dict[int, int], split_groups: bool = False) -> list[Shard]:
     """Consecutive segments of ``items`` into shards that share a store, a master layout
     and a row count; wrapped shards' gradients rest in host memory while ``grad_room`` (per
-    store key, bytes) lasts. The caller finds each parameter's segments through
-    ``Segment.param``."""
+    store key, bytes) lasts. ``split_groups``: no shard spans two parameter groups updated
+    in host copies (``copies_group``), so that one in flight holds one group. The caller
+    finds each parameter's segments through ``Segment.param``."""
     shards: list[Shard] = []
     keys: dict[int, int] = {}  # id(shard) -> its placement's key
     current: Shard | None = None
@@ -281,7 +282,8 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
             if current is None or current.store is not p.store or current.master != item.master \
                     or current.rows != rows or current.wrapped != wrapped or current.fmt is not item.fmt \
                     or current.names != item.names or current.master_fmt is not item.master_fmt \
-                    or (at if at is not None else current.numel) >= size:
+                    or (at if at is not None else current.numel) >= size \
+                    or (split_groups and copies_group(item) and _other_group(current, item)):
                 current = Shard(first_index + len(shards), p.store, p.home, 0, rows, item.master, wrapped,
                                 fmt=item.fmt, names=item.names, master_fmt=item.master_fmt)
                 shards.append(current)
@@ -320,6 +322,11 @@ def expected_gradients(shard: Shard) -> int:
     """How many parameters' gradients a backward brings to ``shard`` (its accumulator is
     written out once they are in): those that require grad now."""
     return len({id(s.param) for s in shard.segments if s.param.requires_grad})
+
+
+def _other_group(shard: Shard, item: Item) -> bool:
+    last = shard.segments[-1].owner if shard.segments else None
+    return last is not None and last.group is not item.owner.group
 
 
 def copies_group(item: Item) -> bool:

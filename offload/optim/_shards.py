@@ -146,10 +146,10 @@ class ShardBook:
         placements: dict[int, Placement] = {}
         items = [self._item(e, placements) for e in wrapped + plain]
 
-        def cut_all(room: dict[int, int], cap: int | None) -> list[Shard]:
+        def cut_all(room: dict[int, int], cap: int | None, split: bool) -> list[Shard]:
             size = self.shard_size if self.shard_size is not None else cap
             shards = cut([it for it in items if it.owner is not None], first_index=len(self.shards),
-                         shard_size=size, grad_room=room)
+                         shard_size=size, grad_room=room, split_groups=split)
             return shards + cut([it for it in items if it.owner is None], first_index=len(self.shards) + len(shards),
                                 shard_size=size, grad_room=room)
 

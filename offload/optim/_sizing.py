@@ -209,18 +209,20 @@ def check_host_budget(shards: list[Shard], placements: dict[int, Placement]) -> 
     return slack
 
 
-def cut_to_fit(cut_all: Callable[[dict[int, int], int | None], list[Shard]], room: dict[int, int], grad_tier: str,
-               check: Callable[[list[Shard]], Any], *, sized: bool) -> list[Shard]:
-    """``cut_all(room, cap)``'s shards, passed by ``check`` (``check_host_budget``). Where
-    they do not fit: with grad_tier "auto", fewer gradients are kept in host memory
+def cut_to_fit(cut_all: Callable[[dict[int, int], int | None, bool], list[Shard]], room: dict[int, int],
+               grad_tier: str, check: Callable[[list[Shard]], Any], *, sized: bool) -> list[Shard]:
+    """``cut_all(room, cap, split)``'s shards, passed by ``check`` (``check_host_budget``).
+    Where they do not fit: with grad_tier "auto", fewer gradients are kept in host memory
     (``room``, per store key), down to none; then, unless the caller gave the shard size
     (``sized``), shards are cut smaller (``cap`` elements, halved each try down to
-    ``MIN_SHARD``): a smaller shard touches fewer parameter groups updated in host copies,
-    so a budget that fits at some size fits at every larger budget too. Only then does the
-    refusal stand."""
-    cap, kept = None, dict(room)
+    ``MIN_SHARD``): a smaller shard touches fewer parameter groups updated in host copies.
+    Before each cut smaller, shards are cut at those groups' edges too (``split``): one that
+    spans two holds both in flight, and where the cut falls differs with the cap, so without
+    it a larger budget could be refused where a smaller one fit. Only then does the refusal
+    stand."""
+    cap, kept, split = None, dict(room), False
     while True:
-        shards = cut_all(room, cap)
+        shards = cut_all(room, cap, split)
         try:
             check(shards)
             return shards
@@ -229,6 +231,9 @@ def cut_to_fit(cut_all: Callable[[dict[int, int], int | None], list[Shard]], roo
             if grad_tier == "auto" and any(room.get(k) for k in short):
                 # (a gradient sent to NVMe is read back in flight: a page more per try, at least)
                 room = {k: max(0, n - max(short.get(k, 0), PAGE_SIZE)) if k in short else n for k, n in room.items()}
+                continue
+            if not split:  # (the same cap, cut at the groups' edges: fewer, larger shards than a smaller cap)
+                room, split = dict(kept), True
                 continue
             largest = max((s.numel for s in shards if id(s.store) in short), default=0)
             if sized or largest <= MIN_SHARD:
@@ -304,7 +309,8 @@ def plan_rows(groups: list[Any], config: Any, rows: tuple[str, ...], *, param_st
         return []
     # (the optimizer would refuse: so does the plan)
     slack: dict[int, int] = {}
-    shards = cut_to_fit(lambda room, cap: cut(items, first_index=0, shard_size=cap, grad_room=room),
+    shards = cut_to_fit(lambda room, cap, split: cut(items, first_index=0, shard_size=cap, grad_room=room,
+                                                     split_groups=split),
                         grad_room(items, "auto"), "auto",
                         lambda s: slack.update(check_host_budget(s, {placement.key: placement})), sized=False)
     masters = sum(s.master_bytes for s in shards)
