@@ -88,10 +88,25 @@ def batches(tokens: torch.Tensor, args, vocab: int, rank: int = 0):
         yield torch.stack([tokens[s: s + span] for s in starts.tolist()])
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def local_path(text: str) -> str:
+    """An argparse type: a path that exists here (a name would go to the Hugging Face Hub)."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file or directory: {text!r} (a local path: nothing is downloaded)")
+    return text
+
+
 def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
     """The model and offload flags (shared with examples/hf_trainer.py)."""
     m = parser.add_argument_group("model")
-    m.add_argument("--model", default=None, help="local save_pretrained directory, or config.json path/dir "
+    m.add_argument("--model", default=None, type=local_path, help="local save_pretrained directory, or config.json path/dir "
                    "(default: a GPT-2-style model built from --layers/--hidden/--heads/--vocab)")
     m.add_argument("--layers", type=int, default=24, help="default model: transformer layers (24)")
     m.add_argument("--hidden", type=int, default=1024, help="default model: hidden size (1024)")
@@ -151,10 +166,10 @@ def setup_distributed(args) -> tuple[int, int]:
 
 def add_batch_args(group: argparse._ArgumentGroup) -> None:
     """Steps, batch shape and learning rate (shared with examples/hf_trainer.py)."""
-    group.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    group.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
-    group.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)")
+    group.add_argument("--steps", type=positive, default=20, help="optimizer steps (default 20)")
+    group.add_argument("--batch-size", type=positive, default=2, help="sequences per micro-batch (default 2)")
+    group.add_argument("--seq-len", type=positive, default=128, help="tokens per sequence (default 128)")
+    group.add_argument("--grad-accum", type=positive, default=1, help="micro-batches per step (default 1)")
     group.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
 
 

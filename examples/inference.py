@@ -25,6 +25,9 @@ import torch
 
 import offload
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from finetune import local_path, positive  # noqa: E402
+
 log = logging.getLogger("inference")
 
 
@@ -33,12 +36,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--model", default=None, help="local save_pretrained/export directory (default: a "
+    parser.add_argument("--model", default=None, type=local_path, help="local save_pretrained/export directory (default: a "
                         "random 355M GPT-2-style model saved to --work-dir)")
     parser.add_argument("--work-dir", default="./inference-model", help="where the default model is saved "
                         "(default ./inference-model)")
     parser.add_argument("--prompt", default="17 plus 25 is", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    parser.add_argument("--max-new-tokens", type=positive, default=16, help="tokens to generate (default 16)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="compute device (default: cuda when available)")
     parser.add_argument("--param-tier", default="nvme", choices=["device", "host", "nvme"],

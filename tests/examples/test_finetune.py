@@ -45,6 +45,16 @@ def test_train_resume_and_export(tmp_path):
         assert torch.equal(p, a[key]), name
 
 
+@pytest.mark.parametrize("bad, says", [(["--grad-accum", "0"], "--grad-accum: must be at least 1"),
+                                        (["--model", "no-such-dir"], "no such file or directory: 'no-such-dir'")])
+def test_bad_values_are_refused_before_anything_runs(tmp_path, bad, says):
+    """--steps 0 or --grad-accum 0 trained nothing and exported the untrained model; a
+    --model that is not here went to the Hugging Face Hub."""
+    out = subprocess.run([sys.executable, SCRIPT, *bad], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+    assert not os.listdir(tmp_path)
+
+
 def test_update_in_backward_gives_the_same_run(tmp_path):
     plain = run(tmp_path, "--steps", "3", "--clip", "0", "--export-dir", str(tmp_path / "plain"))
     overlapped = run(tmp_path, "--steps", "3", "--clip", "0", "--update-in-backward",
