@@ -13,12 +13,13 @@ gradient (the first takes them), so it is refused, naming the first.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["GradientHolder", "hold_gradients", "release_gradients", "holder_of", "get_grad", "set_grad",
+__all__ = ["GradientHolder", "hold_gradients", "release_gradients", "holder_of", "close_holders", "get_grad", "set_grad",
            "defer_to", "DEFERRED", "watch_trainable", "set_trainable", "TRAINABLE"]
 
 # Tensor classes that stand for values held elsewhere (the optimizer's p.grad): a call that
@@ -29,6 +30,8 @@ DEFERRED: set[type] = set()
 
 def defer_to(cls: type) -> None:
     DEFERRED.add(cls)
+
+log = logging.getLogger(__name__)
 
 _plain = torch._C.DisableTorchFunctionSubclass
 _T = torch._C.TensorBase
@@ -42,6 +45,9 @@ class GradientHolder(Protocol):
 
     def set_gradient(self, param: torch.Tensor, value: torch.Tensor | None) -> None:
         """``param.grad = value`` while torch's own field is empty (None drops the gradient)."""
+
+    def close(self) -> None:
+        """Release its states, hooks and threads."""
 
     def give_up(self) -> bool:
         """Close, handing its parameters to a new holder, unless it holds a gradient (which
@@ -82,6 +88,18 @@ def hold_gradients(param: torch.Tensor, holder: Any, name: str) -> None:
 def release_gradients(param: torch.Tensor, holder: Any) -> None:
     if _entry(param) is holder:
         del _holders[id(param)]
+
+
+def close_holders(params: list[torch.Tensor], what: str, level: int = logging.WARNING) -> None:
+    """Close the open optimizers holding any of ``params``, as ``what`` (offload.unwrap,
+    offload.close) releases the store their states and gradients live in: left open, their
+    hooks took the next backward's gradients into a store that was gone (a KeyError)."""
+    holders = {id(h): h for h in map(holder_of, params) if h is not None}
+    for holder in holders.values():
+        log.log(level, "%s closed the %s (id %#x) over this model's parameters: its states and gradients live in "
+                "the model's swap files and buffers, which it releases. To carry them on, take opt.state_dict() "
+                "before and load it into a new optimizer after", what, type(holder).__name__, id(holder))
+        holder.close()
 
 
 def holder_of(param: torch.Tensor) -> Any:

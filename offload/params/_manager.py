@@ -21,6 +21,7 @@ from ._access import DemandAccess
 from ._coordinator import Coordinator
 from ._from_store import StoreCopies
 from ._gathering import GatheredSlices
+from ._gradients import close_holders
 from ._groups import ParamGroup, point, slice_groups
 from ._hooks import ModuleHooks
 from ._inplace import InPlaceLayout, adopt_groups
@@ -294,6 +295,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     inner, manager = wrapped_in(model)  # (or the wrapped model inside: a PEFT model built after wrap)
     manager.pending.refuse_if_mixed()  # (before anything is released: a load can still mend them)
+    close_holders([s.param for g in manager.groups for s in g.slots], "offload.unwrap")
     try:
         manager.pending.settle()  # (a step's update still owed to the weights)
     except BaseException:
@@ -353,6 +355,7 @@ def close(model: nn.Module) -> None:
 
 def _close(model: nn.Module, manager: ParamManager) -> None:
     try:
+        close_holders([s.param for g in manager.groups for s in g.slots], "offload.close", logging.INFO)
         try:  # a step's update still owed: the optimizer's states and weights finish it
             manager.pending.settle(reading=False)
         except Exception:  # noqa: BLE001 - closing goes on

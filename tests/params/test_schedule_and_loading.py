@@ -330,6 +330,36 @@ def test_wrapping_twice_and_stats_of_unwrapped_are_clear(tmp_path, no_leaks):
         model[0](torch.randn(2, 64))  # (a layer of it called alone)
 
 
+def test_unwrap_closes_the_optimizers_over_the_model_and_torch_trains_on(tmp_path, caplog, no_leaks):
+    """The optimizer's states and gradients live in the store unwrap releases: left open, its
+    hooks took the next backward's gradients into a store that was gone (a KeyError). unwrap
+    closes it, saying so; training goes on with a torch optimizer loaded from its state
+    dict, as a model never wrapped would after the same step."""
+    torch.manual_seed(0)
+    ref = deep_mlp(2)
+    model = copy.deepcopy(ref)
+    offload.wrap(model, cfg(tmp_path))
+    x = torch.randn(4, 64)
+    opts = offload.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for m, opt in zip((model, ref), opts):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = opts[0].state_dict()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        offload.unwrap(model)
+    assert opts[0].closed and "offload.unwrap closed the AdamW" in caplog.text
+    with pytest.raises(RuntimeError, match="this AdamW is closed"):
+        opts[0].step()
+    after = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    after.load_state_dict(saved)
+    for m, opt in zip((model, ref), (after, opts[1])):
+        m(x).square().mean().backward()
+        opt.step()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # -- config ----------------------------------------------------------------------------------
 def test_config_from_json_and_validation(tmp_path):
     path = tmp_path / "c.json"
