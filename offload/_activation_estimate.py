@@ -54,6 +54,7 @@ class ActivationEstimate:
     forward_bytes: int | None = None  # nothing trains: the most bytes a forward without grad holds at once
     step_bytes: int | None = None  # a training step's peak over its forward and backward (None: not run)
     values_assumed: int = 0  # true-or-false reads of tensor values answered true (``_meta_kernels``)
+    batch_bytes: int = 0  # the batch's own tensors, alive through the step as its other tensors are
 
     @property
     def inference(self) -> bool:
@@ -66,10 +67,10 @@ class ActivationEstimate:
         saved tensors at the turn from forward to backward with the gradient of the
         largest one being computed beside them (and the output's)."""
         if self.forward_bytes is not None:
-            return self.forward_bytes
+            return self.batch_bytes + self.forward_bytes
         if self.step_bytes is not None:
-            return self.step_bytes
-        return self.saved_bytes + 2 * self.largest_bytes
+            return self.batch_bytes + self.step_bytes
+        return self.batch_bytes + self.saved_bytes + 2 * self.largest_bytes
 
 
 def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: torch.dtype | None = None,
@@ -84,8 +85,14 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
         raise TypeError(f"batch must be a mapping of the forward's keyword arguments (e.g. {{'input_ids': ids, "
                         f"'labels': ids}}), got {type(inputs).__name__}")
 
-    def meta(t: Any) -> Any:
-        return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
+    made: dict[int, torch.Tensor] = {}  # (one tensor given under two names, ids as labels, stays one)
+
+    def meta(t: Any) -> Any:  # (an input that requires grad, as training through inputs has, keeps it)
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad and t.is_leaf)
+        return made[id(t)]
 
     params = {}
     for name, p in model.named_parameters():
@@ -99,8 +106,9 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
     kwargs = tree_map(meta, dict(inputs))
     trains = any(t.requires_grad for t in (*params.values(), *tree_flatten(dict(inputs))[0])
                  if isinstance(t, torch.Tensor))
-    given = {t.untyped_storage()._cdata for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor)}
-    live, saved, reads = _LiveBytes(weights | given), _Saved(weights), ValueReads()
+    given = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tree_flatten(kwargs)[0]
+             if isinstance(t, torch.Tensor)}
+    live, saved, reads = _LiveBytes(weights | set(given)), _Saved(weights), ValueReads()
     step = _Step(model, saved, device_type) if trains else model
     prefix = "model." if trains else ""
     if trains:
@@ -114,23 +122,29 @@ def estimate_activations(model: nn.Module, inputs: Mapping[str, Any], dtype: tor
                 RealKernels(device_type), live, reads:
             torch.func.functional_call(step, {prefix + k: v for k, v in {**params, **buffers}.items()}, args=(),
                                        kwargs=kwargs, strict=False, tie_weights=True)
-    except RuntimeError as err:  # the forward reads values (.item(), data-dependent shapes): no estimate, said
+    except Exception as err:  # noqa: BLE001 - said: not counted, or the batch refused
+        if not isinstance(err, RuntimeError) and not reads.count:  # (ValueError, TypeError, KeyError: the batch's)
+            raise _refused(err) from err
+        # the forward reads values (.item(), data-dependent shapes), or went where a value
+        # answered true sent it (a check that raises): no estimate, said
         log.info("offload: no activation estimate: the forward does not run on the meta device (%s)", err)
         return ActivationEstimate(0, 0, f"{type(err).__name__}: {err}")
-    except Exception as err:  # (ValueError, TypeError, KeyError: what the batch gave the forward)
-        raise ValueError(f"model(**batch) refused the batch given to offload.plan ({type(err).__name__}: {err}): "
-                         "give the keyword arguments of one training forward, e.g. "
-                         "batch={'input_ids': ids, 'labels': ids}") from err
     finally:
         model.train(was_training)
+    batch = sum(given.values())  # (a batch of images is no small part of the step)
     if not trains:
-        return ActivationEstimate(0, 0, forward_bytes=live.peak, values_assumed=reads.count)
+        return ActivationEstimate(0, 0, forward_bytes=live.peak, values_assumed=reads.count, batch_bytes=batch)
     ran = step.backward_error is None
     if not ran:
         log.info("offload: the activation estimate counts the forward only: its backward does not run on the meta "
                  "device (%s)", step.backward_error)
     return ActivationEstimate(saved.at_forward, saved.largest_at_forward, step_bytes=live.peak if ran else None,
-                              values_assumed=reads.count)
+                              values_assumed=reads.count, batch_bytes=batch)
+
+
+def _refused(err: Exception) -> ValueError:
+    return ValueError(f"model(**batch) refused the batch given to offload.plan ({type(err).__name__}: {err}): give "
+                      "the keyword arguments of one training forward, e.g. batch={'input_ids': ids, 'labels': ids}")
 
 
 def _drop_grad(p: torch.Tensor) -> None:
@@ -186,13 +200,14 @@ class _Step(nn.Module):
             m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._exit, always_call=True))]
         try:
             loss.backward(None if loss.dim() == 0 else torch.empty_like(loss))
-        except (RuntimeError, NotImplementedError) as err:
+        except Exception as err:  # noqa: BLE001 - the batch passed the forward: the forward's estimate stands
             self.backward_error = f"{type(err).__name__}: {err}"
         finally:
             for h in handles:
                 h.remove()
-            if self._kernels is not None:
-                self._exit(self._kernels[0])
+            # (a BaseException in a recompute skips the always_call hook: its mode was on the
+            # engine's own stack, which the engine has dropped; popping here would take another)
+            self._kernels = None
 
     def _enter(self, module: nn.Module, *_: Any) -> None:
         if self._kernels is None:

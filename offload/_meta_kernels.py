@@ -59,8 +59,12 @@ class RealKernels(TorchFunctionMode):
                enable_gqa=False) -> bool:
         if self.device_type != "cpu":
             return True
-        tiny = lambda t: torch.empty((1, t.shape[-3] if t.dim() > 2 else 1, 2, t.shape[-1]), dtype=t.dtype)  # noqa: E731
-        mask = None if attn_mask is None else torch.zeros((1, 1, 2, 2), dtype=attn_mask.dtype)
+        # (stand-ins with the real ones' requires_grad: a mask that requires grad, T5's learned
+        # position bias, sends the CPU to the math path, which saves the attention matrix)
+        tiny = lambda t: torch.empty((1, t.shape[-3] if t.dim() > 2 else 1, 2, t.shape[-1]), dtype=t.dtype,  # noqa: E731
+                                     requires_grad=t.requires_grad)
+        mask = None if attn_mask is None else torch.zeros((1, 1, 2, 2), dtype=attn_mask.dtype,
+                                                          requires_grad=attn_mask.requires_grad)
         try:
             return torch._fused_sdp_choice(tiny(query), tiny(key), tiny(value), mask, dropout_p, is_causal,
                                            scale=scale, enable_gqa=enable_gqa) != 0  # 0: the math path
@@ -106,7 +110,10 @@ class _GroupedMatmul(torch.autograd.Function):
 
 class ValueReads(TorchDispatchMode):
     """The module's third answer: a meta tensor's true-or-false value read is true; ``count``
-    says how many were answered."""
+    says how many were answered. Past ``LIMIT`` reads (a loop on a value: ``while
+    mask.any():``) it answers no more: the run fails as a value read on meta does."""
+
+    LIMIT = 1000
 
     def __init__(self):
         super().__init__()
@@ -116,5 +123,8 @@ class ValueReads(TorchDispatchMode):
         if (func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta"
                 and args[0].dtype == torch.bool):
             self.count += 1
+            if self.count > self.LIMIT:
+                raise RuntimeError(f"the forward read more than {self.LIMIT} true-or-false values from tensors "
+                                   "(a loop on a value): not answered on the meta device")
             return True
         return func(*args, **(kwargs or {}))

@@ -51,7 +51,7 @@ def plan_activations(config: OffloadConfig, estimate: ActivationEstimate | None)
             rows.append((f"{ACTIVATION_ITEM} offloaded", "nvme", moved, "saved beyond activation_budget"))
     kept = None
     if known:
-        kept = min(estimate.saved_bytes, config.activation_budget) + 2 * estimate.largest_bytes
+        kept = estimate.batch_bytes + min(estimate.saved_bytes, config.activation_budget) + 2 * estimate.largest_bytes
     return ActivationPlan(rows, kept, problems)
 
 

@@ -283,7 +283,8 @@ def cut(items: list[Item], *, first_index: int, shard_size: int | None,
                     or current.rows != rows or current.wrapped != wrapped or current.fmt is not item.fmt \
                     or current.names != item.names or current.master_fmt is not item.master_fmt \
                     or (at if at is not None else current.numel) >= size \
-                    or (split_groups and copies_group(item) and _other_group(current, item)):
+                    or (split_groups and copies_group(item) and current.segments
+                        and getattr(current.segments[-1].owner, "group", item.owner.group) is not item.owner.group):
                 current = Shard(first_index + len(shards), p.store, p.home, 0, rows, item.master, wrapped,
                                 fmt=item.fmt, names=item.names, master_fmt=item.master_fmt)
                 shards.append(current)
@@ -322,11 +323,6 @@ def expected_gradients(shard: Shard) -> int:
     """How many parameters' gradients a backward brings to ``shard`` (its accumulator is
     written out once they are in): those that require grad now."""
     return len({id(s.param) for s in shard.segments if s.param.requires_grad})
-
-
-def _other_group(shard: Shard, item: Item) -> bool:
-    last = shard.segments[-1].owner if shard.segments else None
-    return last is not None and last.group is not item.owner.group
 
 
 def copies_group(item: Item) -> bool:

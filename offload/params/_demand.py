@@ -372,8 +372,8 @@ def _set_data(owner: Owner, value: Any) -> None:
             f"it keeps the shape {tuple(owner.slot.shape)}, dtype {owner.slot.dtype} and device it was wrapped "
             "with. To change them call offload.unwrap(model) first; to run in another dtype set "
             "OffloadConfig(compute_dtype=...) at wrap. (A model.to()/.half()/.double() stops here: the buffers "
-            "and parameters it reached before this one are converted already; the same call with their "
-            "former dtype and device puts them back)")
+            "and parameters it reached before this one are converted already; convert those modules back one by "
+            "one, e.g. model.norm.float(), or unwrap, convert and wrap again)")
     owner.access.check_writable(owner)
     with torch.no_grad():
         missing = [] if owner.access.materialized(owner.group) else [owner]

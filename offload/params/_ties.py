@@ -25,7 +25,9 @@ def check_ties_as_loaded(model: nn.Module, path: str, has: Callable[[str], bool]
     loading the checkpoint at ``path`` (the module's note). ``has(name)``: the file holds
     it; ``same(a, b)``: the file's two tensors are one value."""
     expanded = getattr(model, "get_expanded_tied_weights_keys", None)
-    if not callable(expanded):  # (not a transformers 5 model: its parameters are as its code made them)
+    # (not a transformers 5 model, or one wrapped in another that forwards its attributes, a
+    # PEFT model, whose copies of tied modules are its own: its parameters are as made)
+    if not callable(expanded) or getattr(expanded, "__self__", None) is not model:
         return
     try:
         pairs = expanded(all_submodels=True)

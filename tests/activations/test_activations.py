@@ -230,7 +230,8 @@ def test_plan_counts_offloaded_activations_and_refuses_a_small_host_tier(tmp_pat
                         batch=batch)
     rows = {r.item: r for r in nvme.rows}
     assert rows["activations offloaded"].tier == "nvme" and rows["activations offloaded"].nbytes == saved - budget
-    assert nvme.activation_bytes == budget + 2 * kept.activations.largest_bytes < kept.activation_bytes
+    assert nvme.activation_bytes == kept.activations.batch_bytes + budget + 2 * kept.activations.largest_bytes \
+        < kept.activation_bytes
     assert nvme.disk_need - kept.disk_need == saved - budget and nvme.fits
     host = offload.plan(model, offload_config(tmp_path, activation_tier="host", activation_budget=budget,
                                               activation_host_budget=(saved - budget) // 2), batch=batch)

