@@ -370,10 +370,9 @@ def _set_data(owner: Owner, value: Any) -> None:
         raise RuntimeError(
             f"cannot set .data of offloaded parameter {owner.name!r} (module {owner.module!r}) to {what}: "
             f"it keeps the shape {tuple(owner.slot.shape)}, dtype {owner.slot.dtype} and device it was wrapped "
-            "with. To change them call offload.unwrap(model) first; to run in another dtype set "
-            "OffloadConfig(compute_dtype=...) at wrap. (A model.to()/.half()/.double() stops here: the buffers "
-            "and parameters it reached before this one are converted already; convert those modules back one by "
-            "one, e.g. model.norm.float(), or unwrap, convert and wrap again)")
+            "with. To change them call offload.unwrap(model) first; to run in another dtype set OffloadConfig("
+            "compute_dtype=...) at wrap. (A model.to()/.half()/.double() stops here: what it reached before this one "
+            "is converted already; convert those modules back one by one, e.g. model.norm.float())")
     owner.access.check_writable(owner)
     with torch.no_grad():
         missing = [] if owner.access.materialized(owner.group) else [owner]
