@@ -127,6 +127,23 @@ def test_step_log_has_a_line_per_step_that_adds_up(tmp_path, tiny_gpt2, offload_
     assert totals["io_busy_seconds"] > 0
 
 
+def test_a_resumed_run_logs_its_steps_on_from_the_checkpoint(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    """The step log's count travels in the checkpoint: a run resumed from it goes on from
+    the saved run's steps (its records began at 0 again, and plots drew them over the first)."""
+    log_path = tmp_path / "steps.jsonl"
+    for steps in (2, 1):
+        model = offload.wrap(tiny_gpt2(**GPT2), offload_config(tmp_path, TRACED, log_path=str(log_path)))
+        try:
+            if steps == 1:
+                offload.load_checkpoint(tmp_path / "ckpt", model)
+            train(model, steps=steps)
+            if steps == 2:
+                offload.save_checkpoint(tmp_path / "ckpt", model)
+        finally:
+            offload.close(model)
+    assert [json.loads(line)["step"] for line in log_path.read_text().splitlines()] == [0, 1, 2]
+
+
 def test_log_step_for_inference_and_write_trace_errors(tmp_path, tiny_gpt2, offload_config, no_leaks):
     model = offload.wrap(tiny_gpt2(**GPT2).eval(), offload_config(tmp_path, TRACED, optimizer_tier="host"))
     try:

@@ -99,6 +99,9 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
             pool.close()
     if cat.manager is not None:
         cat.manager.pending.mend()  # (every weight loaded: what a stopped step left mixed is whole again)
+        logged = manifest["model"].get("steps_logged")
+        if logged is not None:  # (the step log's records go on from the saved run's, not from 0)
+            cat.manager.steplog.steps = logged
     seconds = time.perf_counter() - started
     size = sum(manifest["files"].values())
     log.info("checkpoint %s loaded: %s in %.2f s (%.2f GB/s)", path, format_size(size), seconds,

@@ -69,7 +69,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
             "files": dict(writer.sizes),
             "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
                       "wrapped": cat.manager is not None,
-                      "config": _config_summary(cat)},
+                      "config": _config_summary(cat), "steps_logged": _steps_logged(cat)},
             "tensors": [piece.entry for blob in blobs for piece in blob.pieces],
             "optimizer": opt_info,
             "extra": extra_json,
@@ -206,7 +206,7 @@ def _merged_manifest(everyone: list[dict], model: nn.Module, cat: Catalog, extra
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": files,
         "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}", "wrapped": True,
-                  "config": _config_summary(cat)},
+                  "config": _config_summary(cat), "steps_logged": _steps_logged(cat)},
         "distributed": {"world_size": part.world, "backend": part.backend,
                         "ranks": [f"rank-{r}" for r in range(part.world)],
                         "layout": "each parameter's elements [start, start + numel) per rank"},
@@ -249,6 +249,11 @@ def _check_extra(extra: Any) -> Any:
         raise CheckpointError(f"extra is {len(text)} bytes of JSON; it is meant for small metadata "
                               "(step, RNG, scheduler). Save tensors with the model instead")
     return json.loads(text)
+
+
+def _steps_logged(cat: Catalog) -> int | None:
+    """The step log's count, so that a resumed run's records go on from it."""
+    return None if cat.manager is None else cat.manager.steplog.steps
 
 
 def _config_summary(cat: Catalog) -> dict | None:
