@@ -103,6 +103,18 @@ def local_path(text: str) -> str:
     return text
 
 
+def writable_parent(path: str) -> str | None:
+    """Why a directory cannot be made or written at ``path``, or None."""
+    at = os.path.abspath(path)
+    while not os.path.exists(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at):
+        return f"{at!r} is a file, not a directory"
+    if not os.access(at, os.W_OK):
+        return f"{at!r} is not writable"
+    return None
+
+
 def add_model_and_offload_args(parser: argparse.ArgumentParser) -> None:
     """The model and offload flags (shared with examples/hf_trainer.py)."""
     m = parser.add_argument_group("model")
@@ -226,6 +238,10 @@ def main(argv=None) -> int:
                    "(default ./finetuned; '' to skip)")
     c.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
+    for flag, path in (("--save-dir", args.save_dir), ("--export-dir", args.export_dir)):
+        unwritable = path and writable_parent(path)
+        if unwritable:  # (found now, not after the training it would lose)
+            parser.error(f"{flag} {path!r}: {unwritable}")
     if args.update_in_backward and (args.clip > 0 or args.dtype == "fp16"):
         parser.error("--update-in-backward updates during backward, before the total gradient norm or an "
                      "fp16 overflow is known: use it with --clip 0 and --dtype fp32 or bf16")
