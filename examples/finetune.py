@@ -369,4 +369,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # (one line, not a traceback: nothing is wrong, and the run can go on)
+        log.warning("interrupted: a checkpoint saved with --save-dir is whole; the same command with --resume "
+                    "goes on from it")
+        sys.exit(130)
