@@ -118,8 +118,9 @@ class ShardBook:
         configs = {e.owner.manager.config for e in self.entries.values() if e.owner is not None}
         if len(configs) > 1:
             raise ValueError("the parameters come from wrapped models with different configs "
-                             f"({len(configs)}): build one optimizer per model, or wrap the models with "
-                             "the same OffloadConfig")
+                             f"({len(configs)}): build one optimizer per model (models with a tier on NVMe each "
+                             "need a config of their own, with its own nvme_path), or wrap a module holding them "
+                             "all once (nn.ModuleDict)")
 
     # -- layout ----------------------------------------------------------------------------
     def lay_out(self) -> NewLayout | None:
