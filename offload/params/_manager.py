@@ -295,13 +295,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     inner, manager = wrapped_in(model)  # (or the wrapped model inside: a PEFT model built after wrap)
     manager.pending.refuse_if_mixed()  # (before anything is released: a load can still mend them)
-    close_holders([s.param for g in manager.groups for s in g.slots], "offload.unwrap")
     try:
         manager.pending.settle()  # (a step's update still owed to the weights)
     except BaseException:
         _abandon_owed(manager)
         _release(inner, manager)
         raise
+    # (after the settle, which raises where the owed update fails: closing would only log it)
+    close_holders([s.param for g in manager.groups for s in g.slots], "offload.unwrap")
     try:
         manager.access.detach()
         manager.hooks.remove()
@@ -355,12 +356,12 @@ def close(model: nn.Module) -> None:
 
 def _close(model: nn.Module, manager: ParamManager) -> None:
     try:
-        close_holders([s.param for g in manager.groups for s in g.slots], "offload.close", logging.INFO)
         try:  # a step's update still owed: the optimizer's states and weights finish it
             manager.pending.settle(reading=False)
         except Exception:  # noqa: BLE001 - closing goes on
             log.warning("offload.close: the last step's update could not finish", exc_info=True)
             _abandon_owed(manager)
+        close_holders([s.param for g in manager.groups for s in g.slots], "offload.close", logging.INFO)
         manager.access.detach()
         manager.hooks.remove()
         for group in manager.groups:
