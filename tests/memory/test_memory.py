@@ -12,11 +12,9 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import offload
-from offload._activation_estimate import estimate_activations
+from offload._activation_estimate import _LiveBytes, estimate_activations
 from offload._memory import HEAP_PEAK, allocator, heap_use, resolve_allocator
 
 transformers = pytest.importorskip("transformers")
@@ -138,29 +136,6 @@ class _Attention(torch.nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, w)).square().mean()
 
 
-class _LivePeak(TorchDispatchMode):
-    """The most bytes of storages alive at once among those a real run's ops create."""
-
-    def __init__(self, known):
-        super().__init__()
-        self.known, self.live, self.now, self.peak = known, set(), 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.known | self.live:
-                storage = t.untyped_storage()
-                self.live.add(storage._cdata)
-                self.now += storage.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
-        return out
-
-    def _freed(self, key, nbytes):
-        self.live.discard(key)
-        self.now -= nbytes
-
-
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("family", ["gpt2", "llama", "t5", "t5-no-dropout", "bert", "mixtral", "torch-attention"])
 def test_the_activation_estimate_is_what_autograd_saves(family, checkpointing):
@@ -218,7 +193,8 @@ def test_the_activation_estimate_is_what_autograd_saves(family, checkpointing):
     estimate = estimate_activations(model, inputs)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    live = _LivePeak(weights | {t.untyped_storage()._cdata for t in inputs.values()})
+    live = _LiveBytes(weights | {t.untyped_storage()._cdata for t in inputs.values()})  # (the counter the
+    # estimate uses, on the real run's tensors)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
         out = model(**inputs)
         (out.loss if family != "torch-attention" else out).backward()
