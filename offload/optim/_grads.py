@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from ..params import LAYOUT, NO_DATA, defer_to
 from ..store import Tier
 from ._gradcopies import on_copies
+from ._gradreads import GradientReads, read_sum
 from ._noted import held_norm, noted_norms, renote
 
 __all__ = ["OffloadedGrad", "GradientBook"]
@@ -174,13 +175,18 @@ class GradientBook:
         self._in_backward_update, self._closed, self._settle = in_backward_update, closed, settle
         self.epoch = 0  # advanced when zero_grad() clears the gradients
         self._views: dict[int, OffloadedGrad] = {}
+        self._reads = GradientReads(sink.stats)
 
     def cleared(self) -> None:
         self.epoch += 1
+        self._reads.forget()
         self._views.clear()
         for shard in self.book.shards:
             for seg in shard.segments:
                 seg.scale, seg.sumsq, seg.maxabs, seg.whole = 1.0, 0.0, 0.0, None
+
+    def forget_reads(self) -> None:
+        self._reads.forget()
 
     def hide(self, param: torch.Tensor | None = None) -> None:
         """Views of ``param``'s gradient (every view: None) refuse use from now on: it is
@@ -316,7 +322,7 @@ class GradientBook:
             near = [seg for seg in shard.segments if seg.has_grad and seg.approx and seg not in segs]
             if not shard.wrapped or shard.acc is not None or not (segs or near):  # (an open sum takes factors)
                 continue
-            acc = _read(shard)
+            acc = read_sum(shard)
             for seg in near:
                 seg.sumsq, seg.maxabs = noted_norms(acc[seg.offset: seg.offset + seg.length])
                 seg.approx = False
@@ -338,7 +344,7 @@ class GradientBook:
         flat = torch.zeros(param.numel(), dtype=torch.float32)
         for seg in self._segments(param):
             if seg.has_grad:
-                acc = seg.shard.acc if seg.shard.acc is not None else _read(seg.shard)
+                acc = seg.shard.acc if seg.shard.acc is not None else self._reads.sum_of(seg.shard)
                 flat[seg.start: seg.start + seg.length] = acc[seg.offset: seg.offset + seg.length] * seg.scale
         return flat.div_(self._loss_scale()).view(param.shape)
 
@@ -379,7 +385,7 @@ class GradientBook:
 
     def _rewrite(self, seg: Any, part: torch.Tensor) -> None:
         shard = seg.shard
-        acc = _read(shard)  # the resting tensor in host memory, else a copy put back below
+        acc = read_sum(shard)  # the resting tensor in host memory, else a copy put back below
         if not shard.grad_valid:  # its stale sums are zeroed by the next backward; so here
             acc.zero_()
             for other in shard.segments:
@@ -409,13 +415,6 @@ def _exact_later(noted: float, factor: float) -> bool:
     ``noted`` and then ``factor`` gives: one of them 1 or a power of two (exact: only the
     other rounds)."""
     return noted == 1.0 or _pow2(noted) or _pow2(factor)
-
-
-def _read(shard: Any) -> torch.Tensor:
-    """The shard's gradient accumulator: the resting tensor in host memory, else a copy."""
-    if shard.grad_home is Tier.HOST:
-        return shard.store.wait(shard.grad_key, Tier.HOST)
-    return shard.store.read_copy(shard.grad_key)
 
 
 defer_to(OffloadedGrad)

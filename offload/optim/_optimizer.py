@@ -168,6 +168,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, BackwardUpdates, Optimizer):
                 loss = closure()
         started = time.perf_counter()
         self._settle()
+        self._grads.forget_reads()  # (nor through the step)
         for manager in self._book.managers():  # (another optimizer's update owed to the same groups)
             manager.pending.settle()
         self._sink.sync()
@@ -239,6 +240,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, BackwardUpdates, Optimizer):
         self._settle()
         self._ensure_layout()
         self._stepped_on = False
+        self._grads.forget_reads()  # (a copy kept for p.grad reads is not held through the backward)
 
     def _end_step(self, started: float, *, skipped: bool) -> None:
         """Tell the wrapped models this optimizer serves: their optimizer time, the bytes it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,9 @@ class TierCopy:
     short_of_staging: bool = False  # queued: its tier had room, the host staging buffers not
 
 
+_SERIALS = itertools.count()
+
+
 @dataclass(eq=False)
 class StoredTensor:
     """The store's record of one tensor: its metadata and a copy per tier."""
@@ -47,6 +51,7 @@ class StoredTensor:
     version: int = 0  # bumped by mark_dirty; a write-back only cleans the version it wrote
     writing: bool = False  # a write into the home copy is in flight (one at a time: the newest lands last)
     next_write: TierCopy | None = None  # a copy (storing) whose write starts when that one lands
+    serial: int = field(default_factory=lambda: next(_SERIALS))  # (a put's new record: never an old one's)
 
     def copy(self, tier: Tier) -> TierCopy:
         if tier not in self.copies:

@@ -81,6 +81,37 @@ def test_grad_values_and_inplace_writes(tmp_path, adamw_pair, lm_batches, assert
     close(model, opt)
 
 
+def test_a_pass_over_p_grad_reads_each_nvme_sum_once(tmp_path, adamw_pair, lm_batches, no_leaks):
+    """A loop over p.grad (a per-layer norm for a log) with the sums on NVMe reads each shard
+    once, not once per parameter in it, and sees every change made in between."""
+    model, opt, ref, ref_opt = adamw_pair(tmp_path, "nvme")
+    (ids,) = lm_batches(211, steps=1, micro=1)[0]
+    backward(model, ids)
+    backward(ref, ids)
+    named, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    held = sum(p.numel() * 4 for p in model.parameters())
+
+    def read_bytes():
+        return opt.stats["gradients_read_bytes"]
+
+    before = read_bytes()
+    for n, q in want.items():
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, rtol=0, atol=0, msg=n)
+    assert 0 < read_bytes() - before < 1.5 * held  # (each parameter's read of its shard: several times more)
+    key = "transformer.h.1.mlp.c_proj.weight"
+    named[key].grad.clone()
+    again = read_bytes()
+    named[key].grad.norm()
+    assert read_bytes() == again  # the same shard, unchanged: not read again
+    for grad in (named[key].grad, want[key].grad):
+        grad.clamp_(-1e-3, 1e-3)  # (rewritten, not noted: the kept copy is older now)
+    named["transformer.h.1.mlp.c_fc.bias"].grad = torch.ones_like(want["transformer.h.1.mlp.c_fc.bias"])
+    want["transformer.h.1.mlp.c_fc.bias"].grad = torch.ones_like(want["transformer.h.1.mlp.c_fc.bias"])
+    for n, q in want.items():
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, rtol=0, atol=0, msg=n)
+    close(model, opt)
+
+
 def test_zero_grad_between_backward_and_step_drops(tmp_path, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """model.zero_grad() (p.grad = None) drops what backward accumulated, as in torch; one
     parameter's gradient set to None leaves it out of the step."""
