@@ -372,7 +372,8 @@ def _set_data(owner: Owner, value: Any) -> None:
             f"it keeps the shape {tuple(owner.slot.shape)}, dtype {owner.slot.dtype} and device it was wrapped "
             "with. To change them call offload.unwrap(model) first; to run in another dtype set OffloadConfig("
             "compute_dtype=...) at wrap. (A model.to()/.half()/.double() stops here: what it reached before this one "
-            "is converted already; convert those modules back one by one, e.g. model.norm.float())")
+            "is converted already; convert those modules back one by one, e.g. model.norm.float(). Trainer's "
+            "bf16_full_eval / fp16_full_eval make this call in evaluate(): leave them off, and set compute_dtype)")
     owner.access.check_writable(owner)
     with torch.no_grad():
         missing = [] if owner.access.materialized(owner.group) else [owner]
