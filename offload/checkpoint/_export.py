@@ -27,7 +27,9 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
     """Write ``model``'s parameters and persistent buffers to the directory ``path`` as
     safetensors shards of at most ``shard_size`` (with ``model.safetensors.index.json`` when
     there are several), the layout ``transformers``' ``from_pretrained`` reads; a
-    transformers model's ``config.json`` (and generation config) is written too.
+    transformers model's ``config.json`` (and generation config) is written too. A diffusers
+    model's files are named as its ``save_pretrained`` names them
+    (``diffusion_pytorch_model.safetensors``), with its ``config.json``.
 
     Weights stream a parameter group at a time from wherever they rest, so host memory
     holds one group, not the model. Tied parameters are written once, under the name the
@@ -62,14 +64,16 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
         shards[-1].append(t)
         size += t.nbytes
     n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    stem = _stem(model)
+    names = [f"{stem}.safetensors"] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    index_name = f"{stem}.safetensors.index.json"
     where: dict[int, tuple[int, int]] = {}  # id(Tensorish) -> (file index, byte offset)
     fds = []
     try:
         if lead:
             check_writable(path)
             os.makedirs(path, exist_ok=True)
-            for stale in glob.glob(os.path.join(glob.escape(path), "model*.safetensors*.tmp")):
+            for stale in glob.glob(os.path.join(glob.escape(path), f"{stem}*.safetensors*.tmp")):
                 os.remove(stale)  # (a killed export's; an earlier export's files stay until this one is whole)
         headers = []
         for i, (name, members) in enumerate(zip(names, shards)):
@@ -108,7 +112,7 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
         if part is not None:  # every rank has written its elements
             _agree(part, None)
         if lead:
-            index = os.path.join(path, "model.safetensors.index.json")
+            index = os.path.join(path, index_name)
             if n > 1 and os.path.exists(index) and any(os.path.exists(os.path.join(path, m)) for m in names):
                 os.remove(index)  # (shards renamed over an earlier export's: killed midway, none loads, not a mix)
             for name in names:
@@ -125,20 +129,20 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
         raise
     if not lead:
         return [os.path.join(path, name) for name in names] + \
-            ([os.path.join(path, "model.safetensors.index.json")] if n > 1 else [])
+            ([os.path.join(path, index_name)] if n > 1 else [])
     written = [os.path.join(path, name) for name in names]
     total = sum(t.nbytes for t in tensors)
     if n > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {t.name: names[i] for i, members in enumerate(shards) for t in members}}
-        tmp = os.path.join(path, "model.safetensors.index.json.tmp")
+        tmp = os.path.join(path, index_name + ".tmp")
         with open(tmp, "w") as fh:
             json.dump(index, fh, indent=2)
             fh.flush()
             os.fsync(fh.fileno())
-        os.rename(tmp, os.path.join(path, "model.safetensors.index.json"))
-        written.append(os.path.join(path, "model.safetensors.index.json"))
-    for stale in set(glob.glob(os.path.join(glob.escape(path), "model*.safetensors*"))) - set(written):
+        os.rename(tmp, os.path.join(path, index_name))
+        written.append(os.path.join(path, index_name))
+    for stale in set(glob.glob(os.path.join(glob.escape(path), f"{stem}*.safetensors*"))) - set(written):
         os.remove(stale)  # an earlier export's other shards or index, now that this one is whole
     _save_configs(model, path)
     fsync_dir(path)
@@ -147,18 +151,32 @@ def export(model: nn.Module, path: str | os.PathLike, format: str = "safetensors
     return written
 
 
+def _diffusers(model: nn.Module) -> bool:
+    """A diffusers model: its config is a plain mapping that the model itself saves
+    (``ConfigMixin.save_config``), where a transformers config saves itself."""
+    return callable(getattr(model, "save_config", None)) and \
+        not hasattr(getattr(model, "config", None), "save_pretrained")
+
+
+def _stem(model: nn.Module) -> str:
+    """The weights files' name, as the library's ``from_pretrained`` looks for them."""
+    return "diffusion_pytorch_model" if _diffusers(model) else "model"
+
+
 def _save_configs(model: nn.Module, path: str) -> None:
     """The model's ``config.json`` (and generation config) as ``save_pretrained`` writes them,
     each made whole in a scratch directory beside it and renamed over the earlier one: a
     process killed while writing leaves the earlier export's config, not an empty file."""
-    configs = [c for c in (getattr(model, a, None) for a in ("config", "generation_config"))
-               if c is not None and hasattr(c, "save_pretrained")]
-    if not configs:
+    saves = [c.save_pretrained for c in (getattr(model, a, None) for a in ("config", "generation_config"))
+             if c is not None and hasattr(c, "save_pretrained")]
+    if _diffusers(model):
+        saves.append(model.save_config)
+    if not saves:
         return
     scratch = tempfile.mkdtemp(prefix=".config-", dir=path)
     try:
-        for cfg in configs:
-            cfg.save_pretrained(scratch)
+        for save in saves:
+            save(scratch)
         for name in os.listdir(scratch):
             with open(os.path.join(scratch, name), "rb") as fh:
                 os.fsync(fh.fileno())

@@ -246,6 +246,48 @@ def test_export_loads_with_from_pretrained(tmp_path, arch, tier, tiny_gpt2, tiny
     opt.close()
 
 
+class _ConfigSavingModel(torch.nn.Module):
+    """The interface of a diffusers model that export relies on: ``config`` a plain mapping,
+    saved by the model's ``save_config`` (diffusers' ConfigMixin)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = {"_class_name": "Tiny", "width": 8}
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+    def save_config(self, directory):
+        with open(os.path.join(directory, "config.json"), "w") as fh:
+            json.dump(self.config, fh)
+
+
+@pytest.mark.parametrize("shard_size", ["5GiB", "300B"])
+def test_export_names_a_diffusers_models_files_as_diffusers_does(tmp_path, shard_size, offload_config):
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    ref = _ConfigSavingModel()
+    wrapped = offload.wrap(_ConfigSavingModel(), offload_config(tmp_path / "w", param_tier="nvme"))
+    wrapped.load_state_dict(ref.state_dict())
+    out = tmp_path / "export"
+    offload.export(wrapped, str(out), shard_size=shard_size)
+    names = sorted(os.listdir(out))
+    assert read(out / "config.json") == ref.config
+    assert not [n for n in names if n.startswith("model")], names
+    if shard_size == "5GiB":
+        assert names == ["config.json", "diffusion_pytorch_model.safetensors"]
+        files = ["diffusion_pytorch_model.safetensors"]
+    else:
+        files = sorted(set(read(out / "diffusion_pytorch_model.safetensors.index.json")["weight_map"].values()))
+        assert len(files) > 1 and all(f.startswith("diffusion_pytorch_model-0") for f in files)
+    got = {k: v for f in files for k, v in load_file(out / f).items()}
+    assert got.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+    offload.unwrap(wrapped)
+
+
 def test_rng_state_round_trips_through_json():
     import random
 
