@@ -273,14 +273,30 @@ class DemandAccess:
 
 # -- torch optimizers over offloaded parameters ----------------------------------------------------
 def _install_guard() -> None:
+    """At the first wrap: torch optimizers over offloaded parameters are refused when built
+    (``add_param_group``, which ``__init__`` calls) and, for parameters made trainable since,
+    at ``step()``."""
     global _guard
     if _guard is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _guard = register_optimizer_step_pre_hook(_refuse_torch_optimizer)
+        original = torch.optim.Optimizer.add_param_group
+
+        @functools.wraps(original)
+        def add_param_group(self: Any, param_group: dict) -> None:
+            original(self, param_group)
+            try:
+                _refuse_torch_optimizer(self, (), {}, groups=[param_group])
+            except TypeError:
+                # (add_param_group on a live optimizer: left as it was)
+                self.param_groups[:] = [g for g in self.param_groups if g is not param_group]
+                raise
+
+        torch.optim.Optimizer.add_param_group = add_param_group
 
 
-def _refuse_torch_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _refuse_torch_optimizer(optimizer: Any, args: Any, kwargs: Any, groups: list | None = None) -> None:
     """A torch optimizer would keep its states on the device, outside every budget, and
     rewrite each streamed parameter through demand fetch several times a step: refused, with
     the optimizers that serve these parameters named."""
@@ -293,7 +309,7 @@ def _refuse_torch_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
         inner = getattr(inner, "optimizer", None)
         if inner is None:
             break
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if groups is None else groups:
         for p in group["params"]:
             owner = owner_of_param(p)
             if owner is not None and not owner.group.resident and p.requires_grad:  # (frozen: torch skips it)

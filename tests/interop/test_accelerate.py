@@ -71,7 +71,13 @@ def test_checkpoint_finds_or_refuses_the_optimizer(tmp_path, tiny_gpt2, offload_
     assert offload.load_checkpoint(tmp_path / "found", model, opt) is None
     with pytest.raises(offload.CheckpointError, match="cannot be reached"):
         offload.save_checkpoint(tmp_path / "none", model, object())
+    with pytest.raises(TypeError, match="wrapped by offload.wrap"):  # (refused when built, not at its step)
+        torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():  # (built over frozen ones it is allowed: torch would skip them)
+        p.requires_grad_(False)
     stray = torch.optim.SGD(model.parameters(), lr=0.1)  # its parameters' state is the AdamW's
+    for p in model.parameters():
+        p.requires_grad_(True)
     with pytest.raises(offload.CheckpointError, match="open AdamW"):
         offload.save_checkpoint(tmp_path / "stray", model, stray)
     opt.close()

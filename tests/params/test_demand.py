@@ -261,14 +261,24 @@ def test_a_weight_written_between_a_step_and_the_next_forward_trains_as_torch(tm
             offload.close(model)
 
 
-def test_torch_optimizers_over_offloaded_parameters_are_refused_at_step(tmp_path, no_leaks):
+def test_torch_optimizers_over_offloaded_parameters_are_refused(tmp_path, no_leaks):
+    """When built (or given them by add_param_group, left as it was), and at step() for
+    parameters frozen when it was built and trainable since."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
     offload.wrap(model, nvme_config(tmp_path, "8KiB", resident_bytes=0))
     adapter = nn.Linear(16, 16)  # not wrapped: any optimizer may train it
     try:
         model(torch.randn(2, 16)).sum().backward()
+        with pytest.raises(TypeError, match=r"offload\.AdamW, offload\.Adam or offload\.SGD"):
+            torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.SGD(adapter.parameters(), lr=1e-3)
+        with pytest.raises(TypeError, match=r"offload\.AdamW, offload\.Adam or offload\.SGD"):
+            opt.add_param_group({"params": model[0].parameters(), "lr": 1.0})
+        assert len(opt.param_groups) == 1
+        model.requires_grad_(False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.requires_grad_(True)
         with pytest.raises(TypeError, match=r"offload\.AdamW, offload\.Adam or offload\.SGD"):
             opt.step()
         adapter(torch.randn(2, 16)).sum().backward()
