@@ -54,6 +54,9 @@ class EngineFile:
         self.path, self.buffered_fd, self.direct_fd, self.align = path, buffered_fd, direct_fd, align
         self.retired_fds: list[int] = []  # direct descriptors given up on; closed with the file
         self.closed = False
+        # (a swap file's claimed size: a write into it while it is shorter would grow it
+        # again with zeros where its data was, so it is refused instead)
+        self.min_size = 0
 
     @property
     def direct(self) -> bool:
@@ -302,6 +305,15 @@ class FileEngine:
         file, view, done = block.file, block.view, 0
         call = self.backend.preadv if block.op == "read" else self.backend.pwritev
         direct = block.direct and file.direct
+        if file.min_size and block.op == "write":
+            try:
+                size = os.fstat(file.buffered_fd).st_size
+            except OSError as err:
+                return self._error(block, 0, err.errno, "")
+            if size < file.min_size:
+                return self._error(block, 0, None, f"the file is {size} bytes, shorter than the {file.min_size} "
+                                   "offload claimed: something outside offload truncated it, and what it held "
+                                   "past that is lost")
         while done < len(view):
             fd = file.direct_fd if direct else file.buffered_fd
             try:

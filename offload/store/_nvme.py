@@ -279,6 +279,7 @@ class SwapFiles:
                 raise
             file = self.engine.open(path, create=True)
             self.engine.backend.ftruncate(file.buffered_fd, size)  # sparse where fallocate is missing
+        file.min_size = size
         entry = (file, _FreeList(size))
         self._files.append(entry)
         log.debug("claimed swap file %s of %d bytes", path, size)

@@ -244,6 +244,22 @@ def test_swap_file_truncated_underneath_raises_clearly(io_backend, disk_dir, no_
             store.wait("a", Tier.DEVICE, timeout=30)
 
 
+def test_a_write_into_a_truncated_swap_file_is_refused_not_grown_over_lost_data(disk_dir, no_leaks):
+    """A write past the truncated end would grow the file again, with zeros where the
+    tensors before it were, and their reads would then succeed: refused, naming it."""
+    with small_store(path=disk_dir) as store:
+        store.put("a", torch.ones(MiB // 4), Tier.NVME)
+        store.put("b", torch.ones(MiB // 4), Tier.NVME)
+        store.drain()
+        os.truncate(os.path.join(disk_dir, "offload-swap-0.bin"), 0)
+        store.put("b", torch.full((MiB // 4,), 2.0), Tier.NVME)  # (a new extent, after a's)
+        with pytest.raises(OffloadIOError, match=r"offload-swap-0\.bin.*truncated it"):
+            store.wait("b", Tier.NVME, timeout=30)
+        assert os.path.getsize(os.path.join(disk_dir, "offload-swap-0.bin")) == 0
+        with pytest.raises(OffloadIOError, match="truncated"):
+            store.wait("a", Tier.DEVICE, timeout=30)
+
+
 @BACKENDS
 def test_device_budget_smaller_than_a_tensor_raises_with_numbers(io_backend, disk_dir, no_leaks):
     with small_store(io_backend=io_backend, path=disk_dir, device_budget="1MiB") as store:
