@@ -8,7 +8,7 @@ loading (``conversion_mapping``): some keys are only renamed (a ViT's
 ``w1``/``w3`` into one ``gate_up_proj``; some transposed or permuted under their own name).
 A renamed tensor is the same bytes under another
 name, so offload reads it as the model names it, in place too. A converted one is not one
-tensor of the file: ``CheckpointReader`` refuses it with the way round.
+tensor of the file: transformers' own converter builds it (``_hf_built``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class HfKeys:
 
     renamed: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key
     converted: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key built from it
+    converters: dict[str, tuple[Any, str]] = field(default_factory=dict)  # converted key -> (converter, pattern)
 
 
 def hf_keys(model: nn.Module, keys: list[str], model_keys: set[str]) -> HfKeys | None:
@@ -55,13 +56,15 @@ def hf_keys(model: nn.Module, keys: list[str], model_keys: set[str]) -> HfKeys |
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         known: dict[str, Any] = dict.fromkeys(model_keys, True)  # (only membership is asked)
+        by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
         out = HfKeys()
         for key in keys:
-            name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
+            name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, known)
             if name not in known and key in known:  # (as from_pretrained: a key that needed no renaming)
-                name, converter = key, None
-            if converter is not None:
+                name, pattern = key, None
+            if pattern is not None:
                 out.converted[key] = name
+                out.converters[key] = (by_pattern[pattern], pattern)
             elif name != key:
                 out.renamed[key] = name
         return out

@@ -145,6 +145,8 @@ def _why_copied(group: ParamGroup, reader: Any, config: Any, partitioned: bool) 
     if partitioned:
         return "each rank keeps a slice of its own"
     for slot in group.slots:
+        if reader.built_from_several(reader.name_of(slot)):
+            return "transformers builds a parameter of several tensors of the file (fused experts): built once"
         entry = reader.entries[reader.name_of(slot)]
         if entry.dtype != slot.dtype:
             return f"the checkpoint holds {str(entry.dtype).removeprefix('torch.')}, the model computes in " \

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ._hf_built import BuiltParams
 from ._hf_keys import hf_keys
 from ._ties import check_tied_names, check_ties_as_loaded
 
@@ -61,6 +62,7 @@ class CheckpointReader:
     def __init__(self, path: str, model: nn.Module):
         self.path = path
         self.entries: dict[str, _Entry] = {}
+        self.built: BuiltParams | dict = {}  # parameters transformers builds of several of the file's tensors
         files, weight_map = _checkpoint_files(path)
         for file in files:
             if weight_map is not None and not os.path.exists(file):
@@ -81,25 +83,20 @@ class CheckpointReader:
         self._check_against(model)
 
     def has(self, name: str) -> bool:
-        return name in self.entries
+        return name in self.entries or name in self.built
+
+    def built_from_several(self, name: str) -> bool:
+        """Whether transformers builds the parameter ``name`` from several tensors of the file
+        (``_hf_built``): no tensor of the file to read in place."""
+        return name in self.built
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self.built.shapes[name][1]) if name in self.built else tuple(self.entries[name].shape)
 
     def get(self, name: str) -> torch.Tensor:
-        entry = self.entries[name]
-        out = torch.empty(entry.end - entry.start, dtype=torch.uint8)
-        view = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
-        fd = os.open(entry.path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], entry.start + done)
-                if n <= 0:
-                    raise ValueError(f"checkpoint file {entry.path!r} is truncated: tensor {name!r} "
-                                     f"needs bytes {entry.start}-{entry.end}")
-                done += n
-        finally:
-            os.close(fd)
-        return out.view(entry.dtype).reshape(entry.shape) if out.numel() else \
-            torch.empty(entry.shape, dtype=entry.dtype)
+        if name in self.built:
+            return self.built.take(name)
+        return _load(self.entries[name], name)
 
     def tensor(self, slot) -> torch.Tensor:
         return self.get(self.name_of(slot))
@@ -107,14 +104,14 @@ class CheckpointReader:
     def name_of(self, slot) -> str:
         """The checkpoint's name for ``slot``'s parameter (tied ones have several)."""
         for name in slot.names:
-            if name in self.entries:
+            if self.has(name):
                 return name
         raise KeyError(f"none of {slot.names} is in the checkpoint {self.path!r}")
 
     def _rename_as_transformers(self, model: nn.Module) -> None:
         """Take the model's names for the keys transformers renames when loading (the same
-        bytes); refuse the keys it converts (fused, split, transposed, permuted: not the
-        tensor of the file), even under the model's own names."""
+        bytes), and build as it does the parameters it makes of several keys (fused, split,
+        transposed, permuted: ``_hf_built``)."""
         keys = hf_keys(model, list(self.entries), set(model.state_dict().keys()))
         prefix = (getattr(model, "base_model_prefix", "") or "") + "."
         self._stripped = set() if keys is None else {
@@ -122,14 +119,21 @@ class CheckpointReader:
         if keys is None:
             return
         if keys.converted:
-            first = sorted(keys.converted)[0]
-            raise ValueError(
-                f"checkpoint {self.path!r} holds {len(keys.converted)} tensors that transformers converts when it "
-                f"loads a {type(model).__name__} (fused, split, transposed or permuted into "
-                f"{len(set(keys.converted.values()))} parameters, e.g. {first!r} into {keys.converted[first]!r}): "
-                "offload reads each parameter as one tensor of the file and cannot build these. Load the model "
-                "with from_pretrained and wrap it without checkpoint= (its weights are then copied into swap "
-                "files), or, loaded so once, " + SAVE_AS_NAMED)
+            sources = {k: self.entries.pop(k) for k in keys.converted}
+            try:
+                self.built = BuiltParams(model, keys.converters, keys.converted,
+                                         read=lambda k: _load(sources[k], k),
+                                         meta=lambda k: torch.empty(sources[k].shape, dtype=sources[k].dtype,
+                                                                    device="meta"))
+            except ValueError as err:
+                first = sorted(keys.converted)[0]
+                raise ValueError(
+                    f"checkpoint {self.path!r} holds {len(keys.converted)} tensors that transformers converts when "
+                    f"it loads a {type(model).__name__} (fused, split, transposed or permuted into "
+                    f"{len(set(keys.converted.values()))} parameters, e.g. {first!r} into "
+                    f"{keys.converted[first]!r}), and its converter could not be run here ({err}). Load the model "
+                    "with from_pretrained and wrap it without checkpoint= (this needs RAM for the whole model: its "
+                    "weights are then copied into swap files), or, loaded so once, " + SAVE_AS_NAMED) from err
         if keys.renamed:
             renamed = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
             if len(renamed) < len(self.entries):  # (two tensors of the file under one name: which is meant?)
@@ -150,15 +154,15 @@ class CheckpointReader:
             shapes[id(param)] = tuple(param.shape)
         known = {n for names in aliases.values() for n in names}
         persistent = set(model.state_dict().keys()) - known  # persistent buffers
-        missing = [names[0] for pid, names in aliases.items() if not any(n in self.entries for n in names)]
-        missing += [b for b in persistent if b not in self.entries and _is_meta_buffer(model, b)]
+        missing = [names[0] for pid, names in aliases.items() if not any(self.has(n) for n in names)]
+        missing += [b for b in persistent if not self.has(b) and _is_meta_buffer(model, b)]
         self._drop_ignored(model, known | persistent)
         unexpected = [k for k in self.entries if k not in known and k not in persistent]
         mismatched = []
         for pid, names in aliases.items():
             for n in names:
-                if n in self.entries and tuple(self.entries[n].shape) != shapes[pid]:
-                    mismatched.append(f"{n}: checkpoint {tuple(self.entries[n].shape)}, model {shapes[pid]}")
+                if self.has(n) and self.shape_of(n) != shapes[pid]:
+                    mismatched.append(f"{n}: checkpoint {self.shape_of(n)}, model {shapes[pid]}")
         problems = []
         if missing:
             problems.append(f"missing keys ({len(missing)}): {sorted(missing)[:20]}")
@@ -182,7 +186,7 @@ class CheckpointReader:
                              "needs initial values offload does not make: load it with from_pretrained, which "
                              "initializes what the file lacks, and wrap it without checkpoint=.")
         for names in aliases.values():
-            check_tied_names(self.path, [n for n in names if n in self.entries], self._same)
+            check_tied_names(self.path, [n for n in names if self.has(n)], self._same)
 
     def _drop_ignored(self, model: nn.Module, saved: set[str]) -> None:
         """Forget the file's tensors, of those the model does not save (``saved``: its state
@@ -216,8 +220,28 @@ class CheckpointReader:
                 and k not in self._stripped}
 
     def _same(self, a: str, b: str) -> bool:
+        if a in self.built or b in self.built:  # (built apart: compared as built)
+            return torch.equal(self.get(a), self.get(b))
         x, y = self.entries[a], self.entries[b]
         return (x.dtype, x.shape) == (y.dtype, y.shape) and _same_bytes(x, y)
+
+
+def _load(entry: "_Entry", name: str) -> torch.Tensor:
+    out = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+    view = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], entry.start + done)
+            if n <= 0:
+                raise ValueError(f"checkpoint file {entry.path!r} is truncated: tensor {name!r} "
+                                 f"needs bytes {entry.start}-{entry.end}")
+            done += n
+    finally:
+        os.close(fd)
+    return out.view(entry.dtype).reshape(entry.shape) if out.numel() else \
+        torch.empty(entry.shape, dtype=entry.dtype)
 
 
 def beside_its_config(model: nn.Module, file: str) -> str | None:

@@ -2,8 +2,8 @@
 
 The layout transformers keeps for some architectures, which
 ``from_pretrained`` converts while loading: renamed tensors are read under the model's
-names (in place too) and equal ``from_pretrained``'s; fused or split ones are refused with
-the way round, which then works."""
+names (in place too) and equal ``from_pretrained``'s; fused or split ones are built by
+transformers' own converter (or, where it cannot run, refused with the way round)."""
 
 from __future__ import annotations
 
@@ -44,16 +44,59 @@ def test_renamed_tensors_are_read_under_the_models_names(tmp_path, read_in_place
     offload.unwrap(model)
 
 
-def test_fused_tensors_are_refused_with_the_way_round(tmp_path, no_leaks):
+def _mixtral():
     config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2, vocab_size=300)
+    return config, lambda: transformers.MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("shard", ["5GB", "40KB"])
+def test_fused_experts_are_built_as_transformers_builds_them(tmp_path, shard, caplog, no_leaks):
+    """Per-expert tensors of a save_pretrained file (sharded: one expert's in several
+    files) are stacked and joined by transformers' own converter, into parameters equal to
+    from_pretrained's; they are copied into the store, and train like any other."""
+    config, build = _mixtral()
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "ckpt", max_shard_size=shard)
+    ref = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        model = _wrap(build, tmp_path / "ckpt", tmp_path / "swap")
+    assert "as transformers builds them" in caplog.text and "fused experts" in caplog.text
+    got = offload.state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
+                       ref.generate(ids, max_new_tokens=4, do_sample=False))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+        o.step()
+    got = offload.state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, msg=name)
+    opt.close()
+    offload.unwrap(model)
+
+
+def test_a_converter_that_fails_is_refused_with_the_way_round(tmp_path, monkeypatch, no_leaks):
+    config, build = _mixtral()
     torch.manual_seed(0)
     transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "ckpt")
-    build = lambda: transformers.MixtralForCausalLM(config)  # noqa: E731
-    with pytest.raises(ValueError, match=r"transformers converts when it loads a MixtralForCausalLM.*"
-                                         r"from_pretrained.*save_model"):
+
+    def fails(self, mapping, load):
+        raise RuntimeError("an operation this build cannot run")
+
+    monkeypatch.setattr("offload.params._hf_built.BuiltParams._convert", fails)
+    with pytest.raises(ValueError, match=r"transformers converts when it loads a MixtralForCausalLM.*cannot run.*"
+                                         r"from_pretrained.*RAM for the whole model.*save_model"):
         _wrap(build, tmp_path / "ckpt", tmp_path / "swap")
+    monkeypatch.undo()
     ref = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
     safetensors = pytest.importorskip("safetensors.torch")
     safetensors.save_model(ref, str(tmp_path / "as_named.safetensors"))  # (the message's way round)
