@@ -1,6 +1,7 @@
 """Parameter offload: groups, hooks, and the coordinator that prefetches along the recorded order."""
 
-from ._loading import CheckpointReader, init_empty_weights
+from ._empty import init_empty_weights
+from ._loading import CheckpointReader
 from ._inplace import InPlaceChoice, InPlaceLayout, align_to_files, choose_in_place
 from .._autograd import graph_task
 from ._calls import Kind, kind_of, write_targets, NO_DATA, LAYOUT

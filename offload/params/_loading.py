@@ -10,23 +10,20 @@ read here with ``os.preadv`` into a fresh tensor: memory holds one tensor at a t
 from __future__ import annotations
 
 import collections
-import contextlib
-import glob
 import json
 import logging
 import os
 import re
-import struct
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from ._hf_built import BuiltParams
 from ._hf_keys import hf_keys
+from ._safetensors import Entry, checkpoint_files, load_entry, read_header, same_bytes
 from ._ties import check_tied_names, check_ties_as_loaded
 
-__all__ = ["CheckpointReader", "beside_its_config", "init_empty_weights", "take_generation_config"]
+__all__ = ["CheckpointReader", "beside_its_config", "take_generation_config"]
 
 log = logging.getLogger(__name__)
 
@@ -36,24 +33,9 @@ SAVE_AS_NAMED = ("save it as the model names its tensors into a new directory (s
                  "f'{new}/model.safetensors'), with model.config.save_pretrained(new) and, for generation, "
                  "model.generation_config.save_pretrained(new)) and wrap with checkpoint=new")
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
-
-
 # buffers older files saved under other names, which from_pretrained passes over where the
 # model has such a buffer
 _OLD_BUFFERS = (("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"), ("position_ids", r"(^|\.)position_ids$"))
-
-
-class _Entry:
-    __slots__ = ("path", "dtype", "shape", "start", "end")
-
-    def __init__(self, path: str, dtype: torch.dtype, shape: list[int], start: int, end: int):
-        self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
 
 
 class CheckpointReader:
@@ -61,15 +43,15 @@ class CheckpointReader:
 
     def __init__(self, path: str, model: nn.Module):
         self.path = path
-        self.entries: dict[str, _Entry] = {}
+        self.entries: dict[str, Entry] = {}
         self.built: BuiltParams | dict = {}  # parameters transformers builds of several of the file's tensors
-        files, weight_map = _checkpoint_files(path)
+        files, weight_map = checkpoint_files(path)
         for file in files:
             if weight_map is not None and not os.path.exists(file):
                 raise FileNotFoundError(
                     f"checkpoint {path!r}: its index lists {os.path.basename(file)!r}, which is not there (a copy or "
                     "download that stopped?). Copy the missing shard in, or save the model again")
-            for name, entry in _read_header(file).items():
+            for name, entry in read_header(file).items():
                 if weight_map is not None and weight_map.get(name, file) != file:
                     continue  # (the index names another file for it: a stale copy)
                 if name in self.entries:
@@ -96,7 +78,7 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name in self.built:
             return self.built.take(name)
-        return _load(self.entries[name], name)
+        return load_entry(self.entries[name], name)
 
     def tensor(self, slot) -> torch.Tensor:
         return self.get(self.name_of(slot))
@@ -122,7 +104,7 @@ class CheckpointReader:
             sources = {k: self.entries.pop(k) for k in keys.converted}
             try:
                 self.built = BuiltParams(model, keys.converters, keys.converted,
-                                         read=lambda k: _load(sources[k], k),
+                                         read=lambda k: load_entry(sources[k], k),
                                          meta=lambda k: torch.empty(sources[k].shape, dtype=sources[k].dtype,
                                                                     device="meta"))
             except ValueError as err:
@@ -170,7 +152,7 @@ class CheckpointReader:
             problems.append(f"unexpected keys ({len(unexpected)}): {sorted(unexpected)[:20]}")
         if mismatched:
             problems.append(f"shape mismatches ({len(mismatched)}): {mismatched[:20]}")
-        computed = _computed_on_load(model, missing)
+        computed = _computed_onload_entry(model, missing)
         if computed and not unexpected and not mismatched and len(computed) == len(missing):
             raise ValueError(
                 f"checkpoint {self.path!r} lacks {sorted(computed)[:6]}: {type(model).__name__} does not save them "
@@ -223,25 +205,7 @@ class CheckpointReader:
         if a in self.built or b in self.built:  # (built apart: compared as built)
             return torch.equal(self.get(a), self.get(b))
         x, y = self.entries[a], self.entries[b]
-        return (x.dtype, x.shape) == (y.dtype, y.shape) and _same_bytes(x, y)
-
-
-def _load(entry: "_Entry", name: str) -> torch.Tensor:
-    out = torch.empty(entry.end - entry.start, dtype=torch.uint8)
-    view = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
-    fd = os.open(entry.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], entry.start + done)
-            if n <= 0:
-                raise ValueError(f"checkpoint file {entry.path!r} is truncated: tensor {name!r} "
-                                 f"needs bytes {entry.start}-{entry.end}")
-            done += n
-    finally:
-        os.close(fd)
-    return out.view(entry.dtype).reshape(entry.shape) if out.numel() else \
-        torch.empty(entry.shape, dtype=entry.dtype)
+        return (x.dtype, x.shape) == (y.dtype, y.shape) and same_bytes(x, y)
 
 
 def beside_its_config(model: nn.Module, file: str) -> str | None:
@@ -279,7 +243,7 @@ def take_generation_config(model: nn.Module, path: str | None) -> None:
     log.info("generation settings taken from %s, as from_pretrained takes them", file)
 
 
-def _computed_on_load(model: nn.Module, missing: list[str]) -> list[str]:
+def _computed_onload_entry(model: nn.Module, missing: list[str]) -> list[str]:
     """Of ``missing``, the keys the model's class says it does not save or may lack."""
     patterns = [re.compile(p) for attr in ("_keys_to_ignore_on_save", "_keys_to_ignore_on_load_missing")
                 for p in (getattr(model, attr, None) or ())]
@@ -292,149 +256,3 @@ def _is_meta_buffer(model: nn.Module, name: str) -> bool:
     return buf is not None and buf.device.type == "meta"
 
 
-def _same_bytes(a: _Entry, b: _Entry, chunk: int = 64 << 20) -> bool:
-    if a.end - a.start != b.end - b.start:
-        return False
-    with open(a.path, "rb", buffering=0) as fa, open(b.path, "rb", buffering=0) as fb:
-        for at in range(0, a.end - a.start, chunk):
-            n = min(chunk, a.end - a.start - at)
-            if os.pread(fa.fileno(), n, a.start + at) != os.pread(fb.fileno(), n, b.start + at):
-                return False
-    return True
-
-
-def _checkpoint_files(path: str) -> tuple[list[str], dict[str, str] | None]:
-    """The files that make up the checkpoint at ``path``, as ``from_pretrained`` picks them
-    (model.safetensors, else an index, else the directory's .safetensors files), and the
-    index's file for each tensor (None without an index)."""
-    if os.path.isfile(path):
-        return [path], None
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist: give a .safetensors file, a "
-                                "directory with model.safetensors(.index.json), or a save_pretrained directory")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(single):  # (beside it, an index, a variant, an adapter or an older copy: not the model's)
-        return [single], None
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as fh:
-            weight_map = {k: os.path.join(path, f) for k, f in json.load(fh).get("weight_map", {}).items()}
-        return sorted(set(weight_map.values())), weight_map
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files and os.path.exists(os.path.join(path, "manifest.json")):
-        raise FileNotFoundError(
-            f"{path!r} is an offload checkpoint (manifest.json), not safetensors weights: wrap the model (built "
-            "with offload.init_empty_weights() it needs a checkpoint=, so build it normally or give its "
-            "save_pretrained directory), then offload.load_checkpoint(path, model[, optimizer]); or load a plain "
-            "model with model.load_state_dict(offload.load_state_dict_from(path))")
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path!r} (pickle .bin checkpoints are not "
-                                "loaded: they can run code; convert them with save_pretrained(safe_serialization=True))")
-    return files, None
-
-
-def _read_header(file: str) -> dict[str, _Entry]:
-    with open(file, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{file!r} is not a safetensors file (shorter than its header)")
-        (length,) = struct.unpack("<Q", raw)
-        size = os.fstat(fh.fileno()).st_size
-        if length > size - 8:
-            raise ValueError(f"{file!r} is not a safetensors file or is truncated (header of {length} bytes)")
-        try:
-            header = json.loads(fh.read(length))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file!r} has a corrupt safetensors header: {err}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{file!r} has a corrupt safetensors header: not a JSON object")
-    return _entries(file, header, 8 + length, size)
-
-
-def _entries(file: str, header: dict, base: int, size: int) -> dict[str, _Entry]:
-    """The header's tensors, checked as safetensors checks them before reading: each one's
-    bytes match its dtype and shape, and together they tile the data section exactly, in
-    order, with no overlap or gap (a shifted offset would otherwise read a neighbour's
-    bytes as this tensor's)."""
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], [int(d) for d in info["shape"]], info["data_offsets"]
-            start, end = int(start), int(end)
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{file!r} has a corrupt safetensors header: tensor {name!r} lacks a dtype, "
-                             "shape or data_offsets pair") from None
-        if dtype not in _DTYPES:
-            raise ValueError(f"{file!r}: tensor {name!r} has unsupported dtype {dtype}")
-        need = _DTYPES[dtype].itemsize
-        for dim in shape:
-            need *= dim
-        if min(shape, default=0) < 0 or not 0 <= start <= end or end - start != need:
-            raise ValueError(f"{file!r} has a corrupt safetensors header: tensor {name!r} ({dtype} of shape "
-                             f"{shape}, {need} bytes) has data_offsets [{start}, {end}]")
-        if base + end > size:
-            raise ValueError(f"{file!r} is truncated: tensor {name!r} ends at byte {base + end} of {size}")
-        entries[name] = _Entry(file, _DTYPES[dtype], shape, base + start, base + end)
-    at = base
-    for name, entry in sorted(entries.items(), key=lambda kv: (kv[1].start, kv[1].end)):
-        if entry.start != at:
-            raise ValueError(f"{file!r} has a corrupt safetensors header: tensor {name!r} starts at data byte "
-                             f"{entry.start - base}, where the tensors before it end at {at - base} (overlapping "
-                             "or gapped data_offsets)")
-        at = entry.end
-    if at != size:
-        raise ValueError(f"{file!r} has a corrupt safetensors header: its tensors end at byte {at}, the file at {size}")
-    return entries
-
-
-# In-place ops and initializers that only set values: on a meta tensor they do nothing but
-# cost the Python reference kernels' time (GPT-2 1.5B's initializers: 0.75 s of a 1 s
-# build). Known by name: transformers swaps torch.nn.init's functions for its own.
-_VALUES_ONLY = frozenset((
-    "normal_", "uniform_", "fill_", "zero_", "copy_", "mul_", "add_", "sub_", "div_", "clamp_",
-    "clamp_min_", "clamp_max_", "erfinv_", "exponential_", "random_", "bernoulli_", "log_normal_",
-    "cauchy_", "geometric_", "masked_fill_", "fmod_", "abs_", "neg_", "sqrt_", "exp_", "log_",
-    "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
-    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"))
-
-
-class _SkipMetaValues(torch.overrides.TorchFunctionMode):
-    """Skips value-only in-place ops on meta tensors (initializers of parameters that the
-    checkpoint will fill): the shapes and dtypes they leave are the ones they found. What
-    such an op would raise on a meta tensor (a shape mismatch) is not raised."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", None) in _VALUES_ONLY:
-            # (torch.nn.init passes its tensor by keyword)
-            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-            if isinstance(target, torch.Tensor) and target.is_meta:
-                return target
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def init_empty_weights() -> Iterator[None]:
-    """Build a model with parameters on the meta device and buffers real.
-
-    Buffers computed at construction (rotary frequencies, attention masks) are often not
-    saved in checkpoints, so they must not be lost to the meta device. Initializers and
-    in-place ops that only set a meta tensor's values are skipped: there are no values to
-    set. Every op in the block passes through that check, so build the model here and wrap
-    it outside.
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        with _SkipMetaValues():
-            yield
-    finally:
-        nn.Module.register_parameter = original
