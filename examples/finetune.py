@@ -242,6 +242,10 @@ def main(argv=None) -> int:
         unwritable = path and writable_parent(path)
         if unwritable:  # (found now, not after the training it would lose)
             parser.error(f"{flag} {path!r}: {unwritable}")
+    if args.save_dir and not offload.checkpoint_exists(args.save_dir) and os.path.isdir(args.save_dir) \
+            and os.listdir(args.save_dir):
+        parser.error(f"--save-dir {args.save_dir!r} is not empty and holds no offload checkpoint (no manifest.json): "
+                     "a checkpoint cannot be saved over it; choose another directory")
     if args.update_in_backward and (args.clip > 0 or args.dtype == "fp16"):
         parser.error("--update-in-backward updates during backward, before the total gradient norm or an "
                      "fp16 overflow is known: use it with --clip 0 and --dtype fp32 or bf16")
@@ -269,12 +273,14 @@ def main(argv=None) -> int:
         opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup))
         * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
     first = 0
-    if args.resume and args.save_dir and os.path.exists(os.path.join(args.save_dir, "manifest.json")):
+    if args.resume and args.save_dir and offload.checkpoint_exists(args.save_dir):
         extra = offload.load_checkpoint(args.save_dir, model, opt)
         sched.load_state_dict(extra["scheduler"])
         offload.set_rng_state(extra["rng"])
         first = extra["step"]
         log.info("resumed from %s at step %d", args.save_dir, first)
+    elif args.resume:
+        log.info("--resume: no checkpoint in %s yet, starting at step 0", args.save_dir or "(no --save-dir)")
     log.info("model: %.1fM parameters; setup took %.1f s%s", params / 1e6, time.perf_counter() - started,
              "" if world == 1 else f"; partitioned over {world} ranks")
 

@@ -16,7 +16,7 @@ machine (the ``offload-profile`` command).
 """
 
 from ._units import format_size, parse_size
-from .checkpoint import (CheckpointError, export, load_checkpoint, load_state_dict_from, rng_state,
+from .checkpoint import (CheckpointError, checkpoint_exists, export, load_checkpoint, load_state_dict_from, rng_state,
                          save_checkpoint, set_rng_state, state_dict)
 from .config import OffloadConfig
 from .optim import SGD, Adam, AdamW
@@ -32,5 +32,5 @@ mark_baseline()  # the RSS breakdown's "baseline": the interpreter and what was 
 __all__ = ["OffloadConfig", "wrap", "unwrap", "close", "stats", "reset_peak_stats", "init_empty_weights",
            "log_step", "note_step", "write_trace",
            "AdamW", "Adam", "SGD", "plan", "MemoryPlan", "MemoryPlanError", "save_checkpoint",
-           "load_checkpoint", "load_state_dict_from", "state_dict", "export", "rng_state", "set_rng_state", "CheckpointError", "parse_size",
+           "load_checkpoint", "checkpoint_exists", "load_state_dict_from", "state_dict", "export", "rng_state", "set_rng_state", "CheckpointError", "parse_size",
            "format_size", "__version__"]

@@ -7,10 +7,10 @@ atomically, with a JSON manifest of checksummed raw tensors (no pickle). ``expor
 """
 
 from ._export import export
-from ._format import CheckpointError
+from ._format import CheckpointError, checkpoint_exists
 from ._load import load_checkpoint, load_state_dict_from
 from ._rng import rng_state, set_rng_state
 from ._save import save_checkpoint, state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_state_dict_from", "state_dict", "export",
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_exists", "load_state_dict_from", "state_dict", "export",
            "rng_state", "set_rng_state", "CheckpointError"]

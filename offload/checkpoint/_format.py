@@ -42,7 +42,7 @@ from .._os import pid_alive
 
 __all__ = ["CheckpointError", "FORMAT", "VERSION", "version_of", "MANIFEST", "dtype_name", "dtype_of", "crc32",
            "jsonable", "sealed",
-           "tensor_of", "AtomicDirectory", "recover", "read_manifest", "check_writable"]
+           "tensor_of", "AtomicDirectory", "recover", "read_manifest", "check_writable", "checkpoint_exists"]
 
 log = logging.getLogger(__name__)
 
@@ -157,13 +157,26 @@ def recover(path: str) -> None:
     if not os.path.exists(path):
         for prev in sorted(glob.glob(glob.escape(path) + ".prev-*")):
             if _stale(prev) and os.path.exists(os.path.join(prev, MANIFEST)):
-                os.rename(prev, path)
+                try:
+                    os.rename(prev, path)
+                except FileNotFoundError:  # (another process, a rank of this run, put it back first)
+                    break
                 log.warning("checkpoint %s: a save was interrupted while replacing it; the previous "
                             "complete checkpoint was put back", path)
                 break
     for left in glob.glob(glob.escape(path) + ".tmp-*") + glob.glob(glob.escape(path) + ".prev-*"):
         if _stale(left):
             shutil.rmtree(left, ignore_errors=True)
+
+
+def checkpoint_exists(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint ``save_checkpoint`` finished is at ``path``: its directory holds
+    a manifest, after a complete checkpoint that an interrupted save left beside it (where
+    the file system cannot swap two directories at once) is put back, as ``load_checkpoint``
+    puts it back. A resume flag asks this, not whether the manifest file exists."""
+    path = os.path.abspath(os.fspath(path).rstrip("/"))
+    recover(path)
+    return os.path.isfile(os.path.join(path, MANIFEST))
 
 
 _removals: list[threading.Thread] = []

@@ -33,6 +33,9 @@ def test_train_resume_and_export(tmp_path):
     assert sorted(full) == [1, 2, 3, 4] and full[4] < full[1]
     part = run(tmp_path, "--steps", "4", "--stop-at", "2", "--save-dir", str(tmp_path / "ckpt"), "--export-dir", "")
     assert part == {1: full[1], 2: full[2]}
+    # (a save killed between its two renames, where the file system cannot swap directories:
+    # only the previous checkpoint beside the path; --resume puts it back and goes on)
+    os.rename(tmp_path / "ckpt", tmp_path / "ckpt.prev-999999999-deadbeef")
     rest = run(tmp_path, "--steps", "4", "--save-dir", str(tmp_path / "ckpt"), "--resume",
                "--export-dir", str(tmp_path / "resumed"))
     assert rest == {3: full[3], 4: full[4]}  # bit-exact: same batches, RNG, states
@@ -55,6 +58,15 @@ def test_bad_values_are_refused_before_anything_runs(tmp_path, bad, says):
     out = subprocess.run([sys.executable, SCRIPT, *bad], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
     assert not os.listdir(tmp_path)
+
+
+def test_a_save_dir_that_holds_something_else_is_refused_before_training(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    out = subprocess.run([sys.executable, SCRIPT, "--save-dir", str(tmp_path / "notes"), "--resume"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and "holds no offload checkpoint" in out.stderr, out.stderr[-2000:]
+    assert os.listdir(tmp_path / "notes") == ["todo.txt"]
 
 
 def test_update_in_backward_gives_the_same_run(tmp_path):
