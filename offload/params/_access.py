@@ -25,6 +25,7 @@ from .._units import format_size
 from ..io import BudgetError
 from .._autograd import in_backward
 from ._addresses import ReservedAddresses
+from ._conversions import install_conversion_guard
 from ._coordinator import Coordinator
 from ._demand import DetachedCopy, Owner, any_registered, owner_of_param, refuse_copy, register, unregister
 from ._groups import ParamGroup
@@ -76,6 +77,7 @@ class DemandAccess:
             model.register_load_state_dict_pre_hook(functools.partial(DemandAccess._load_pre, self)),
             model.register_load_state_dict_post_hook(functools.partial(DemandAccess._load_post, self))]
         _install_guard()
+        install_conversion_guard()
 
     def detach(self) -> None:
         self._end_sessions()

@@ -211,7 +211,9 @@ def _serve(func: Any, args: tuple, kwargs: dict, found: list[Owner]) -> Any:
         raise RuntimeError(
             f"offloaded parameter {found[0].name!r} used from another thread than the one that wrapped the "
             "model: its group could be fetched or released under that thread's forward and backward. Use "
-            "the model's parameters on that thread, or take a copy there (offload.state_dict(model))")
+            "the model on the thread that wrapped it: to stream with a TextIteratorStreamer, call generate() "
+            "there and read the streamer on the other thread, or wrap the model on the thread that generates; "
+            "for a copy to use elsewhere, take offload.state_dict(model) there")
     kind = kind_of(func)
     if kind is Kind.CONVERT and owner_of_param(args[0] if args else None) is not None \
             and returns_itself(func, args, kwargs):

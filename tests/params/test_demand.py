@@ -4,6 +4,7 @@ and takes its real values, against the same model without offload."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 
@@ -127,6 +128,32 @@ def test_uses_between_passes_see_and_change_the_real_values(tmp_path, no_leaks):
         offload.unwrap(model)
     assert type(model[0].weight) is nn.Parameter  # unwrap gives the class back
     torch.testing.assert_close(model(x), ref(x))
+
+
+@pytest.mark.parametrize("call", ["half", "meta", "future_overwrite"])
+def test_conversions_that_would_change_the_parameters_are_refused_before_any_change(tmp_path, call, no_leaks):
+    """A refusal from the first parameter came after the buffers and modules before it were
+    converted; .to("meta") and torch's __future__ conversion flag replaced the parameters
+    (the model was no longer offloaded, or broke at the next forward): refused up front."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    ref = copy.deepcopy(model).eval()
+    offload.wrap(model, nvme_config(tmp_path, "8KiB", resident_bytes=0)).eval()
+    try:
+        with contextlib.ExitStack() as stack:
+            if call == "future_overwrite":
+                torch.__future__.set_overwrite_module_params_on_conversion(True)
+                stack.callback(torch.__future__.set_overwrite_module_params_on_conversion, False)
+            with pytest.raises(RuntimeError, match=r"nothing was converted.*offload\.unwrap.*compute_dtype"):
+                model.to("meta") if call == "meta" else model.half()
+        assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {torch.float32}
+        assert all(offload.params.owner_of(p) is not None for p in model.parameters())
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(model(x), ref(x))
+        other = nn.BatchNorm1d(4).half()  # (no offloaded parameter in it: torch's own conversion)
+        assert other.weight.dtype == torch.float16 and other.running_mean.dtype == torch.float16
+    finally:
+        offload.unwrap(model)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
