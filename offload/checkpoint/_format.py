@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .._os import pid_alive
+from ..io import DiskFullError, OffloadIOError
 
 __all__ = ["CheckpointError", "FORMAT", "VERSION", "version_of", "MANIFEST", "dtype_name", "dtype_of", "crc32",
            "jsonable", "sealed",
@@ -240,13 +241,22 @@ class AtomicDirectory:
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Write JSON durably: to ``path.tmp``, fsync, rename."""
+    """Write JSON durably: to ``path.tmp``, fsync, rename. A failure (a disk that filled
+    after the tensors were written) names the file, and says that nothing was replaced:
+    the caller's directory is a temporary one, aborted on the way out."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, allow_nan=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.rename(tmp, path)
+    data = json.dumps(obj, indent=1, allow_nan=True).encode()
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.rename(tmp, path)
+    except OSError as err:
+        detail = "the checkpoint's manifest, written last: nothing was replaced, the path holds what it held"
+        if err.errno == errno.ENOSPC:
+            raise DiskFullError("write", tmp, 0, len(data), detail=detail) from err
+        raise OffloadIOError("write", tmp, 0, len(data), err.errno, detail) from err
 
 
 def sealed(manifest: dict) -> dict:

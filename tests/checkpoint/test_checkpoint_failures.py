@@ -210,6 +210,31 @@ def test_disk_full_keeps_the_previous_checkpoint(loop_fs, tmp_path, monkeypatch,
         assert torch.equal(p, q), n
 
 
+def test_a_manifest_the_disk_cannot_take_is_named_and_replaces_nothing(tmp_path, monkeypatch, tiny_gpt2):
+    """The disk filling after the tensors are written, at the manifest: a bare OSError
+    without a path before."""
+    import errno
+
+    from offload.checkpoint import _format
+    path = str(tmp_path / "ckpt")
+    small = tiny_gpt2()
+    offload.save_checkpoint(path, small)
+    before = sorted(os.listdir(path))
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("manifest.json.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(_format.os, "fsync", fsync)
+    with pytest.raises(DiskFullError, match=r"manifest\.json\.tmp.*ENOSPC.*nothing was replaced"):
+        offload.save_checkpoint(path, small)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(path)) == before
+    offload.load_checkpoint(path, tiny_gpt2())
+
+
 def test_an_edited_manifest_is_refused(saved):
     """The manifest carries a checksum of itself: a learning rate or a step count changed in
     it (an edit, a flipped bit) used to load silently, the tensors' own checksums intact. A
