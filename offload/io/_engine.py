@@ -189,7 +189,10 @@ class FileEngine:
             self._files.discard(file)
         for fd in (file.direct_fd, file.buffered_fd, *file.retired_fds):
             if fd is not None:
-                self.backend.close(fd)
+                try:
+                    self.backend.close(fd)
+                except OSError as err:  # (Linux releases the descriptor even so: the others are closed too)
+                    log.warning("offload: closing %s reported %s (a failed disk?); it is closed", file.path, err)
 
     def fsync(self, file: EngineFile) -> None:
         self.backend.fsync(file.buffered_fd)

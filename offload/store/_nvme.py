@@ -196,7 +196,10 @@ class SwapFiles:
             self.engine.close_file(file)
             _unlink_quietly(file.path)
         _unlink_quietly(os.path.join(self.path, _LOCK_NAME))
-        os.close(self._lock_fd)
+        try:
+            os.close(self._lock_fd)
+        except OSError as err:  # (the descriptor is released all the same)
+            log.debug("closing the lock of %s: %s", self.path, err)
         if self._created_directory:
             try:
                 os.rmdir(self.path)  # only if empty: never remove what the user put there
@@ -291,3 +294,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:  # already gone (a cleaner, or a second close): what we wanted
         pass
+    except OSError as err:  # (a failed disk: closing goes on, the rest is still released)
+        log.warning("offload: could not remove %s at close (%s): it holds only offload's scratch data; remove "
+                    "it by hand once the disk is back", path, err)

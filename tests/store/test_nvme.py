@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 import sys
@@ -258,6 +259,28 @@ def test_a_write_into_a_truncated_swap_file_is_refused_not_grown_over_lost_data(
         assert os.path.getsize(os.path.join(disk_dir, "offload-swap-0.bin")) == 0
         with pytest.raises(OffloadIOError, match="truncated"):
             store.wait("a", Tier.DEVICE, timeout=30)
+
+
+def test_close_on_a_failed_disk_releases_everything_and_says_what_is_left(disk_dir, monkeypatch, caplog, no_leaks):
+    """unlink raising EIO (a shut-down file system) ended close() at the first swap file,
+    its lock and descriptors left open; offload.close(model) raised."""
+    import errno as _errno
+
+    from offload.store import _nvme
+    store = small_store(path=disk_dir)
+    store.put("a", torch.ones(MiB // 4), Tier.NVME)
+    store.drain()
+
+    def unlink(path):
+        raise OSError(_errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(_nvme.os, "unlink", unlink)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        store.close()
+    monkeypatch.undo()
+    assert "could not remove" in caplog.text and "offload-swap-0.bin" in caplog.text
+    for name in os.listdir(disk_dir):  # (what the failed unlinks left; no_leaks checks the descriptors)
+        os.unlink(os.path.join(disk_dir, name))
 
 
 @BACKENDS
