@@ -26,7 +26,7 @@ import torch
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune import local_path, positive  # noqa: E402
+from finetune import local_path, positive, writable_parent  # noqa: E402
 
 log = logging.getLogger("inference")
 
@@ -51,6 +51,16 @@ def main(argv=None) -> int:
     parser.add_argument("--host-budget", default="1GiB", help="most bytes of host buffers (1GiB)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype (fp32)")
     args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is empty: give text to continue")
+    unwritable = args.param_tier == "nvme" and writable_parent(args.nvme_path)
+    if unwritable:
+        parser.error(f"--nvme-path {args.nvme_path!r}: {unwritable}")
+    if args.param_tier == "nvme":
+        try:
+            os.makedirs(args.nvme_path, exist_ok=True)
+        except OSError as err:
+            parser.error(f"--nvme-path {args.nvme_path!r}: cannot create it ({err.strerror})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
     path = args.model
@@ -62,11 +72,12 @@ def main(argv=None) -> int:
             torch.manual_seed(0)
             transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
     config = transformers.AutoConfig.from_pretrained(path)
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        parser.error(f"--model {path!r} is a {config.model_type} model, which has no causal language model class: "
+                     "this example continues text with AutoModelForCausalLM (GPT-2, Llama, Qwen2, Mistral ...)")
     with offload.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.requires_grad_(False)  # inference: no gradients, and no fp32 values kept for master weights
-    if args.param_tier == "nvme":
-        os.makedirs(args.nvme_path, exist_ok=True)
     cfg = offload.OffloadConfig(device=args.device, param_tier=args.param_tier, optimizer_tier="host",
                                 nvme_path=args.nvme_path if args.param_tier == "nvme" else None,
                                 device_budget=args.device_budget, host_budget=args.host_budget,

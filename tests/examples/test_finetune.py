@@ -157,6 +157,20 @@ def test_inference_from_nvme_generates_what_the_plain_model_does(tmp_path):
     assert b"tokens/s" in out.stderr and b"read" in out.stderr
 
 
+@pytest.mark.parametrize("bad, says", [(["--prompt", ""], "--prompt is empty"),
+                                        (["--nvme-path", "/proc/no-such"], "cannot create it"),
+                                        (["--model", "t5"], "has no causal language model class")])
+def test_inference_refuses_bad_values_with_the_flag(tmp_path, bad, says):
+    if bad[1] == "t5":
+        config = transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)
+        transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+        bad = ["--model", str(tmp_path / "t5")]
+    swap = [] if bad[0] == "--nvme-path" else ["--nvme-path", str(tmp_path / "nvme")]
+    out = subprocess.run([sys.executable, INFER, *bad, *swap], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+
+
 def test_two_ranks_under_torchrun(tmp_path):
     """torchrun --nproc_per_node 2: the ranks train together (rank 0 logs the mean loss),
     save one checkpoint and export one model, both holding the whole trained weights."""
