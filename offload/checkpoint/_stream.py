@@ -364,20 +364,29 @@ class BlobReader:
                 bar.close()
 
     def _verify(self, item: ReadItem, data: torch.Tensor, handles: list) -> None:
+        error = self._check(item, data, handles)
+        data = None  # (the error's traceback keeps this frame, not the view of a buffer the pool may drop)
+        if error is not None:
+            raise error
+
+    def _check(self, item: ReadItem, data: torch.Tensor, handles: list) -> CheckpointError | None:
         for h in handles:
             try:
                 h.wait()
             except OffloadIOError as err:
-                raise CheckpointError(f"incomplete checkpoint: reading {err.path!r} failed ({err}); "
-                                      "the file is shorter than its manifest says or unreadable") from err
+                error = CheckpointError(f"incomplete checkpoint: reading {err.path!r} failed ({err}); "
+                                        "the file is shorter than its manifest says or unreadable")
+                error.__cause__ = err
+                return error
         for entry, at in item.checks:
             got = crc32(data[at: at + entry["length"]])
             if got != entry["crc32"]:
-                raise CheckpointError(
+                return CheckpointError(
                     f"checksum mismatch in {os.path.join(self.directory, entry['file'])!r} for "
                     f"{entry['name']}{'/' + entry['row'] if 'row' in entry else ''} (bytes "
                     f"{entry['offset']}-{entry['offset'] + entry['length']}): the checkpoint is corrupt; "
                     "load an earlier one")
+        return None
 
     def _finish(self, held: collections.deque, bar: Any) -> int:
         """Verify and consume the oldest item of ``held``, then give its buffer back."""
