@@ -278,6 +278,10 @@ def read_manifest(path: str) -> dict:
     interrupted = bool(glob.glob(glob.escape(path) + ".tmp-*"))
     recover(path)
     if not os.path.isdir(path):
+        live = [t for t in glob.glob(glob.escape(path) + ".tmp-*") if not _stale(t)]
+        if live:
+            raise CheckpointError(f"{path!r} is being saved by a process still running ({os.path.basename(live[0])}"
+                                  " is its temporary directory): load it once that save has finished")
         if interrupted:
             raise CheckpointError(f"incomplete checkpoint: {path!r} was never completed (only a "
                                   "temporary directory of an interrupted save exists); load an earlier one")

@@ -3,6 +3,7 @@ into whatever tiers the model and optimizer use now, each piece verified by its 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from ..io import BufferPool
 from ..optim import OffloadOptimizer
 from ..params import narrows
 from ._catalog import Catalog, Tensorish, catalog
-from ._format import ALIGN, CheckpointError, dtype_of, read_manifest, tensor_of
+from ._format import ALIGN, MANIFEST, CheckpointError, dtype_of, read_manifest, tensor_of
 from ._optim_state import check_optimizer, load_torch_optimizer, offload_optimizer_items
 from ._optimizers import innermost_optimizer
 from ._save import resources
@@ -91,7 +92,9 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
             if optimizer is not None:
                 load_torch_optimizer(optimizer, manifest, opt_plan, reader)
     except CheckpointError as err:  # found while streaming: some tensors were already replaced
-        raise CheckpointError(f"{err} (the model{' and optimizer' if optimizer is not None else ''} now "
+        why = f"{path!r} was replaced while it was being read (another process saved to it): load it again. " \
+            if _replaced(path, manifest) else ""
+        raise CheckpointError(f"{why}{err} (the model{' and optimizer' if optimizer is not None else ''} now "
                               "hold a mix of old and loaded values: load another checkpoint before "
                               "training on)") from err
     finally:
@@ -107,6 +110,16 @@ def _load(path: str, manifest: dict, model: nn.Module, optimizer: Any, cat: Cata
     log.info("checkpoint %s loaded: %s in %.2f s (%.2f GB/s)", path, format_size(size), seconds,
              size / seconds / 1e9 if seconds else 0.0)
     return manifest.get("extra")
+
+
+def _replaced(path: str, manifest: dict) -> bool:
+    """Whether the checkpoint at ``path`` is now another save's than ``manifest`` (a save that
+    swapped its directory in while this load read the files)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as fh:
+            return json.load(fh).get("id") != manifest.get("id")
+    except (OSError, ValueError):  # (gone, or mid-swap: not said, the error stands as it is)
+        return False
 
 
 def load_state_dict_from(path: str | os.PathLike) -> dict[str, torch.Tensor]:

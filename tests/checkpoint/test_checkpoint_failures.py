@@ -246,6 +246,32 @@ def test_a_manifest_the_disk_cannot_take_is_named_and_replaces_nothing(tmp_path,
     offload.load_checkpoint(path, tiny_gpt2())
 
 
+def test_a_load_beside_a_save_of_another_process_says_so(saved, monkeypatch):
+    """While another process's first save is under way, or when its save swaps the directory
+    in during the load: said so, not an interrupted save or a corrupt checkpoint."""
+    path, m, opt = saved
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        first = path.parent / "first"
+        (path.parent / f"first.tmp-{other.pid}-0123abcd").mkdir()
+        with pytest.raises(offload.CheckpointError, match="being saved by a process still running"):
+            offload.load_checkpoint(str(first), m, opt)
+    finally:
+        other.kill()
+        other.wait()
+    run = offload.checkpoint._load.BlobReader.run
+
+    def swapped_during(self, items, total=0):
+        offload.save_checkpoint(str(path), m, opt)  # (another save, a new manifest id)
+        raise offload.CheckpointError("checksum mismatch in model.bin: the checkpoint is corrupt")
+
+    monkeypatch.setattr(offload.checkpoint._load.BlobReader, "run", swapped_during)
+    with pytest.raises(offload.CheckpointError, match="was replaced while it was being read.*load it again"):
+        offload.load_checkpoint(str(path), m, opt)
+    monkeypatch.setattr(offload.checkpoint._load.BlobReader, "run", run)
+    offload.load_checkpoint(str(path), m, opt)
+
+
 def test_an_edited_manifest_is_refused(saved):
     """The manifest carries a checksum of itself: a learning rate or a step count changed in
     it (an edit, a flipped bit) used to load silently, the tensors' own checksums intact. A
