@@ -214,6 +214,7 @@ class ParamEntry:
     segments: list[Segment] = field(default_factory=list)
     laid_out: bool = False  # (a rank's slice may hold none of its elements: no segments)
     hooked: bool = False  # its gradients come to the optimizer's sink
+    empty_grad: bool = False  # a 0-element parameter (no segments) got a gradient: p.grad is an empty tensor
     # its place among the optimizer's parameters: what its bf16 master's stochastic rounding
     # draws from (with its step and element), so a resume into another shard layout rounds alike
     number: int = 0

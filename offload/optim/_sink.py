@@ -155,6 +155,7 @@ class GradientSink:
         ``grad`` (flattened) at ``base + i`` (a reduced slice of a group: ``_reduce``)."""
         flat = grad.reshape(-1)
         entry = self.book.entries[id(p)]
+        entry.empty_grad = flat.numel() == 0 and p.numel() == 0
         if self.listener is not None:
             self.listener.gradient(entry)
         if len(entry.segments) > 1 and (entry.owner is None or entry.owner.manager.partition is None):

@@ -234,6 +234,8 @@ class TensorStore(Lending, InPlaceHomes, WriteBehind, Transfers):
             if copy is None or copy.state is not Residency.RESIDENT:
                 raise StoreError(f"mark_dirty({key!r}, {tier.value}): the copy is "
                                  f"{record.state(tier).value}, not resident")
+            if record.nbytes == 0:  # (no bytes: every copy holds them; nothing to write, no slot to fence)
+                return
             self._backend(tier).fence(copy.slot)
             for other in list(record.copies.values()):
                 if other is copy:

@@ -112,6 +112,44 @@ def test_a_pass_over_p_grad_reads_each_nvme_sum_once(tmp_path, adamw_pair, lm_ba
     close(model, opt)
 
 
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_a_zero_element_parameter_as_torch_has_it(tmp_path, tier, offload_config, no_leaks):
+    """p.grad of a 0-element parameter is an empty tensor after a backward, as torch's (it
+    was None), and the model's load_state_dict of it (a 0-byte group written) no longer
+    crashes the next forward."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.empty = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.zeros(0, 4))
+
+        def forward(self, x):
+            return self.lin(x).sum() + self.empty.sum()
+
+    torch.manual_seed(0)
+    ref = Model()
+    model = offload.wrap(Model(), offload_config(tmp_path, param_tier=tier, optimizer_tier=tier, resident_bytes=0))
+    model.load_state_dict(ref.state_dict())
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for step in range(2):
+        x = torch.randn(2, 4)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            assert m.empty.grad is None
+            m(x).backward()
+            assert m.empty.grad is not None and m.empty.grad.shape == (0, 4)
+            o.step()
+            o.zero_grad(set_to_none=step == 0)
+        assert (model.empty.grad is None) == (ref.empty.grad is None)
+        if step == 0:
+            continue
+        model.empty.grad = None
+        ref.empty.grad = None
+    got = offload.state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    close(model, opt)
+
+
 def test_zero_grad_between_backward_and_step_drops(tmp_path, adamw_pair, lm_batches, assert_same_weights, no_leaks):
     """model.zero_grad() (p.grad = None) drops what backward accumulated, as in torch; one
     parameter's gradient set to None leaves it out of the step."""
