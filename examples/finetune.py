@@ -238,7 +238,8 @@ def main(argv=None) -> int:
                    "(default ./finetuned; '' to skip)")
     c.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = parser.parse_args(argv)
-    for flag, path in (("--save-dir", args.save_dir), ("--export-dir", args.export_dir)):
+    for flag, path in (("--save-dir", args.save_dir), ("--export-dir", args.export_dir),
+                       ("--nvme-path", args.nvme_path.replace("{rank}", "0").replace("{local_rank}", "0"))):
         unwritable = path and writable_parent(path)
         if unwritable:  # (found now, not after the training it would lose)
             parser.error(f"{flag} {path!r}: {unwritable}")

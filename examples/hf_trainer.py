@@ -95,7 +95,11 @@ def main(argv=None) -> int:
     callbacks = [] if args.no_offload else [LogOffload(model)]
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data, optimizers=(opt, sched),
                                    callbacks=[LogLoss(), *callbacks])
-    result = trainer.train(resume_from_checkpoint=args.resume or None)
+    resume = args.resume and transformers.trainer_utils.get_last_checkpoint(args.output_dir) if \
+        os.path.isdir(args.output_dir) else None
+    if args.resume and not resume:
+        log.info("--resume: no checkpoint in %s yet, starting at step 0", args.output_dir)
+    result = trainer.train(resume_from_checkpoint=resume or None)
     log.info("Trainer finished: %d steps, training loss %.4f", result.global_step, result.training_loss)
     if not args.no_offload:
         offload.export(model, os.path.join(args.output_dir, "model"))  # streamed, a group at a time

@@ -196,6 +196,14 @@ def test_plot_log_writes_a_png(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), str(bad)],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "is not a JSON line" in out.stderr
+    for text, says in (("", "no such file"), ('{"a": 1}\n', "no step records")):
+        if text:
+            bad.write_text(text)
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"),
+                              str(bad if text else tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_a_model_holding_the_wrapped_one_is_found(tmp_path, tiny_gpt2, offload_config, no_leaks):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 GB, GIB = 1e9, 2**30
@@ -48,6 +49,8 @@ DENSE = 60  # more steps than this: lines and areas instead of bars, no markers 
 
 def read_log(path: str) -> list[dict]:
     records = []
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no such file (the step log OffloadConfig(log_path=...) writes)")
     with open(path) as fh:
         for number, line in enumerate(fh, 1):
             line = line.strip()
@@ -59,6 +62,8 @@ def read_log(path: str) -> list[dict]:
                 raise SystemExit(f"{path}:{number} is not a JSON line ({err.msg}): is this an offload step log?")
     if not records:
         raise SystemExit(f"{path} has no records: was OffloadConfig(log_path=...) set and a step run?")
+    if not any(isinstance(r, dict) and "step" in r for r in records):
+        raise SystemExit(f"{path} holds JSON lines but no step records (no 'step' key): is this an offload step log?")
     return records
 
 

@@ -50,7 +50,8 @@ def test_train_resume_and_export(tmp_path):
 
 @pytest.mark.parametrize("bad, says", [(["--grad-accum", "0"], "--grad-accum: must be at least 1"),
                                         (["--model", "no-such-dir"], "no such file or directory: 'no-such-dir'"),
-                                        (["--export-dir", "/dev/null/x"], "'/dev/null' is a file, not a directory")])
+                                        (["--export-dir", "/dev/null/x"], "'/dev/null' is a file, not a directory"),
+                                        (["--nvme-path", "/dev/null"], "--nvme-path '/dev/null': '/dev/null' is a file")])
 def test_bad_values_are_refused_before_anything_runs(tmp_path, bad, says):
     """--steps 0 or --grad-accum 0 trained nothing and exported the untrained model; a
     --model that is not here went to the Hugging Face Hub; an --export-dir that cannot be
