@@ -261,8 +261,13 @@ def main(argv=None) -> int:
         enable_checkpointing(model)
     # the process's peak RSS this run should reach (what the OOM killer reads), from a batch's shape
     shape = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
-    predicted = offload.plan(model, offload_config(args), optimizer="adamw", moments=args.moments,
-                             batch={"input_ids": shape, "labels": shape}).predicted_rss
+    memory = offload.plan(model, offload_config(args), optimizer="adamw", moments=args.moments,
+                          batch={"input_ids": shape, "labels": shape})
+    try:
+        memory.check()  # (a budget too small: every problem named now, with what fits, not one at a time later)
+    except offload.MemoryPlanError as err:
+        parser.exit(2, f"finetune.py: {err}\n")
+    predicted = memory.predicted_rss
     model = offload.wrap(model, offload_config(args), checkpoint=weights)
     model.train()
     params = sum(p.numel() for p in model.parameters())

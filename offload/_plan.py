@@ -48,7 +48,7 @@ from ._plan_activations import activation_warnings, ACTIVATION_ITEM, plan_activa
 from ._resolve import choose_io_backend
 from ._units import format_size
 from .config import OffloadConfig
-from .io import BudgetError
+from .io import PAGE_SIZE, BudgetError, round_up
 
 __all__ = ["MemoryPlan", "MemoryPlanError", "PlanRow", "plan_groups", "param_staging", "host_param_bytes",
            "free_disk_bytes", "check_ram", "check_disk"]
@@ -280,6 +280,11 @@ def plan_groups(groups: list, config: OffloadConfig, *, ram_credit: int = 0, wor
         if home == "nvme":
             p.rows.append(PlanRow("host staging for parameter reads", "host", staging,
                                   "prefetch window + largest group, within host_budget"))
+            if round_up(largest, PAGE_SIZE) > config.host_budget:  # (wrap's first put of it would refuse)
+                p.problems.append(f"parameters: the largest group, {format_size(largest)}, moves between NVMe and "
+                                  f"the device through host memory, but host_budget is "
+                                  f"{format_size(config.host_budget)}: raise host_budget above "
+                                  f"{format_size(round_up(largest, PAGE_SIZE))}, or make groups smaller (group_bytes)")
     if optimizer is not None and groups:
         try:
             p.rows.extend(optimizer(groups, config, staging))

@@ -93,6 +93,19 @@ def test_plan_refuses_the_device_budget_wrap_refuses(tmp_path, tiny_gpt2, offloa
     assert str(refused.value) in str(planned.value)
 
 
+def test_plan_refuses_a_host_budget_below_the_largest_group_at_once(tmp_path, tiny_gpt2, offload_config, no_leaks):
+    """wrap refused it from its first put, naming the group it met first: raised to that,
+    the next larger group was refused, and so on; the plan names the largest."""
+    model = tiny_gpt2(**GPT2)
+    cfg = offload_config(tmp_path, param_tier="nvme", host_budget="4KiB", resident_bytes=0)
+    with pytest.raises(offload.MemoryPlanError, match=r"the largest group, .* host_budget is 4.00 KiB: raise "
+                                                      r"host_budget above (\d+\.\d+ KiB)") as refused:
+        offload.wrap(model, cfg)
+    need = re.search(r"above (\d+\.\d+) KiB", str(refused.value)).group(1)
+    wrapped = offload.wrap(model, cfg.replace(host_budget=f"{need}KiB"))  # (the budget it names runs)
+    offload.unwrap(wrapped)
+
+
 def test_a_ranks_plan_refuses_the_gathered_group_wrap_refuses(tmp_path, tiny_gpt2, offload_config):
     # two ranks: each holds its slice of a group beside the whole group gathered for use
     model = tiny_gpt2(**GPT2)
