@@ -47,7 +47,8 @@ class OffloadConfig:
         prefetch_bytes: bytes fetched ahead of use; ``"auto"``: four median-sized groups,
             between 64 and 256 MiB, within what the device budget leaves after the resident
             parameters and the groups a pass holds at once.
-        compute_dtype: run parameters in this dtype (``"bf16"``, ``"fp16"``, ``"fp32"``);
+        compute_dtype: run parameters in this dtype (``"bf16"``, ``"fp16"``, ``"fp32"``, or a
+            ``torch.dtype`` of those);
             ``None`` keeps the model's.
         resident_bytes: parameters of a module below this stay on the device, counted in
             the device budget (norms, biases). ``"auto"`` (default): 64 KiB, lowered as far as
@@ -137,7 +138,7 @@ class OffloadConfig:
     device_budget: int | str = "8GiB"
     host_budget: int | str = "16GiB"
     prefetch_bytes: int | str = "auto"
-    compute_dtype: str | None = None
+    compute_dtype: str | torch.dtype | None = None
     resident_bytes: int | str = "auto"
     group_bytes: int | str = 0
     cache_bytes: int | str = "auto"
@@ -187,6 +188,8 @@ class OffloadConfig:
             set_("prefetch_bytes", parse_size(self.prefetch_bytes, name="prefetch_bytes", allow_zero=True))
         if self.cache_bytes != "auto":
             set_("cache_bytes", parse_size(self.cache_bytes, name="cache_bytes", allow_zero=True))
+        if isinstance(self.compute_dtype, torch.dtype):  # (torch.bfloat16, as from_pretrained(dtype=) takes it)
+            set_("compute_dtype", str(self.compute_dtype).removeprefix("torch."))
         if self.compute_dtype is not None and str(self.compute_dtype).lower() not in _DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not supported: use one of "
                              f"{sorted(set(_DTYPES))} or None to keep the model's dtype")

@@ -113,9 +113,11 @@ class CheckpointReader:
                     f"checkpoint {self.path!r} holds {len(keys.converted)} tensors that transformers converts when "
                     f"it loads a {type(model).__name__} (fused, split, transposed or permuted into "
                     f"{len(set(keys.converted.values()))} parameters, e.g. {first!r} into "
-                    f"{keys.converted[first]!r}), and its converter could not be run here ({err}). Load the model "
-                    "with from_pretrained and wrap it without checkpoint= (this needs RAM for the whole model: its "
-                    "weights are then copied into swap files), or, loaded so once, " + SAVE_AS_NAMED) from err
+                    f"{keys.converted[first]!r}), and its converter failed on them ({err}). Where the file lacks "
+                    "one of them or holds one of another shape (a damaged or partly copied checkpoint), "
+                    "from_pretrained fails on it too: copy or save it again. Where from_pretrained loads it, load "
+                    "the model so and wrap it without checkpoint= (this needs RAM for the whole model: its weights "
+                    "are then copied into swap files), or, loaded so once, " + SAVE_AS_NAMED) from err
         if keys.renamed:
             renamed = {keys.renamed.get(k, k): e for k, e in self.entries.items()}
             if len(renamed) < len(self.entries):  # (two tensors of the file under one name: which is meant?)

@@ -139,7 +139,8 @@ def test_low_precision_compute_trains_like_fp32_masters(tmp_path, dtype, tiny_ll
                 p.copy_(m)
         ref_losses.append(total)
 
-    offload.wrap(model, offload_config(tmp_path, compute_dtype=dtype))
+    # (bf16 given as torch.bfloat16, as from_pretrained(dtype=) takes it; fp16 by name)
+    offload.wrap(model, offload_config(tmp_path, compute_dtype=DTYPES[dtype] if dtype == "bf16" else dtype))
     opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05,
                         loss_scale=scale if dtype == "fp16" else None)
     losses = train(model, opt, batches, scale=opt.scale_loss)
