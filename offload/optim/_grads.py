@@ -90,6 +90,10 @@ class GradientBook:
             self._views.clear()
         else:
             self._views.pop(id(param), None)
+        entries = list(self.book.entries.values()) if param is None else [self.book.entries.get(id(param))]
+        for entry in entries:  # (a 0-element parameter's p.grad goes as the others' do)
+            if entry is not None:
+                entry.empty_grad = False
 
     def zero_kept(self) -> None:
         """``zero_grad(set_to_none=False)``: the held gradients become zeros, still held."""
@@ -120,7 +124,7 @@ class GradientBook:
         segs = self.book.segments(param)
         if not segs:  # (a 0-element parameter holds nothing: torch's p.grad is an empty tensor once it got one)
             entry = self.book.entries.get(id(param))
-            return torch.zeros(param.shape) if entry is not None and entry.empty_grad else None
+            return torch.zeros(param.shape, device=param.device) if entry is not None and entry.empty_grad else None
         if not any(seg.has_grad for seg in segs):
             return None
         view = self._views.get(id(param))

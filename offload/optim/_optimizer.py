@@ -293,6 +293,7 @@ class OffloadOptimizer(StateDicts, GradientCalls, BackwardUpdates, Optimizer):
             except Exception:  # noqa: BLE001 - closing goes on
                 log.warning("offload optimizer: dropping the last step's update failed at close()", exc_info=True)
         self._closed = True
+        self._grads.forget_reads()
         self._mark_models(None)  # (closing a poisoned optimizer accepts its models' weights as they are)
         self._sink.close()  # (open accumulators are dropped, not flushed: the states go too)
         for group in getattr(self, "param_groups", []):

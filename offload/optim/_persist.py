@@ -171,6 +171,7 @@ class StateDicts:
         """What ``offload.save_checkpoint`` / ``load_checkpoint`` read and write."""
         def prepare() -> list[Shard]:
             self.synchronize()
+            self._grads.forget_reads()  # (a copy kept for p.grad reads is not held through a save or load)
             self._phase.refuse_if_poisoned()  # (half a step's states would be saved as a whole one)
             self._ensure_layout()
             return self._book.shards

@@ -9,7 +9,10 @@ model stopped being offloaded, or broke at the next forward. From the first wrap
 ``Module._apply`` asks first: the conversion function is tried on an empty tensor of each
 dtype and device the offloaded parameters below the module have, and a change is refused
 naming the call's result. Conversions that change nothing (``model.to(its device)``,
-``.float()`` of an fp32 model, ``share_memory()``) go on as before.
+``.float()`` of an fp32 model, ``share_memory()``) go on as before, under torch's default
+conversion settings (its ``__future__`` flags that replace parameters are refused further in:
+``_demand``). What the probe cannot show (a conversion that depends on a tensor's shape, as
+``memory_format=torch.channels_last``) meets ``_demand._set_data``'s refusal per parameter.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def install_conversion_guard() -> None:
     def _apply(self: nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> nn.Module:
         if getattr(_inside, "active", False) or not any_registered():
             return original(self, fn, *args, **kwargs)
-        _refuse_changes(self, fn)
+        _refuse_changes(self, fn, recurse=kwargs.get("recurse", args[0] if args else True))
         _inside.active = True
         try:
             return original(self, fn, *args, **kwargs)
@@ -50,9 +53,9 @@ def install_conversion_guard() -> None:
     _installed = True
 
 
-def _refuse_changes(module: nn.Module, fn: Callable) -> None:
+def _refuse_changes(module: nn.Module, fn: Callable, *, recurse: bool) -> None:
     kinds: dict[tuple[torch.dtype, torch.device], str] = {}
-    for name, p in module.named_parameters():
+    for name, p in module.named_parameters(recurse=bool(recurse)):
         owner = owner_of_param(p)
         if owner is not None:
             kinds.setdefault((p.dtype, p.device), owner.name)
@@ -63,9 +66,10 @@ def _refuse_changes(module: nn.Module, fn: Callable) -> None:
             continue
         if not isinstance(probe, torch.Tensor) or (probe.dtype, probe.device) == (dtype, device):
             continue
+        dtype_fix = "" if probe.dtype == dtype else (
+            "; to run in another dtype set OffloadConfig(compute_dtype=...) at wrap (Trainer's bf16_full_eval / "
+            "fp16_full_eval make this call in evaluate(): leave them off)")
         raise RuntimeError(
             f"this conversion of {type(module).__name__} would make the parameters of a model wrapped by offload "
             f"(e.g. {name!r}) {probe.dtype} on {probe.device}; they keep the {dtype} on {device} they were wrapped "
-            "with, and nothing was converted. To change them call offload.unwrap(model) first; to run in another "
-            "dtype set OffloadConfig(compute_dtype=...) at wrap (Trainer's bf16_full_eval / fp16_full_eval make "
-            "this call in evaluate(): leave them off)")
+            f"with, and nothing was converted. To change them call offload.unwrap(model) first{dtype_fix}")

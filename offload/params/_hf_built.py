@@ -6,7 +6,9 @@ transformers 5 saves some architectures in an older layout and converts them as 
 no tensor of the file, so it is not read in place: it is built once, at wrap, by a copy
 of transformers' own converter fed with the file's tensors (the same operations, in the
 same order: the sources sorted as ``from_pretrained`` sorts them), and copied into the
-store like any parameter converted on load. A dry run of each converter on meta tensors
+store like any parameter converted on load. The sources are converted in the file's dtype
+and cast after, where transformers casts first: the same bits for the operations that
+move elements (stack, cat, split, transpose, permute), which its fusing converters use. A dry run of each converter on meta tensors
 gives the parameters' shapes and dtypes up front, for the checks against the model.
 Host memory holds one parameter's sources and result while it is built.
 """

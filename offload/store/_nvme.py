@@ -194,8 +194,8 @@ class SwapFiles:
             files, self._files = self._files, []
         for file, _ in files:
             self.engine.close_file(file)
-            _unlink_quietly(file.path)
-        _unlink_quietly(os.path.join(self.path, _LOCK_NAME))
+            _unlink_at_close(file.path)
+        _unlink_at_close(os.path.join(self.path, _LOCK_NAME))
         try:
             os.close(self._lock_fd)
         except OSError as err:  # (the descriptor is released all the same)
@@ -294,6 +294,13 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:  # already gone (a cleaner, or a second close): what we wanted
         pass
-    except OSError as err:  # (a failed disk: closing goes on, the rest is still released)
+
+
+def _unlink_at_close(path: str) -> None:
+    """As ``_unlink_quietly``; any other failure (a failed disk) is named in a warning and
+    closing goes on: the rest is still released."""
+    try:
+        _unlink_quietly(path)
+    except OSError as err:
         log.warning("offload: could not remove %s at close (%s): it holds only offload's scratch data; remove "
                     "it by hand once the disk is back", path, err)

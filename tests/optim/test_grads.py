@@ -101,12 +101,24 @@ def test_a_pass_over_p_grad_reads_each_nvme_sum_once(tmp_path, adamw_pair, lm_ba
     key = "transformer.h.1.mlp.c_proj.weight"
     named[key].grad.clone()
     again = read_bytes()
-    named[key].grad.norm()
+    named[key].grad.sum()  # (a call on its elements: read from the sums, unless kept)
     assert read_bytes() == again  # the same shard, unchanged: not read again
     for grad in (named[key].grad, want[key].grad):
         grad.clamp_(-1e-3, 1e-3)  # (rewritten, not noted: the kept copy is older now)
     named["transformer.h.1.mlp.c_fc.bias"].grad = torch.ones_like(want["transformer.h.1.mlp.c_fc.bias"])
     want["transformer.h.1.mlp.c_fc.bias"].grad = torch.ones_like(want["transformer.h.1.mlp.c_fc.bias"])
+    for n, q in want.items():
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, rtol=0, atol=0, msg=n)
+    # the other writers of a sum: the optimizer's clip by a factor that is no power of two
+    # (settled into the sums by the next clip), and zero_grad(set_to_none=False)
+    opt.clip_grad_norm_(0.3)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+    opt.clip_grad_norm_(0.1)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    for n, q in want.items():
+        torch.testing.assert_close(named[n].grad.clone(), q.grad, msg=n)
+    opt.zero_grad(set_to_none=False)
+    ref_opt.zero_grad(set_to_none=False)
     for n, q in want.items():
         torch.testing.assert_close(named[n].grad.clone(), q.grad, rtol=0, atol=0, msg=n)
     close(model, opt)

@@ -84,6 +84,26 @@ def test_fused_experts_are_built_as_transformers_builds_them(tmp_path, shard, ca
     offload.unwrap(model)
 
 
+def test_a_converter_with_several_targets_builds_each(tmp_path, no_leaks):
+    """Dinov2's SwiGLU: one tensor of the file, mlp.weights_in, split into gate_proj and
+    up_proj; the second is built along with the first and taken next."""
+    config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, image_size=28, patch_size=14, use_swiglu_ffn=True)
+    torch.manual_seed(0)
+    transformers.Dinov2Model(config).save_pretrained(tmp_path / "ckpt")
+    ref = transformers.Dinov2Model.from_pretrained(tmp_path / "ckpt").eval()
+    model = _wrap(lambda: transformers.Dinov2Model(config), tmp_path / "ckpt", tmp_path / "swap")
+    got = offload.state_dict(model)
+    assert any("gate_proj" in n for n in got)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(pixel_values=pixels).last_hidden_state,
+                                   ref(pixel_values=pixels).last_hidden_state, rtol=0, atol=0)
+    offload.unwrap(model)
+
+
 def test_a_converter_that_fails_is_refused_with_the_way_round(tmp_path, monkeypatch, no_leaks):
     config, build = _mixtral()
     torch.manual_seed(0)
