@@ -173,6 +173,8 @@ class DemandAccess:
     def on_write(self, callback: Callable[[ParamGroup], None]) -> None:
         """Call ``callback(group)`` (a bound method, held weakly) after a write outside the
         optimizer changes a group's parameters."""
+        # (the dead ones go here too: an optimizer built and dropped per run over one model)
+        self._listeners = [ref for ref in self._listeners if ref() is not None]
         self._listeners.append(weakref.WeakMethod(callback))
 
     def _drop_snapshots(self, group: ParamGroup | None = None) -> None:
