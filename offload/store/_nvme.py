@@ -247,7 +247,10 @@ class SwapFiles:
                 if holder == f"process {os.getpid()} on {socket.gethostname()}":  # (this one)
                     raise DirectoryLockedError(
                         f"nvme_path {self.path!r} is in use by another wrapped model or store of this process: "
-                        "give each its own nvme_path (a subdirectory per model), or unwrap the other first") from None
+                        "give each its own nvme_path (a subdirectory per model), or unwrap the other first "
+                        "(offload.unwrap(model), opt.close() for an optimizer's own store). A model or optimizer "
+                        "dropped without that still holds it (a notebook cell run again): use another nvme_path, "
+                        "or restart the process") from None
                 raise DirectoryLockedError(
                     f"nvme_path {self.path!r} is in use by {holder}: give each process (and each "
                     "store) its own nvme_path, e.g. a subdirectory per rank") from None
