@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     # the process's peak RSS this run should reach (what the OOM killer reads), from a batch's shape
     shape = torch.empty(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
     memory = offload.plan(model, offload_config(args), optimizer="adamw", moments=args.moments,
-                          batch={"input_ids": shape, "labels": shape})
+                          batch={"input_ids": shape, "labels": shape}, checkpoint=weights)  # (what wrap is given)
     try:
         memory.check()  # (a budget too small: every problem named now, with what fits, not one at a time later)
     except offload.MemoryPlanError as err:

@@ -95,8 +95,9 @@ def main(argv=None) -> int:
     callbacks = [] if args.no_offload else [LogOffload(model)]
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data, optimizers=(opt, sched),
                                    callbacks=[LogLoss(), *callbacks])
-    resume = args.resume and transformers.trainer_utils.get_last_checkpoint(args.output_dir) if \
-        os.path.isdir(args.output_dir) else None
+    resume = None
+    if args.resume and os.path.isdir(args.output_dir):
+        resume = transformers.trainer_utils.get_last_checkpoint(args.output_dir)
     if args.resume and not resume:
         log.info("--resume: no checkpoint in %s yet, starting at step 0", args.output_dir)
     result = trainer.train(resume_from_checkpoint=resume or None)
