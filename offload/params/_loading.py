@@ -44,7 +44,7 @@ class CheckpointReader:
     def __init__(self, path: str, model: nn.Module):
         self.path = path
         self.entries: dict[str, Entry] = {}
-        self.built: BuiltParams | dict = {}  # parameters transformers builds of several of the file's tensors
+        self.built: BuiltParams | None = None  # parameters transformers builds of several of the file's tensors
         files, weight_map = checkpoint_files(path)
         for file in files:
             if weight_map is not None and not os.path.exists(file):
@@ -65,18 +65,18 @@ class CheckpointReader:
         self._check_against(model)
 
     def has(self, name: str) -> bool:
-        return name in self.entries or name in self.built
+        return name in self.entries or self.built_from_several(name)
 
     def built_from_several(self, name: str) -> bool:
         """Whether transformers builds the parameter ``name`` from several tensors of the file
         (``_hf_built``): no tensor of the file to read in place."""
-        return name in self.built
+        return self.built is not None and name in self.built
 
     def shape_of(self, name: str) -> tuple[int, ...]:
-        return tuple(self.built.shapes[name][1]) if name in self.built else tuple(self.entries[name].shape)
+        return tuple(self.built.shapes[name][1]) if self.built_from_several(name) else tuple(self.entries[name].shape)
 
     def get(self, name: str) -> torch.Tensor:
-        if name in self.built:
+        if self.built_from_several(name):
             return self.built.take(name)
         return load_entry(self.entries[name], name)
 
@@ -204,7 +204,7 @@ class CheckpointReader:
                 and k not in self._stripped}
 
     def _same(self, a: str, b: str) -> bool:
-        if a in self.built or b in self.built:  # (built apart: compared as built)
+        if self.built_from_several(a) or self.built_from_several(b):  # (built apart: compared as built)
             return torch.equal(self.get(a), self.get(b))
         x, y = self.entries[a], self.entries[b]
         return (x.dtype, x.shape) == (y.dtype, y.shape) and same_bytes(x, y)
