@@ -42,13 +42,10 @@ import torch
 
 from ..store import Tier
 from ._gradreads import GradientReads, read_sum
-from ._gradview import OffloadedGrad
+from ._gradview import OffloadedGrad, _plain
 from ._noted import held_norm, noted_norms, renote
 
 __all__ = ["GradientBook"]
-
-_plain = torch._C.DisableTorchFunctionSubclass
-
 
 class GradientBook:
     """The optimizer's side of ``p.grad`` (module docstring): views, norms, scales, reads
